@@ -1,0 +1,97 @@
+"""Typed inputs and outputs passed between stages.
+
+Each stage is a function ``run(recipe, ctx, <upstream artifacts>) -> <its artifact>``;
+artifacts are plain dataclasses that serialise to JSON for the manifest and
+the stage cache.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TensorSpec:
+    """One graph input or output. ``shape`` holds ints or symbolic dim names."""
+
+    name: str
+    dtype: str  # numpy dtype name: "int64", "float32", ...
+    shape: list[int | str]
+
+
+@dataclass
+class ExportArtifact:
+    onnx_path: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    tokenizer_dir: str
+    shape_checks: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class QuantizedArtifact:
+    onnx_path: str
+    precision: str
+    quantized_nodes: list[str]
+    excluded_nodes: list[str]
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ResolvedProfile:
+    """Per-input min/opt/max shapes of one optimization profile."""
+
+    name: str
+    shapes: dict[str, dict[str, list[int]]]  # input -> {"min"|"opt"|"max": shape}
+
+
+@dataclass
+class BuildArtifact:
+    status: str  # "ok" | "skipped"
+    reason: str
+    engine_path: str | None
+    stamp_path: str | None
+    trtexec_cmd_path: str
+    profiles: list[ResolvedProfile]
+
+
+@dataclass
+class GateResult:
+    name: str
+    metric: str
+    value: float
+    bound: float
+    op: str  # "<=" or ">="
+    passed: bool
+
+    @property
+    def message(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        return f"{self.name} {verdict}: {self.metric} = {self.value:.6g} (bound {self.op} {self.bound:.6g})"
+
+
+@dataclass
+class ValidationArtifact:
+    metrics: dict[str, Any]
+    gates: list[GateResult]
+    greedy_tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.gates)
+
+
+@dataclass
+class TritonArtifact:
+    repository: str
+    models: list[str]
+    compute_backend: str
+
+
+def to_jsonable(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
