@@ -41,6 +41,11 @@ class ExportConfig(Strict):
     )
     rtol: float = Field(1e-3, gt=0)
     atol: float = Field(1e-3, gt=0)
+    check_points: list[dict[str, int]] = Field(
+        default_factory=list,
+        description="shape points (dim name -> size) where ONNX is checked against torch; "
+        "default: min/opt/max of the first profile",
+    )
 
 
 class Split(Strict):
@@ -204,7 +209,7 @@ class Recipe(Strict):
     validate_: ValidateConfig = Field(alias="validate")
     triton: TritonConfig
     output_dir: str = "model_repository"
-    work_dir: str = ".work"
+    work_dir: str = "artifacts"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -1,0 +1,79 @@
+"""Command line: ``python -m pipeline build recipes/fp8-llm.yaml``.
+
+Exit codes: 0 success, 1 an accuracy gate failed, 2 bad input or a failed stage.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from pipeline.errors import PipelineError
+
+
+def _parse_set(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise PipelineError(f"--set {item!r}: expected KEY=VALUE, e.g. validate.gates.max_relative_perplexity_increase=0.01")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def cmd_build(args) -> int:
+    from pipeline.recipe import load_recipe
+    from pipeline.runner import run_pipeline
+
+    recipe = load_recipe(args.recipe, _parse_set(args.set))
+    result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet)
+    run_dir = result.manifest_path.parent
+    for g in result.manifest["gates"]:
+        print(g["message"])
+    print(f"manifest: {result.manifest_path}\nreport:   {run_dir / 'report.md'}\njunit:    {run_dir / 'junit.xml'}")
+    if not result.passed:
+        print(f"accuracy gate failed; see {run_dir / 'report.md'}", file=sys.stderr)
+        return 1
+    print(f"model repository: {recipe.output_dir}/")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from pipeline.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, _parse_set(args.set))
+    print(f"{args.recipe}: valid recipe {recipe.name!r} (sha256 {recipe.digest[:12]})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trtpipe", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in (("build", cmd_build, "run the pipeline for a recipe"),
+                            ("check", cmd_check, "validate a recipe and exit")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe field by dotted path (repeatable)")
+        sp.add_argument("--quiet", action="store_true", help="no progress output")
+        sp.set_defaults(fn=fn)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: finished stages are kept; the next run resumes after them", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Numeric comparisons that cannot pass by accident.
+
+A candidate element passes when ``|got - ref| <= atol + rtol * |ref|``
+(the ``numpy.isclose`` rule). NaN or Inf in the candidate where the reference
+is finite fails; NaN in the reference, an empty tensor or a shape mismatch
+raises, because nothing trustworthy was compared.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.errors import AccuracyError
+
+# (rtol, atol) defaults per precision of the candidate; recipes may override.
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "fp32": (1e-4, 1e-4),
+    "fp16": (1e-2, 1e-2),
+    "bf16": (2e-2, 2e-2),
+    "fp8": (1.5e-1, 1e-1),
+    "int8": (1e-1, 1e-1),
+}
+
+
+def tolerance(precision: str, override: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(rtol, atol) for a precision; ``override`` wins when given.
+
+    Raises:
+        AccuracyError: unknown precision.
+    """
+    if override is not None:
+        return override
+    if precision not in DEFAULT_TOLERANCES:
+        raise AccuracyError(f"no default tolerance for precision {precision!r}; valid: {sorted(DEFAULT_TOLERANCES)}")
+    return DEFAULT_TOLERANCES[precision]
+
+
+def tensor(name: str, ref: np.ndarray, got: np.ndarray, rtol: float, atol: float) -> dict:
+    """Compare one tensor. Returns a JSON-able report with ``passed``.
+
+    Raises:
+        AccuracyError: shapes differ, zero elements, or NaN in the reference.
+    """
+    ref, got = np.asarray(ref), np.asarray(got)
+    if ref.shape != got.shape:
+        raise AccuracyError(f"{name}: shape {list(got.shape)} differs from reference {list(ref.shape)}")
+    if ref.size == 0:
+        raise AccuracyError(f"{name}: comparison of zero elements proves nothing")
+    ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
+    if np.isnan(ref64).any():
+        raise AccuracyError(f"{name}: reference holds NaN; the reference model or its input is broken")
+    ref_finite = np.isfinite(ref64)
+    bad_nonfinite = int((ref_finite & ~np.isfinite(got64)).sum())
+    both = ref_finite & np.isfinite(got64)
+    err = np.abs(got64 - ref64)
+    ok = np.where(both, err <= atol + rtol * np.abs(ref64), ref64 == got64)
+    mismatched = int((~ok).sum())
+    finite_err = err[both]
+    return {
+        "name": name,
+        "elements": int(ref.size),
+        "max_abs_err": float(finite_err.max()) if finite_err.size else 0.0,
+        "mismatched": mismatched,
+        "nonfinite_in_candidate": bad_nonfinite,
+        "passed": mismatched == 0 and bad_nonfinite == 0,
+    }
+
+
+def outputs(refs: list[np.ndarray], gots: list[np.ndarray], names: list[str], rtol: float, atol: float) -> dict:
+    """Compare lists of outputs; report the worst one.
+
+    Raises:
+        AccuracyError: the lists differ in length or are empty, or as :func:`tensor`.
+    """
+    if not refs or len(refs) != len(gots) or len(refs) != len(names):
+        raise AccuracyError(f"cannot compare {len(gots)} outputs with {len(refs)} reference outputs")
+    reports = [tensor(n, r, g, rtol, atol) for n, r, g in zip(names, refs, gots)]
+    worst = max(reports, key=lambda r: (not r["passed"], r["max_abs_err"]))
+    return {
+        "passed": all(r["passed"] for r in reports),
+        "max_abs_err": max(r["max_abs_err"] for r in reports),
+        "worst": f"{worst['name']}: max_abs_err={worst['max_abs_err']:.3g}, "
+        f"mismatched={worst['mismatched']}/{worst['elements']}, nonfinite={worst['nonfinite_in_candidate']}",
+        "outputs_compared": len(reports),
+    }

@@ -1,0 +1,53 @@
+"""What a stage receives besides its upstream artifacts."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, TypeVar
+
+from rich.console import Console
+from rich.progress import track
+
+from pipeline.recipe import Recipe
+
+T = TypeVar("T")
+
+
+class Progress:
+    """Progress lines and bars on stderr (rich); quiet=True prints nothing."""
+
+    def __init__(self, quiet: bool = False):
+        self.console = Console(stderr=True, quiet=quiet)
+        self.quiet = quiet
+
+    @contextlib.contextmanager
+    def step(self, text: str) -> Iterator[None]:
+        start = time.perf_counter()
+        with self.console.status(text):
+            yield
+        self.console.print(f"  {text} [dim]({time.perf_counter() - start:.1f} s)[/dim]")
+
+    def track(self, items: Iterable[T], text: str, total: int | None = None) -> Iterable[T]:
+        if self.quiet:
+            return items
+        return track(items, description=f"  {text}", total=total, console=self.console, transient=True)
+
+    def print(self, text: str) -> None:
+        self.console.print(text)
+
+
+@dataclass
+class StageContext:
+    recipe: Recipe
+    recipe_path: Path
+    run_dir: Path  # <work_dir>/<recipe name>
+    stage: str = ""
+    progress: Progress = field(default_factory=Progress)
+
+    @property
+    def stage_dir(self) -> Path:
+        path = self.run_dir / self.stage
+        path.mkdir(parents=True, exist_ok=True)
+        return path

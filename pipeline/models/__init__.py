@@ -1,0 +1,1 @@
+"""Model adapters: how each model kind is loaded, exported and fed."""

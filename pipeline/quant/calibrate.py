@@ -1,0 +1,97 @@
+"""Activation statistics (amax) from real data, with ONNX Runtime's calibrators.
+
+``max`` uses ORT's MinMax calibrator; ``percentile`` and ``entropy`` use its
+histogram calibrators (entropy = KL-divergence threshold, Migacz, "8-bit
+Inference with TensorRT", GTC 2017). ``mse`` picks, from the same histogram,
+the amax that minimises the expected squared quantization error of the
+target format (clipping plus rounding), computed here.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from onnxruntime.quantization.calibrate import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    create_calibrator,
+)
+
+from pipeline.errors import QuantizationError
+from pipeline.quant.qdq import QFormat
+
+_ORT_METHOD = {
+    "max": CalibrationMethod.MinMax,
+    "percentile": CalibrationMethod.Percentile,
+    "entropy": CalibrationMethod.Entropy,
+    "mse": CalibrationMethod.Percentile,  # only for its histograms; the threshold is ours
+}
+
+
+class _Reader(CalibrationDataReader):
+    def __init__(self, batches: Iterable[dict[str, np.ndarray]]):
+        self._it = iter(batches)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+def collect_amax(onnx_path: str | Path, tensors: list[str], batches: list[dict[str, np.ndarray]],
+                 method: str, fmt: QFormat, percentile: float = 99.99) -> dict[str, float]:
+    """amax per tensor name, over all calibration batches.
+
+    Args:
+        tensors: activation names to report (inputs of the GEMMs to quantize).
+        batches: feed dicts for the graph.
+        method: ``max``, ``percentile``, ``entropy`` or ``mse``.
+
+    Raises:
+        QuantizationError: a requested tensor got no statistics.
+    """
+    extra = {"symmetric": True}
+    if method in ("percentile", "mse"):
+        extra.update(percentile=percentile, num_bins=2048)
+    with tempfile.TemporaryDirectory() as tmp:
+        cal = create_calibrator(
+            Path(onnx_path), op_types_to_calibrate=["MatMul", "Gemm"],
+            augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+            calibrate_method=_ORT_METHOD[method], extra_options=extra,
+            providers=["CPUExecutionProvider"],
+        )
+        cal.collect_data(_Reader(batches))
+        if method == "mse":
+            amax = {t: mse_amax(*cal.collector.histogram_dict[t][:2], fmt) for t in tensors
+                    if t in cal.collector.histogram_dict}
+        else:
+            data = cal.compute_data()
+            amax = {t: float(np.max(np.abs(np.asarray(data[t].range_value, np.float64)))) for t in tensors if t in data}
+    missing = [t for t in tensors if t not in amax]
+    if missing:
+        raise QuantizationError(f"calibration produced no statistics for {missing[:5]} ({len(missing)} tensors)")
+    return amax
+
+
+def mse_amax(hist: np.ndarray, edges: np.ndarray, fmt: QFormat, candidates: int = 128) -> float:
+    """amax minimising expected squared error of |x| under the histogram.
+
+    ``hist``/``edges`` describe the symmetric value histogram (ORT layout);
+    each candidate clips at amax and rounds to the format's grid.
+    """
+    centers = np.abs((edges[:-1] + edges[1:]) / 2)
+    weights = hist.astype(np.float64)
+    top = float(centers[weights > 0].max()) if (weights > 0).any() else float(np.abs(edges).max())
+    best, best_err = top, np.inf
+    for amax in np.linspace(top / candidates, top, candidates):
+        err = float(np.sum(weights * (centers - _fake_quant(centers, amax, fmt)) ** 2))
+        if err < best_err:
+            best, best_err = amax, err
+    return best
+
+
+def _fake_quant(x: np.ndarray, amax: float, fmt: QFormat) -> np.ndarray:
+    scale = amax / fmt.qmax
+    y = np.clip(x / scale, -fmt.qmax, fmt.qmax)
+    y = np.round(y) if fmt.np_type is np.int8 else y.astype(fmt.np_type).astype(np.float64)
+    return y * scale

@@ -1,0 +1,200 @@
+"""Explicit Q/DQ placement for TensorRT's strongly typed networks.
+
+Policy: quantize the inputs of weight GEMMs (MatMul/Gemm with a 2-D constant
+weight), which TensorRT fuses into FP8/INT8 GEMM kernels:
+
+* activation: ``x -> QuantizeLinear -> DequantizeLinear -> GEMM``, per-tensor
+  scale ``amax / qmax`` from calibration, zero point 0;
+* weight: stored already quantized (FP8 E4M3 or INT8) with one
+  ``DequantizeLinear`` in front of the GEMM, per-tensor or per output channel.
+
+``qmax`` is 448 for FP8 E4M3 (OCP 8-bit floating point spec, E4M3 max normal)
+and 127 for INT8 (symmetric, -128 unused, as TensorRT requires). The layout
+follows NVIDIA's "Explicit Quantization" section of the TensorRT developer guide.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.errors import QuantizationError
+from pipeline.recipe import ExcludeConfig
+
+
+@dataclass(frozen=True)
+class QFormat:
+    name: str
+    onnx_type: int
+    np_type: type
+    qmax: float
+
+
+FORMATS = {
+    "fp8": QFormat("fp8", TensorProto.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn, 448.0),
+    "int8": QFormat("int8", TensorProto.INT8, np.int8, 127.0),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One weight GEMM: ``node`` consumes activation ``act`` and weight ``weight``."""
+
+    node: str
+    scope: str
+    act: str
+    weight: str
+    weight_axis: int  # output-channel axis of the weight tensor
+
+
+def node_scope(node: onnx.NodeProto) -> str:
+    """The torch module path a node came from (dynamo exporter metadata), or ""."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            scopes = [s.strip(" '\"") for s in prop.value.strip("[]").split(",")]
+            return scopes[-2] if len(scopes) >= 2 else scopes[-1]
+    return ""
+
+
+def find_targets(model: onnx.ModelProto, op_types: list[str]) -> list[Target]:
+    """Weight GEMMs of the graph, in graph order.
+
+    MatMul ``[K, N]`` weights have output channels on axis 1; Gemm weights on
+    axis 0 when ``transB=1`` else axis 1.
+    """
+    inits = {i.name: i for i in model.graph.initializer}
+    out = []
+    for n in model.graph.node:
+        if n.op_type not in op_types or len(n.input) < 2 or n.input[1] not in inits:
+            continue
+        w = inits[n.input[1]]
+        if len(w.dims) != 2 or w.data_type != TensorProto.FLOAT or n.input[0] in inits:
+            continue
+        trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
+        axis = 0 if (n.op_type == "Gemm" and trans_b) else 1
+        out.append(Target(n.name, node_scope(n), n.input[0], n.input[1], axis))
+    return out
+
+
+def apply_exclusions(model: onnx.ModelProto, targets: list[Target], exclude: ExcludeConfig) -> tuple[list[Target], list[Target]]:
+    """Split targets into (kept, excluded).
+
+    Raises:
+        QuantizationError: a node pattern or op type matches no node of the graph.
+    """
+    nodes = model.graph.node
+    for pat in exclude.nodes:
+        if not any(fnmatch.fnmatchcase(n.name, pat) or fnmatch.fnmatchcase(node_scope(n), pat) for n in nodes):
+            raise QuantizationError(
+                f"quantize.exclude.nodes: pattern {pat!r} matches no node name or module scope in the graph"
+            )
+    present = {n.op_type for n in nodes}
+    for op in exclude.op_types:
+        if op not in present:
+            raise QuantizationError(
+                f"quantize.exclude.op_types: {op!r} matches no node; the graph's op types are {sorted(present)}"
+            )
+    op_of = {n.name: n.op_type for n in nodes}
+
+    def excluded(t: Target) -> bool:
+        by_pat = any(fnmatch.fnmatchcase(t.node, p) or fnmatch.fnmatchcase(t.scope, p) for p in exclude.nodes)
+        return by_pat or op_of[t.node] in exclude.op_types
+
+    return [t for t in targets if not excluded(t)], [t for t in targets if excluded(t)]
+
+
+def scale_from_amax(amax: np.ndarray | float, fmt: QFormat, name: str) -> np.ndarray:
+    """``scale = amax / qmax`` as float32.
+
+    Raises:
+        QuantizationError: amax is NaN, infinite or not positive (names ``name``);
+            e.g. a tensor carrying an attention mask's -inf gives amax = inf.
+    """
+    amax = np.asarray(amax, np.float64)
+    if not np.all(np.isfinite(amax)) or np.any(amax <= 0):
+        bad = amax[~np.isfinite(amax) | (amax <= 0)].ravel()[:3]
+        raise QuantizationError(
+            f"tensor {name!r}: calibrated amax {bad.tolist()} gives an invalid scale; "
+            "exclude its consumer (quantize.exclude) or fix the calibration data"
+        )
+    return (amax / fmt.qmax).astype(np.float32)
+
+
+def quantize_weight(w: np.ndarray, fmt: QFormat, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a float32 weight. Returns ``(q, scale)``.
+
+    ``axis=None`` gives one scale; otherwise one per index of ``axis``. All-zero
+    channels get amax 1 so their scale stays valid.
+    """
+    reduce = None if axis is None else tuple(i for i in range(w.ndim) if i != axis)
+    amax = np.abs(w).max(axis=reduce)
+    amax = np.where(amax > 0, amax, 1.0)
+    scale = scale_from_amax(amax, fmt, "weight")
+    bshape = scale if axis is None else np.expand_dims(scale, reduce)
+    x = np.clip(w / bshape, -fmt.qmax, fmt.qmax)
+    q = np.round(x).astype(fmt.np_type) if fmt.np_type is np.int8 else x.astype(fmt.np_type)
+    return q, scale
+
+
+def _zero_point(fmt: QFormat, name: str, shape: tuple[int, ...] = ()) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.zeros(shape, fmt.np_type), name)
+
+
+def insert_qdq(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str, float],
+               fmt: QFormat, per_channel: bool) -> onnx.ModelProto:
+    """Return a copy of ``model`` with Q/DQ around every target's inputs.
+
+    Raises:
+        QuantizationError: an activation has no calibrated amax, or an invalid one.
+    """
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    new_inits, done_act, done_w = [], {}, {}
+    by_node = {t.node: t for t in targets}
+    nodes = []
+    for node in g.node:
+        t = by_node.get(node.name)
+        if t is not None:
+            if t.act not in done_act:
+                done_act[t.act] = _act_qdq(t.act, act_amax, fmt, nodes, new_inits)
+            if t.weight not in done_w:
+                done_w[t.weight] = _weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits)
+            node.input[0], node.input[1] = done_act[t.act], done_w[t.weight]
+        nodes.append(node)
+    used = {i for n in nodes for i in n.input}
+    keep = [i for i in g.initializer if i.name in used]
+    del g.node[:], g.initializer[:]
+    g.node.extend(nodes)
+    g.initializer.extend(keep + new_inits)
+    return model
+
+
+def _act_qdq(name: str, amax: dict[str, float], fmt: QFormat, nodes: list, inits: list) -> str:
+    if name not in amax:
+        raise QuantizationError(f"activation {name!r} has no calibration statistics")
+    scale = numpy_helper.from_array(scale_from_amax(amax[name], fmt, name), f"{name}_scale")
+    zp = _zero_point(fmt, f"{name}_zero_point")
+    inits += [scale, zp]
+    q, dq = f"{name}_quantized", f"{name}_dequantized"
+    nodes.append(helper.make_node("QuantizeLinear", [name, scale.name, zp.name], [q], name=f"{name}_QuantizeLinear"))
+    nodes.append(helper.make_node("DequantizeLinear", [q, scale.name, zp.name], [dq], name=f"{name}_DequantizeLinear"))
+    return dq
+
+
+def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, nodes: list, inits: list) -> str:
+    axis = t.weight_axis if per_channel else None
+    q, scale = quantize_weight(numpy_helper.to_array(w), fmt, axis)
+    zp_shape = () if axis is None else scale.shape
+    qi = numpy_helper.from_array(q, f"{w.name}_quantized")
+    si = numpy_helper.from_array(scale, f"{w.name}_scale")
+    zi = _zero_point(fmt, f"{w.name}_zero_point", zp_shape)
+    inits += [qi, si, zi]
+    attrs = {} if axis is None else {"axis": axis}
+    out = f"{w.name}_dequantized"
+    nodes.append(helper.make_node("DequantizeLinear", [qi.name, si.name, zi.name], [out], name=f"{w.name}_DequantizeLinear", **attrs))
+    return out

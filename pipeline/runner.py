@@ -1,0 +1,193 @@
+"""Run the stages in order with a content-addressed cache; write the manifest.
+
+A stage's cache key hashes its recipe sections, its upstream stages' keys and
+the tool versions. A stage whose key matches the ``stage.json`` left by an
+earlier finished run (and whose files still exist) is not run again.
+``stage.json`` is written last, atomically, so an interrupted stage is simply
+re-run next time.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import TypeAdapter
+
+from pipeline import artifacts as A
+from pipeline import manifest as M
+from pipeline.context import Progress, StageContext
+from pipeline.errors import PipelineError
+from pipeline.memory import PeakRSS
+from pipeline.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    deps: tuple[str, ...]
+    artifact: type
+    fn: Callable[..., Any]  # fn(ctx, *dep_artifacts) -> artifact
+
+    def key_sections(self, recipe: Recipe) -> Any:
+        return _SECTIONS[self.name](recipe)
+
+
+def _export_sections(r: Recipe) -> Any:
+    points = r.export.check_points or r.build.profiles[0].model_dump(mode="json")
+    return [r.model.model_dump(mode="json"), r.export.model_dump(mode="json"), points]
+
+
+_SECTIONS: dict[str, Callable[[Recipe], Any]] = {
+    "export": _export_sections,
+    "quantize": lambda r: [r.quantize.model_dump(mode="json"), r.validate_.split.model_dump()],
+    "build": lambda r: [r.build.model_dump(mode="json")],
+    "validate": lambda r: [r.validate_.model_dump(mode="json"), r.quantize.precision],
+    "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir, r.digest],
+}
+
+
+def _stages() -> list[StageDef]:
+    from pipeline.stages import build, export, quantize, triton, validate
+
+    return [
+        StageDef("export", (), A.ExportArtifact, export.run),
+        StageDef("quantize", ("export",), A.QuantizedArtifact, quantize.run),
+        StageDef("build", ("export", "quantize"), A.BuildArtifact, _build),
+        StageDef("validate", ("export", "quantize"), A.ValidationArtifact, validate.run),
+        StageDef("triton", ("export", "quantize", "build"), A.TritonArtifact, triton.run),
+    ]
+
+
+def _build(ctx: StageContext, exp: A.ExportArtifact, q: A.QuantizedArtifact) -> A.BuildArtifact:
+    from pipeline.stages import build
+
+    return build.run(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir)
+
+
+@dataclass
+class RunResult:
+    manifest: dict
+    manifest_path: Path
+    passed: bool
+    artifacts: dict[str, Any] = field(default_factory=dict)
+
+
+def stage_key(stage: StageDef, recipe: Recipe, dep_keys: list[str], versions: dict) -> str:
+    payload = {"stage": stage.name, "sections": stage.key_sections(recipe), "deps": dep_keys, "versions": versions}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _load_cached(stage: StageDef, stage_dir: Path, key: str) -> Any | None:
+    marker = stage_dir / "stage.json"
+    if not marker.is_file():
+        return None
+    data = json.loads(marker.read_text())
+    if data.get("key") != key:
+        return None
+    art = TypeAdapter(stage.artifact).validate_python(data["artifact"])
+    return art if all(Path(p).exists() for p in _paths(art)) else None
+
+
+def _paths(art: Any) -> list[str]:
+    d = A.to_jsonable(art)
+    return [v for k, v in d.items() if isinstance(v, str) and (k.endswith("_path") or k == "repository")]
+
+
+def _commit(stage_dir: Path, key: str, art: Any, record: dict) -> None:
+    M.write_json_atomic(stage_dir / "stage.json", {"key": key, "artifact": A.to_jsonable(art), "record": record})
+
+
+def _raise_keyboard_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Exclusive lock per recipe run dir; a second build fails at once, clearly."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".lock"
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise PipelineError(
+                f"another build holds {path} (pid {fh.read().strip() or '?'}); wait for it to finish"
+            ) from None
+        fh.seek(0), fh.truncate(), fh.write(str(os.getpid())), fh.flush()
+        yield
+
+
+def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only: list[str] | None = None) -> RunResult:
+    """Run every stage (or the ``only`` ones and what they need) and write the manifest.
+
+    Returns a RunResult; ``passed`` is False when an accuracy gate failed.
+
+    Raises:
+        PipelineError: a stage failed; the manifest records which, and why.
+    """
+    run_dir = Path(recipe.work_dir) / recipe.name
+    progress = Progress(quiet)
+    old = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        with run_lock(run_dir):
+            return _run(recipe, recipe_path, run_dir, progress)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> RunResult:
+    versions = M.tool_versions()
+    man = M.new_manifest(recipe, recipe_path, versions)
+    arts: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    for stage in _stages():
+        ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress)
+        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], versions)
+        gate_failed = "validate" in arts and not arts["validate"].passed
+        if stage.name == "triton" and gate_failed:
+            man["stages"]["triton"] = M.stage_record("skipped", "accuracy gate failed: nothing is published")
+            continue
+        arts[stage.name] = _run_stage(stage, ctx, keys[stage.name], arts, man)
+    return _finish(man, arts, run_dir, recipe)
+
+
+def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
+    cached = _load_cached(stage, ctx.run_dir / stage.name, key)
+    if cached is not None:
+        prev = json.loads((ctx.run_dir / stage.name / "stage.json").read_text())["record"]
+        man["stages"][stage.name] = {**prev, "cache_hit": True, "wall_s": 0.0}
+        ctx.progress.print(f"[bold]{stage.name}[/bold]: cached ({prev['status']})")
+        return cached
+    ctx.progress.print(f"[bold]{stage.name}[/bold] ...")
+    start = time.perf_counter()
+    try:
+        with PeakRSS() as mem:
+            art = stage.fn(ctx, *(arts[d] for d in stage.deps))
+    except (Exception, KeyboardInterrupt) as e:
+        man["stages"][stage.name] = M.stage_record("failed", f"{type(e).__name__}: {e}", time.perf_counter() - start)
+        M.write_outputs(man, ctx.run_dir)
+        raise
+    status = getattr(art, "status", "ok")
+    record = M.stage_record(status, getattr(art, "reason", ""), time.perf_counter() - start, mem.peak_mib)
+    man["stages"][stage.name] = {**record, "cache_hit": False}
+    _commit(ctx.run_dir / stage.name, key, art, record)
+    return art
+
+
+def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:
+    val: A.ValidationArtifact = arts["validate"]
+    man["metrics"] = val.metrics
+    man["gates"] = [{**A.to_jsonable(g), "message": g.message} for g in val.gates]
+    man["verdict"] = "pass" if val.passed else "fail"
+    man["artifacts"] = {k: A.to_jsonable(v) for k, v in arts.items()}
+    path = M.write_outputs(man, run_dir)
+    return RunResult(man, path, val.passed, arts)
