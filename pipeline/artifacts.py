@@ -44,6 +44,7 @@ class ResolvedProfile:
 
     name: str
     shapes: dict[str, dict[str, list[int]]]  # input -> {"min"|"opt"|"max": shape}
+    dims: dict[str, dict[str, int]] = field(default_factory=dict)  # symbolic dim -> {"min"|"opt"|"max": size}
 
 
 @dataclass

@@ -1,0 +1,398 @@
+"""Stage 3, build: explicit-Q/DQ ONNX -> TensorRT engine (``model.plan``).
+
+The network is *strongly typed*: precision comes from the Q/DQ nodes and the
+tensor types in the graph, so no FP16/INT8 builder flags are set (TensorRT 10;
+TensorRT 11 always builds strongly typed). One optimization profile per recipe
+profile; the timing cache at ``build.timing_cache`` is loaded and saved.
+
+Whatever happens, the stage first writes ``trtexec.sh``: the equivalent
+``trtexec`` command line, so an engine can be rebuilt (or the build debugged)
+on a machine that has TensorRT but not this tool. Without an importable
+``tensorrt`` package or a CUDA GPU the stage returns status ``"skipped"``.
+
+Every call into TensorRT sits in a small annotated function so mypy checks it
+against ``tensorrt-stubs`` (tests/test_build_typecheck.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+
+from pipeline import profiles
+from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
+from pipeline.errors import PipelineError
+from pipeline.graph_checks import check_qdq_graph
+from pipeline.recipe import BuildConfig, Recipe
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+log = logging.getLogger(__name__)
+
+ENGINE_NAME = "model.plan"
+STAMP_NAME = "engine_stamp.json"
+SCRIPT_NAME = "trtexec.sh"
+
+
+class EngineBuildError(PipelineError):
+    """The ONNX parser or the TensorRT builder rejected the graph or the profiles."""
+
+
+def run(recipe: Recipe, quantized_onnx: str, inputs: list[TensorSpec], out_dir: Path) -> BuildArtifact:
+    """Resolve profiles, write ``trtexec.sh`` and, where possible, build the engine.
+
+    Args:
+        recipe: the run's recipe (``build`` section; ``digest`` for the stamp).
+        quantized_onnx: path of the explicit-Q/DQ ONNX model.
+        inputs: the graph's inputs (symbolic dims as names).
+        out_dir: stage folder; receives ``trtexec.sh``, ``model.plan`` and
+            ``engine_stamp.json``.
+
+    Returns:
+        BuildArtifact with status ``"ok"`` (engine and stamp written) or
+        ``"skipped"`` with the reason (no importable tensorrt / no CUDA GPU).
+
+    Raises:
+        ProfileError: the recipe profiles do not fit the graph's inputs.
+        EngineBuildError: the ONNX file is missing or its inputs differ from
+            ``inputs``; an input name cannot be written in trtexec syntax; the
+            parser or builder failed (message lists every parser error).
+        GraphCheckError: the Q/DQ graph breaks a TensorRT rule (checked before
+            building).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    onnx_path = Path(quantized_onnx).resolve()
+    model = _load_graph(onnx_path, inputs)
+    shape_tensors = set(profiles.shape_tensor_inputs(model))
+    resolved = profiles.resolve_profiles(list(recipe.build.profiles), inputs, shape_tensors)
+    dynamic = dynamic_inputs(inputs)
+    engine_path = out_dir / ENGINE_NAME
+    cache_path = Path(recipe.build.timing_cache).resolve()
+    script = write_trtexec_script(
+        out_dir / SCRIPT_NAME,
+        trtexec_command(onnx_path, engine_path, resolved, dynamic, recipe.build, cache_path),
+    )
+    reason = unavailable_reason()
+    if reason is not None:
+        log.warning("build skipped: %s", reason)
+        return BuildArtifact("skipped", reason, None, None, str(script), resolved)
+    check_qdq_graph(model, base_dir=str(onnx_path.parent))
+    plan = build_engine(onnx_path, resolved, dynamic, recipe.build, cache_path)
+    _write_atomic(engine_path, plan)
+    stamp = make_stamp(recipe, onnx_path, resolved)
+    stamp_path = out_dir / STAMP_NAME
+    _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
+    return BuildArtifact("ok", "", str(engine_path), str(stamp_path), str(script), resolved)
+
+
+def _load_graph(onnx_path: Path, inputs: list[TensorSpec]) -> onnx.ModelProto:
+    """The graph without external weights; its inputs must be ``inputs``."""
+    if not onnx_path.is_file():
+        raise EngineBuildError(f"build: quantized ONNX model {onnx_path} not found")
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    graph_inputs = [v.name for v in model.graph.input if v.name not in inits]
+    expected = [s.name for s in inputs]
+    if sorted(graph_inputs) != sorted(expected):
+        raise EngineBuildError(
+            f"build: {onnx_path} has inputs {graph_inputs}, but the upstream artifact lists {expected}"
+        )
+    return model
+
+
+def dynamic_inputs(inputs: list[TensorSpec]) -> list[str]:
+    """Names of inputs with at least one non-static axis (name, or size < 1)."""
+    return [s.name for s in inputs if any(isinstance(d, str) or d < 1 for d in s.shape)]
+
+
+# --- trtexec equivalent ------------------------------------------------------------------
+
+
+def trtexec_command(
+    onnx_path: Path,
+    engine_path: Path,
+    resolved: list[ResolvedProfile],
+    dynamic: list[str],
+    build: BuildConfig,
+    timing_cache: Path,
+) -> list[str]:
+    """argv of the trtexec build equivalent to :func:`build_engine`.
+
+    Shapes are given for the ``dynamic`` inputs only (trtexec wants all
+    three of min/opt/max); with more than one profile each group is preceded
+    by ``--profile=N``. Workspace is in MiB (``--memPoolSize=workspace:<N>M``).
+
+    Raises:
+        EngineBuildError: an input name holds a comma or a single quote, which
+            trtexec's shape syntax cannot express.
+    """
+    argv = ["trtexec", f"--onnx={onnx_path}", f"--saveEngine={engine_path}", "--stronglyTyped"]
+    for index, prof in enumerate(resolved):
+        if len(resolved) > 1:
+            argv.append(f"--profile={index}")
+        for kind, flag in (("min", "--minShapes"), ("opt", "--optShapes"), ("max", "--maxShapes")):
+            specs = [f"{_trtexec_name(n)}:{_trtexec_dims(prof.shapes[n][kind])}" for n in dynamic]
+            if specs:
+                argv.append(f"{flag}={','.join(specs)}")
+    argv += [
+        f"--timingCacheFile={timing_cache}",
+        f"--memPoolSize=workspace:{build.workspace_mib}M",
+        f"--builderOptimizationLevel={build.builder_optimization_level}",
+        "--skipInference",
+    ]
+    return argv
+
+
+def _trtexec_name(name: str) -> str:
+    """A tensor name in a trtexec shape spec; names with ':' are wrapped in single quotes."""
+    if "," in name or "'" in name:
+        raise EngineBuildError(
+            f"build: input name {name!r} holds ',' or \"'\", which trtexec shape specs cannot express; "
+            "rename the input at export"
+        )
+    return f"'{name}'" if ":" in name else name
+
+
+def _trtexec_dims(shape: list[int]) -> str:
+    return "x".join(str(d) for d in shape) if shape else "scalar"
+
+
+def write_trtexec_script(path: Path, argv: list[str]) -> Path:
+    """Write ``argv`` as an executable sh script, one argument per line. Returns ``path``."""
+    body = " \\\n  ".join(_sh_quote(a) for a in argv)
+    path.write_text(f"#!/bin/sh\n# Equivalent trtexec build (generated by pipeline.stages.build).\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def _sh_quote(arg: str) -> str:
+    """Shell-quote; prefer double quotes so trtexec's 'name:0' quoting stays readable."""
+    if "'" in arg and not any(c in arg for c in '$`"\\!'):
+        return f'"{arg}"'
+    return shlex.quote(arg)
+
+
+# --- availability, stamp ------------------------------------------------------------------
+
+
+def unavailable_reason() -> str | None:
+    """Why no engine can be built here, or None if tensorrt and a CUDA GPU are present."""
+    try:
+        module = importlib.import_module("tensorrt")
+    except (ImportError, OSError) as e:
+        return f"tensorrt Python package not importable: {e}"
+    if not hasattr(module, "Builder"):
+        where = getattr(module, "__file__", None) or ", ".join(getattr(module, "__path__", [])) or "?"
+        return (
+            f"tensorrt Python package not importable: 'tensorrt' resolves to {where}, which has no "
+            "Builder (only type stubs such as tensorrt-stubs are installed, not the tensorrt wheel)"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible"
+    return None
+
+
+def gpu_info() -> tuple[str, str]:
+    """(compute capability as "major.minor", GPU name) of CUDA device 0."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"{major}.{minor}", torch.cuda.get_device_name(0)
+
+
+def make_stamp(recipe: Recipe, onnx_path: Path, resolved: list[ResolvedProfile]) -> dict[str, Any]:
+    """What an engine was built with; needs tensorrt and a CUDA GPU."""
+    capability, gpu_name = gpu_info()
+    return {
+        "tensorrt_version": tensorrt_version(),
+        "compute_capability": capability,
+        "gpu_name": gpu_name,
+        "recipe_hash": recipe.digest,
+        "onnx_sha256": file_sha256(onnx_path),
+        "profiles": [asdict(p) for p in resolved],
+    }
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file's bytes (the .onnx file only, not external data)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_stamp(stamp: dict[str, Any], *, tensorrt_version: str, compute_capability: str, recipe_hash: str) -> list[str]:
+    """Reasons an engine may not be used here; empty when it may.
+
+    TensorRT engines are tied to the exact TensorRT version and the GPU
+    architecture (compute capability, e.g. "9.0"); ``recipe_hash`` is
+    ``Recipe.digest`` of the current recipe.
+
+    Returns:
+        One human-readable line per missing or mismatching stamp field.
+    """
+    expected = {
+        "tensorrt_version": (tensorrt_version, "engines load only in the TensorRT version that built them"),
+        "compute_capability": (compute_capability, "engines are specific to a GPU architecture"),
+        "recipe_hash": (recipe_hash, "the recipe changed since the engine was built"),
+    }
+    problems = []
+    for key, (want, why) in expected.items():
+        if key not in stamp:
+            problems.append(f"{key}: missing from the engine stamp (expected {want!r}); rebuild the engine")
+        elif str(stamp[key]) != want:
+            problems.append(f"{key}: engine has {stamp[key]!r}, here {want!r} ({why}); rebuild the engine")
+    return problems
+
+
+def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# --- TensorRT (type-checked against tensorrt-stubs) --------------------------------------
+
+
+def tensorrt_version() -> str:
+    import tensorrt as trt
+
+    return str(trt.__version__)
+
+
+def build_engine(
+    onnx_path: Path, resolved: list[ResolvedProfile], dynamic: list[str], build: BuildConfig, timing_cache: Path
+) -> memoryview:
+    """Parse, configure and build; save the timing cache. Returns the serialized engine.
+
+    Raises:
+        EngineBuildError: parser errors (all of them, with node names), an
+            invalid optimization profile, or a failed build (with the
+            builder's error log).
+    """
+    import tensorrt as trt
+
+    messages: list[str] = []
+    logger = make_logger(messages)
+    builder = trt.Builder(logger)
+    network = create_network(builder)
+    parse_onnx(network, logger, onnx_path)
+    config = create_config(builder, build)
+    cache = attach_timing_cache(config, timing_cache)
+    for prof in resolved:
+        add_profile(builder, config, prof, dynamic)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise EngineBuildError("TensorRT build_serialized_network failed:\n" + "\n".join(messages[-30:]))
+    save_timing_cache(cache, timing_cache)
+    return memoryview(plan)
+
+
+def make_logger(sink: list[str]) -> trt.ILogger:
+    """A TensorRT logger forwarding to ``logging``; errors also go to ``sink``."""
+    import tensorrt as trt
+
+    class _Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
+            if int(severity) <= int(trt.ILogger.Severity.ERROR):
+                sink.append(msg)
+                log.error("tensorrt: %s", msg)
+            elif int(severity) <= int(trt.ILogger.Severity.WARNING):
+                log.warning("tensorrt: %s", msg)
+            else:
+                log.debug("tensorrt: %s", msg)
+
+    return _Logger()
+
+
+def create_network(builder: trt.Builder) -> trt.INetworkDefinition:
+    """An empty strongly typed network."""
+    import tensorrt as trt
+
+    return builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+
+
+def parse_onnx(network: trt.INetworkDefinition, logger: trt.ILogger, onnx_path: Path) -> None:
+    """Parse the ONNX file (external data next to it) into ``network``.
+
+    Raises:
+        EngineBuildError: lists every parser error with node name and operator.
+    """
+    import tensorrt as trt
+
+    parser = trt.OnnxParser(network, logger)
+    if parser.parse_from_file(str(onnx_path)):
+        return
+    lines = []
+    for i in range(parser.num_errors):
+        err: trt.ParserError = parser.get_error(i)
+        lines.append(f"  node {err.node_name()!r} ({err.node_operator()}): {err.desc()} [{err.code()}]")
+    raise EngineBuildError(f"TensorRT ONNX parser rejected {onnx_path}:\n" + "\n".join(lines))
+
+
+def create_config(builder: trt.Builder, build: BuildConfig) -> trt.IBuilderConfig:
+    """Builder config: workspace limit (MiB) and optimization level; no precision flags."""
+    import tensorrt as trt
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, build.workspace_mib << 20)
+    config.builder_optimization_level = build.builder_optimization_level
+    return config
+
+
+def attach_timing_cache(config: trt.IBuilderConfig, path: Path) -> trt.ITimingCache:
+    """Load the timing cache at ``path`` (or start empty) and attach it to ``config``.
+
+    A cache from another GPU or TensorRT version is not accepted by
+    ``set_timing_cache``; then an empty cache is used and later overwrites it.
+    """
+    data = path.read_bytes() if path.is_file() else b""
+    cache = config.create_timing_cache(data)
+    if config.set_timing_cache(cache, False):
+        return cache
+    log.warning("timing cache %s does not match this GPU/TensorRT; starting an empty one", path)
+    cache = config.create_timing_cache(b"")
+    config.set_timing_cache(cache, False)
+    return cache
+
+
+def save_timing_cache(cache: trt.ITimingCache, path: Path) -> None:
+    """Serialize the (updated) timing cache to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, memoryview(cache.serialize()))
+
+
+def add_profile(
+    builder: trt.Builder, config: trt.IBuilderConfig, prof: ResolvedProfile, dynamic: list[str]
+) -> int:
+    """Add one optimization profile (dynamic inputs only). Returns its index.
+
+    Raises:
+        EngineBuildError: TensorRT rejected the profile.
+    """
+    import tensorrt as trt
+
+    profile = builder.create_optimization_profile()
+    for name in dynamic:
+        shape = prof.shapes[name]
+        profile.set_shape(name, trt.Dims(shape["min"]), trt.Dims(shape["opt"]), trt.Dims(shape["max"]))
+    index = config.add_optimization_profile(profile)
+    if index < 0:
+        raise EngineBuildError(f"TensorRT rejected optimization profile {prof.name!r}: {prof.shapes}")
+    return index
