@@ -21,7 +21,25 @@ def _usable(provider: str) -> bool:
         return False
 
 
+# ORT's level-2+ graph transformers mishandle FP8 Q/DQ on CPU: the QDQ fusions
+# build an invalid MatMulIntegerToFloat, and with those disabled another
+# transformer still gives wrong numbers (seen with onnxruntime 1.31). Basic
+# optimisations keep the exact simulated-quantization semantics: values are
+# quantized and dequantized, the GEMM runs in FP32. FP32 graphs get all of them.
+
+
+def has_qdq(path: str) -> bool:
+    """True when the ONNX graph at ``path`` holds Q/DQ nodes (reads no weights)."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+
+
 def ort_session(path: str) -> ort.InferenceSession:
+    """An InferenceSession for ``path`` (CUDA EP first when usable)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if has_qdq(path):
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return ort.InferenceSession(path, sess_options=opts, providers=providers())

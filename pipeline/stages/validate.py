@@ -2,6 +2,8 @@
 reference, both run in ONNX Runtime, and the recipe's gates."""
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
 import numpy as np
@@ -11,6 +13,7 @@ from pipeline import data
 from pipeline.artifacts import ExportArtifact, GateResult, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import AccuracyError, RecipeError
+from pipeline.manifest import sha256_file, write_json_atomic
 from pipeline.models import registry
 from pipeline.models.llm import greedy_generate, layout_from_specs, prefill_feeds
 from pipeline.recipe import Gates
@@ -32,13 +35,32 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> Validat
         AccuracyError: the FP32 reference produced NaN (broken reference or input).
         RecipeError: a gate asks for a metric this model kind does not produce.
     """
-    if ctx.recipe.model.kind == "causal-lm":
-        metrics, tokens = llm_metrics(ctx, exp, q)
+    memo = ctx.stage_dir / "metrics.json"
+    key = _metrics_key(ctx, exp, q)
+    cached = json.loads(memo.read_text()) if memo.is_file() else {}
+    if cached.get("key") == key:
+        metrics, tokens = cached["metrics"], cached["tokens"]
     else:
-        from pipeline.models.encoder import encoder_metrics
-
-        metrics, tokens = encoder_metrics(ctx, exp, q), {}
+        metrics, tokens = measure(ctx, exp, q)
+        write_json_atomic(memo, {"key": key, "metrics": metrics, "tokens": tokens})
     return ValidationArtifact(metrics, evaluate_gates(ctx.recipe.validate_.gates, metrics), tokens)
+
+
+def measure(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> tuple[dict, dict]:
+    """Metrics and greedy tokens for the recipe's model kind."""
+    if ctx.recipe.model.kind == "causal-lm":
+        return llm_metrics(ctx, exp, q)
+    from pipeline.models.encoder import encoder_metrics
+
+    return encoder_metrics(ctx, exp, q), {}
+
+
+def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> str:
+    """Everything the metrics depend on; the gates are left out, so a gate-only
+    change re-evaluates the gates without re-measuring."""
+    cfg = ctx.recipe.validate_.model_dump(mode="json", exclude={"gates"})
+    parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
 def evaluate_gates(gates: Gates, metrics: dict) -> list[GateResult]:

