@@ -1,0 +1,389 @@
+"""Triton ``config.pbtxt`` files built as Triton's own ``ModelConfig`` protobuf.
+
+Configs are :class:`tritonclient.grpc.model_config_pb2.ModelConfig` messages,
+written with :func:`google.protobuf.text_format` (:func:`to_text`) and read
+back with :func:`parse_config`. :func:`check_config` refuses a config that
+disagrees with the graph it serves before Triton ever sees it.
+
+Targets (the resolved ``triton.target``), their config and version folder:
+
+* ``tensorrt``: platform ``tensorrt_plan``; ``model.plan``.
+* ``onnxruntime``: platform ``onnxruntime_onnx``; ``model.onnx``.
+* ``python-onnxruntime``: backend ``python``; ``model.py`` + ``model.onnx``.
+* ``python``: backend ``python``; ``model.py`` (the generation model).
+
+Device rule (``instance_group.kind``), checked by :func:`check_config`:
+
+* ``tensorrt`` runs only on a GPU: ``KIND_CPU`` is refused.
+* ``python-onnxruntime`` and ``python`` are CPU-only (the template pins
+  ``CPUExecutionProvider``): ``KIND_GPU`` is refused.
+* ``onnxruntime`` is CPU-only unless the caller says a GPU is available
+  (``gpu_available=True``; :mod:`pipeline.triton.repository` sets it when a
+  TensorRT engine was built or onnxruntime's CUDA provider sees a device):
+  ``KIND_GPU`` is refused otherwise.
+* ``KIND_AUTO`` is always accepted (Triton picks the device at load time).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import onnx
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from pipeline.artifacts import TensorSpec
+from pipeline.errors import TritonConfigError
+from pipeline.recipe import TritonConfig
+
+if TYPE_CHECKING:  # the generated protobuf module ships no type stubs
+    ModelConfig = Any
+else:
+    ModelConfig = mc.ModelConfig
+
+#: numpy dtype name (as in :class:`TensorSpec`) -> Triton data type.
+TRITON_DTYPES: dict[str, int] = {
+    "bool": mc.TYPE_BOOL,
+    "uint8": mc.TYPE_UINT8,
+    "uint16": mc.TYPE_UINT16,
+    "uint32": mc.TYPE_UINT32,
+    "uint64": mc.TYPE_UINT64,
+    "int8": mc.TYPE_INT8,
+    "int16": mc.TYPE_INT16,
+    "int32": mc.TYPE_INT32,
+    "int64": mc.TYPE_INT64,
+    "float16": mc.TYPE_FP16,
+    "float32": mc.TYPE_FP32,
+    "float64": mc.TYPE_FP64,
+    "bfloat16": mc.TYPE_BF16,
+    "object": mc.TYPE_STRING,
+    "bytes": mc.TYPE_STRING,
+    "str": mc.TYPE_STRING,
+}
+
+#: resolved target -> (platform, backend, default model file).
+RUNTIMES: dict[str, tuple[str, str, str]] = {
+    "tensorrt": ("tensorrt_plan", "", "model.plan"),
+    "onnxruntime": ("onnxruntime_onnx", "", "model.onnx"),
+    "python-onnxruntime": ("", "python", "model.py"),
+    "python": ("", "python", "model.py"),
+}
+
+#: I/O of the generation model, checked like a graph's I/O (max_batch_size 0).
+GENERATE_INPUTS = [TensorSpec("text_input", "object", [1]), TensorSpec("max_tokens", "int32", [1])]
+GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_ids", "int64", [1])]
+
+
+#: ONNX element type -> numpy dtype name (the float8 types have no Triton type).
+_ONNX_DTYPES: dict[int, str] = {
+    onnx.TensorProto.BOOL: "bool", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16",
+    onnx.TensorProto.UINT32: "uint32", onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.STRING: "object",
+}
+
+
+def graph_io(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Graph inputs (initializers excluded) and outputs as TensorSpecs.
+
+    Dims: ``dim_value`` -> int, ``dim_param`` -> its name, neither -> ``"?"``.
+    Dtypes: numpy names; an element type outside :data:`_ONNX_DTYPES` keeps its
+    ONNX name (e.g. ``"FLOAT8E4M3FN"``) and is refused later by :func:`triton_dtype`.
+    """
+    initializers = {t.name for t in model.graph.initializer}
+
+    def spec(value: onnx.ValueInfoProto) -> TensorSpec:
+        tensor = value.type.tensor_type
+        dtype = _ONNX_DTYPES.get(tensor.elem_type, onnx.TensorProto.DataType.Name(tensor.elem_type))
+        shape: list[int | str] = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim
+        ]
+        return TensorSpec(value.name, dtype, shape)
+
+    inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
+    return inputs, [spec(v) for v in model.graph.output]
+
+
+def triton_dtype(dtype: str, where: str = "") -> int:
+    """numpy dtype name -> ``DataType`` enum value.
+
+    Raises:
+        TritonConfigError: Triton has no type for it; the message starts with ``where``.
+    """
+    if dtype not in TRITON_DTYPES:
+        raise TritonConfigError(
+            f"{where}dtype {dtype!r} has no Triton data type; valid: {', '.join(sorted(TRITON_DTYPES))}"
+        )
+    return TRITON_DTYPES[dtype]
+
+
+def is_dynamic(dim: int | str | None) -> bool:
+    """A symbolic (``"batch"``), unknown (``None``) or negative dim is dynamic."""
+    return not isinstance(dim, int) or dim < 0
+
+
+def config_dims(shape: Sequence[int | str], batched: bool) -> list[int]:
+    """Graph shape -> Triton ``dims``: drop the batch axis when batched, symbolic -> -1."""
+    dims = shape[1:] if batched else shape
+    return [-1 if is_dynamic(d) else int(d) for d in dims]
+
+
+def to_text(cfg: ModelConfig) -> str:
+    """Serialise to the text format Triton reads from ``config.pbtxt``."""
+    return text_format.MessageToString(cfg)
+
+
+def parse_config(text: str) -> ModelConfig:
+    """Parse ``config.pbtxt`` text; TritonConfigError with the parser's line:column on failure."""
+    try:
+        return text_format.Parse(text, ModelConfig())
+    except text_format.ParseError as e:
+        raise TritonConfigError(f"config.pbtxt does not parse as ModelConfig: {e}") from None
+
+
+def compute_config(
+    triton: TritonConfig,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    *,
+    target: str,
+    profile_opt_batch: int | None = None,
+) -> ModelConfig:
+    """Config of the compute model named ``triton.model_name``.
+
+    Args:
+        triton: the recipe's triton section (max_batch_size, dynamic_batching,
+            instance_group).
+        inputs, outputs: the served graph's I/O; dims exclude the batch axis
+            when ``max_batch_size > 0``; symbolic dims become -1.
+        target: ``tensorrt`` | ``onnxruntime`` | ``python-onnxruntime``.
+        profile_opt_batch: opt batch of optimization profile 0, used as
+            ``preferred_batch_size`` when the recipe gives none (and it fits).
+
+    Raises:
+        TritonConfigError: unknown target or a dtype Triton has no type for.
+    """
+    cfg = ModelConfig(name=triton.model_name, max_batch_size=triton.max_batch_size)
+    _set_runtime(cfg, target)
+    batched = triton.max_batch_size > 0
+    for kind, entries, specs in (("input", cfg.input, inputs), ("output", cfg.output, outputs)):
+        for spec in specs:
+            dtype = triton_dtype(spec.dtype, f"model '{cfg.name}': {kind} '{spec.name}': ")
+            entries.add(name=spec.name, data_type=dtype, dims=config_dims(spec.shape, batched))
+    if triton.dynamic_batching is not None:
+        db = cfg.dynamic_batching
+        db.max_queue_delay_microseconds = triton.dynamic_batching.max_queue_delay_microseconds
+        preferred = triton.dynamic_batching.preferred_batch_size
+        if preferred is None and profile_opt_batch and 1 <= profile_opt_batch <= triton.max_batch_size:
+            preferred = [profile_opt_batch]
+        db.preferred_batch_size.extend(preferred or [])
+    for group in triton.instance_group:
+        cfg.instance_group.add(count=group.count, kind=mc.ModelInstanceGroup.Kind.Value(group.kind))
+    return cfg
+
+
+def _set_runtime(cfg: ModelConfig, target: str) -> None:
+    if target not in RUNTIMES:
+        raise TritonConfigError(
+            f"model '{cfg.name}': target {target!r} is not one of {', '.join(RUNTIMES)}"
+        )
+    platform, backend, filename = RUNTIMES[target]
+    if platform:
+        cfg.platform = platform
+        cfg.default_model_filename = filename
+    else:
+        cfg.backend = backend
+    if target == "python-onnxruntime":
+        cfg.parameters["onnx_file"].string_value = "model.onnx"
+
+
+def generate_config(
+    name: str,
+    *,
+    compute_model: str,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_dtype: str,
+    eos_token_ids: Sequence[int],
+    default_max_tokens: int,
+    max_context: int = 0,
+    max_prompt_tokens: int = 0,
+) -> ModelConfig:
+    """Config of the decoupled python-backend generation model.
+
+    I/O (max_batch_size 0): ``text_input`` TYPE_STRING [1], ``max_tokens``
+    TYPE_INT32 [1] (optional) -> ``text_output`` TYPE_STRING [1] and
+    ``token_ids`` TYPE_INT64 [1], one token per streamed response. Every number
+    model.py needs travels in ``parameters`` as strings; ``max_context`` /
+    ``max_prompt_tokens`` of 0 mean unlimited.
+    """
+    cfg = ModelConfig(name=name, backend="python", max_batch_size=0)
+    cfg.model_transaction_policy.decoupled = True
+    cfg.input.add(name="text_input", data_type=mc.TYPE_STRING, dims=[1])
+    cfg.input.add(name="max_tokens", data_type=mc.TYPE_INT32, dims=[1], optional=True)
+    cfg.output.add(name="text_output", data_type=mc.TYPE_STRING, dims=[1])
+    cfg.output.add(name="token_ids", data_type=mc.TYPE_INT64, dims=[1])
+    cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    params = {
+        "compute_model": compute_model,
+        "num_layers": num_layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "kv_dtype": kv_dtype,
+        "eos_token_ids": ",".join(str(t) for t in eos_token_ids),
+        "default_max_tokens": default_max_tokens,
+        "max_context": max_context,
+        "max_prompt_tokens": max_prompt_tokens,
+    }
+    for key, value in params.items():
+        cfg.parameters[key].string_value = str(value)
+    return cfg
+
+
+def check_config(
+    cfg: ModelConfig,
+    onnx_inputs: Sequence[TensorSpec],
+    onnx_outputs: Sequence[TensorSpec],
+    *,
+    profile_max_batch: int | None,
+    target: str,
+    version_dirs: Sequence[str],
+    gpu_available: bool = False,
+) -> None:
+    """Refuse a config that Triton would reject or that would serve the graph wrongly.
+
+    Args:
+        cfg: the config to check.
+        onnx_inputs, onnx_outputs: the graph's I/O (full shapes, batch axis
+            first); for the generation model, :data:`GENERATE_INPUTS` /
+            :data:`GENERATE_OUTPUTS`.
+        profile_max_batch: max batch of optimization profile 0, or None.
+        target: resolved target, a key of :data:`RUNTIMES`.
+        version_dirs: names of the entries in the model folder.
+        gpu_available: whether a GPU can run an ``onnxruntime`` model (see the
+            module's device rule).
+
+    Raises:
+        TritonConfigError: naming the model and field, for: an unknown target
+            or platform/backend that does not match it; an instance kind the
+            target cannot run on; no numeric version folder (or a missing
+            ``version_policy.specific`` version); batching on a graph with a
+            fixed batch axis; max_batch_size above the profile's max batch; a
+            preferred_batch_size outside 1..max_batch_size; an input/output
+            name that is not in the graph, listed twice or (inputs) missing;
+            a data type, rank or fixed dim that differs from the graph; dims
+            that include the batch axis while max_batch_size > 0; a reshape
+            whose element count differs from dims.
+    """
+    _check_runtime(cfg, target, gpu_available)
+    _check_versions(cfg, version_dirs)
+    _check_batching(cfg, [*onnx_inputs, *onnx_outputs], profile_max_batch)
+    _check_tensors(cfg, "input", cfg.input, onnx_inputs)
+    _check_tensors(cfg, "output", cfg.output, onnx_outputs)
+
+
+def _fail(cfg: ModelConfig, field: str, message: str) -> None:
+    raise TritonConfigError(f"model '{cfg.name}': {field}: {message}")
+
+
+def _check_runtime(cfg: ModelConfig, target: str, gpu_available: bool) -> None:
+    if target not in RUNTIMES:
+        _fail(cfg, "target", f"{target!r} is not one of {', '.join(RUNTIMES)}")
+    platform, backend, _ = RUNTIMES[target]
+    if (cfg.platform, cfg.backend) != (platform, backend):
+        _fail(cfg, "platform/backend", f"platform {cfg.platform!r} backend {cfg.backend!r} does not "
+              f"serve target {target!r} (needs platform {platform!r} backend {backend!r})")
+    cpu_only = target in ("python-onnxruntime", "python") or (target == "onnxruntime" and not gpu_available)
+    for i, group in enumerate(cfg.instance_group):
+        kind = mc.ModelInstanceGroup.Kind.Name(group.kind)
+        if target == "tensorrt" and group.kind == mc.ModelInstanceGroup.KIND_CPU:
+            _fail(cfg, f"instance_group[{i}].kind", "KIND_CPU cannot run a tensorrt_plan (TensorRT "
+                  "engines run only on GPU); use KIND_GPU or KIND_AUTO")
+        if cpu_only and group.kind == mc.ModelInstanceGroup.KIND_GPU:
+            why = "no GPU was found for onnxruntime" if target == "onnxruntime" else "it runs ONNX Runtime's CPU provider"
+            _fail(cfg, f"instance_group[{i}].kind", f"{kind} on CPU-only target {target!r} ({why}); "
+                  "use KIND_CPU or KIND_AUTO")
+
+
+def _check_versions(cfg: ModelConfig, version_dirs: Sequence[str]) -> None:
+    versions = {int(d) for d in version_dirs if d.isdigit() and (d == "0" or not d.startswith("0"))}
+    if not versions:
+        _fail(cfg, "version folder", f"no numeric version folder (like '1/') next to config.pbtxt; "
+              f"found {sorted(version_dirs)}")
+    if cfg.version_policy.HasField("specific"):
+        missing = sorted(set(cfg.version_policy.specific.versions) - versions)
+        if missing:
+            _fail(cfg, "version_policy.specific.versions", f"version folder(s) {missing} do not exist; "
+                  f"found {sorted(versions)}")
+
+
+def _check_batching(cfg: ModelConfig, specs: Sequence[TensorSpec], profile_max_batch: int | None) -> None:
+    mbs = cfg.max_batch_size
+    if mbs > 0 or cfg.HasField("dynamic_batching"):
+        field = "max_batch_size" if mbs > 0 else "dynamic_batching"
+        for spec in specs:
+            if not spec.shape or not is_dynamic(spec.shape[0]):
+                _fail(cfg, field, f"batching is enabled but '{spec.name}' has a fixed batch axis in the "
+                      f"graph (shape {spec.shape}); set max_batch_size: 0 without dynamic_batching, "
+                      "or export with a dynamic first axis")
+    if profile_max_batch is not None and mbs > profile_max_batch:
+        _fail(cfg, "max_batch_size", f"{mbs} is greater than the optimization profile's max batch "
+              f"{profile_max_batch}; lower it or raise the profile's batch max")
+    for size in cfg.dynamic_batching.preferred_batch_size:
+        if not 1 <= size <= max(mbs, 1):
+            _fail(cfg, "dynamic_batching.preferred_batch_size", f"{size} is outside 1..max_batch_size ({mbs})")
+
+
+def _check_tensors(cfg: ModelConfig, kind: str, entries: Sequence, specs: Sequence[TensorSpec]) -> None:
+    graph = {s.name: s for s in specs}
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        field = f"{kind}[{i}] '{entry.name}'"
+        if entry.name in seen:
+            _fail(cfg, field, f"listed twice in {kind}")
+        seen.add(entry.name)
+        if entry.name not in graph:
+            _fail(cfg, field, f"not a model {kind}; the model's {kind}s are {sorted(graph)}")
+        spec = graph[entry.name]
+        expected = triton_dtype(spec.dtype, f"model '{cfg.name}': {field}: ")
+        if entry.data_type != expected:
+            _fail(cfg, f"{field}.data_type", f"{mc.DataType.Name(entry.data_type)} does not match the "
+                  f"model's {spec.dtype} ({mc.DataType.Name(expected)})")
+        _check_dims(cfg, field, entry, spec)
+    missing = sorted(set(graph) - seen)
+    if kind == "input" and missing:
+        _fail(cfg, "input", f"model input(s) {missing} are missing from the config")
+
+
+def _check_dims(cfg: ModelConfig, field: str, entry, spec: TensorSpec) -> None:
+    batched = cfg.max_batch_size > 0
+    dims = list(entry.dims)
+    model_dims = list(entry.reshape.shape) if entry.HasField("reshape") else dims
+    expected = config_dims(spec.shape, batched)
+    if entry.HasField("reshape"):
+        _check_reshape(cfg, field, dims, model_dims)
+    if batched and len(model_dims) == len(spec.shape):
+        _fail(cfg, f"{field}.dims", f"{model_dims} include the batch axis; with max_batch_size "
+              f"{cfg.max_batch_size} > 0 dims exclude it (expected {expected})")
+    if len(model_dims) != len(expected):
+        _fail(cfg, f"{field}.dims", f"rank {len(model_dims)} ({model_dims}) does not match the model's "
+              f"rank {len(expected)} (graph shape {spec.shape}, expected dims {expected})")
+    for axis, (got, want) in enumerate(zip(model_dims, expected)):
+        if got == 0 or got < -1 or (want != -1 and got != want):
+            _fail(cfg, f"{field}.dims[{axis}]", f"{got} does not fit the model's dim "
+                  f"{'variable (-1 or > 0)' if want == -1 else want} (expected dims {expected})")
+
+
+def _check_reshape(cfg: ModelConfig, field: str, dims: list[int], shape: list[int]) -> None:
+    def fixed_count(values: list[int]) -> int:
+        count = 1
+        for v in values:
+            count *= v if v >= 0 else 1
+        return count
+
+    same_variable = dims.count(-1) == shape.count(-1)
+    if not same_variable or fixed_count(dims) != fixed_count(shape):
+        _fail(cfg, f"{field}.reshape", f"shape {shape} does not hold the same number of elements as "
+              f"dims {dims}")

@@ -1,0 +1,474 @@
+"""Triton model repository stage: write, check and atomically publish.
+
+Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
+
+    repository.json                      models, their backend and files' sha256
+    <model_name>/config.pbtxt
+    <model_name>/<v>/model.onnx          target onnxruntime
+    <model_name>/<v>/model.plan          target tensorrt
+    <model_name>/<v>/model.py + model.onnx   target python-onnxruntime
+    <generate_model_name>/config.pbtxt   causal-lm recipes with generate_model_name
+    <generate_model_name>/<v>/model.py + every file of export.tokenizer_dir
+
+Publishing: everything is written into a staging folder next to ``out_dir``;
+every config is checked (:func:`~pipeline.triton.config.check_config`) and every
+written config.pbtxt re-parsed; only then is each model folder renamed into
+place (the replaced one moved aside, restored if a later rename fails) and
+``repository.json`` replaced. A failure before that leaves a previously
+published repository untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import onnx
+
+from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec, TritonArtifact
+from pipeline.errors import TritonConfigError
+from pipeline.recipe import Recipe
+from pipeline.triton.config import (
+    GENERATE_INPUTS,
+    GENERATE_OUTPUTS,
+    RUNTIMES,
+    ModelConfig,
+    check_config,
+    compute_config,
+    generate_config,
+    graph_io,
+    parse_config,
+    to_text,
+)
+
+INDEX_FILE = "repository.json"
+DEFAULT_MAX_TOKENS = 32  # generation default when the recipe has no validate.generation
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+
+
+@dataclass
+class StagedModel:
+    """One model written to staging, with what its config is checked against."""
+
+    config: ModelConfig
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    target: str
+    profile_max_batch: int | None
+
+
+@dataclass
+class KVLayout:
+    """KV-cache geometry of a causal LM: past tensors are [batch, kv_heads, past, head_dim]."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+def resolve_target(requested: str, build: BuildArtifact) -> str:
+    """``auto`` -> ``tensorrt`` if an engine was built, else ``onnxruntime``.
+
+    Raises:
+        TritonConfigError: ``tensorrt`` requested but the build produced no engine.
+    """
+    has_engine = build.status == "ok" and bool(build.engine_path)
+    if requested == "auto":
+        return "tensorrt" if has_engine else "onnxruntime"
+    if requested == "tensorrt" and not has_engine:
+        raise TritonConfigError(
+            f"triton.target: 'tensorrt' needs a TensorRT engine, but the build stage produced none "
+            f"(status {build.status!r}: {build.reason}); use target 'auto' or 'onnxruntime'"
+        )
+    return requested
+
+
+def gpu_available(build: BuildArtifact) -> bool:
+    """True when an engine was built, or onnxruntime has the CUDA provider and torch sees a GPU."""
+    if build.status == "ok":
+        return True
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def profile_batch(profiles: Sequence[ResolvedProfile]) -> tuple[int | None, int | None]:
+    """(max, opt) batch of optimization profile 0 (the one Triton's TensorRT backend uses
+    by default): the smallest axis-0 max/opt over its inputs; (None, None) without profiles."""
+    if not profiles or not profiles[0].shapes:
+        return None, None
+    shapes = [s for s in profiles[0].shapes.values() if s["max"]]
+    if not shapes:
+        return None, None
+    return min(s["max"][0] for s in shapes), min(s["opt"][0] for s in shapes)
+
+
+def write_repository(
+    recipe: Recipe,
+    *,
+    export: ExportArtifact,
+    quantized: QuantizedArtifact,
+    build: BuildArtifact,
+    out_dir: Path,
+) -> TritonArtifact:
+    """Write, check and publish the Triton model repository for ``recipe``.
+
+    The compute model serves ``quantized.onnx_path`` (or ``build.engine_path``
+    for target ``tensorrt``); causal-lm recipes with ``triton.generate_model_name``
+    also get the decoupled generation model.
+
+    Raises:
+        TritonConfigError: target ``tensorrt`` without an engine; a config that
+            fails :func:`check_config`; a config.pbtxt that does not parse back
+            to the same message; missing tokenizer.json or EOS id; a KV layout
+            the compute graph does not match. The published repository (if any)
+            is unchanged in all these cases.
+    """
+    target = resolve_target(recipe.triton.target, build)
+    if recipe.triton.generate_model_name == recipe.triton.model_name:
+        raise TritonConfigError(
+            f"triton.generate_model_name: {recipe.triton.model_name!r} is also triton.model_name; "
+            "the two models need different names"
+        )
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        models = [_stage_compute(recipe, target, quantized, build, staging)]
+        if recipe.model.kind == "causal-lm" and recipe.triton.generate_model_name:
+            models.append(_stage_generate(recipe, export, models[0].inputs, build, staging))
+        _verify(models, staging, recipe.triton.version, gpu_available(build) if target == "onnxruntime" else False)
+        _write_index(recipe, target, models, staging)
+        _publish(staging, out_dir, [m.config.name for m in models])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    backend = models[0].config.platform or models[0].config.backend
+    return TritonArtifact(repository=str(out_dir), models=[m.config.name for m in models], compute_backend=backend)
+
+
+def _stage_compute(
+    recipe: Recipe, target: str, quantized: QuantizedArtifact, build: BuildArtifact, staging: Path
+) -> StagedModel:
+    """Compute model: config from the served ONNX graph, model file(s) into the version folder."""
+    source = Path(quantized.onnx_path)
+    model = onnx.load(str(source), load_external_data=False)
+    inputs, outputs = graph_io(model)
+    max_batch, opt_batch = profile_batch(build.profiles)
+    cfg = compute_config(recipe.triton, inputs, outputs, target=target, profile_opt_batch=opt_batch)
+    version_dir = staging / cfg.name / str(recipe.triton.version)
+    version_dir.mkdir(parents=True)
+    if target == "tensorrt":
+        _link_or_copy(Path(str(build.engine_path)), version_dir / "model.plan")
+    else:
+        _copy_onnx(source, model, version_dir / "model.onnx")
+    if target == "python-onnxruntime":
+        _write_template("onnxruntime_model.py", version_dir / "model.py")
+    _write_config(staging / cfg.name, cfg)
+    return StagedModel(cfg, inputs, outputs, target, max_batch)
+
+
+def _stage_generate(
+    recipe: Recipe, export: ExportArtifact, graph_inputs: list[TensorSpec], build: BuildArtifact, staging: Path
+) -> StagedModel:
+    """Generation model: model.py template, tokenizer files and KV numbers in parameters."""
+    kv = kv_layout(export.inputs)
+    _check_kv(recipe.triton.model_name, kv, graph_inputs)
+    name = str(recipe.triton.generate_model_name)
+    version_dir = staging / name / str(recipe.triton.version)
+    _copy_tokenizer(Path(export.tokenizer_dir), version_dir)
+    _write_template("generate_model.py", version_dir / "model.py")
+    generation = recipe.validate_.generation
+    cfg = generate_config(
+        name,
+        compute_model=recipe.triton.model_name,
+        num_layers=kv.num_layers,
+        kv_heads=kv.kv_heads,
+        head_dim=kv.head_dim,
+        kv_dtype=kv.dtype,
+        eos_token_ids=eos_token_ids(version_dir),
+        default_max_tokens=generation.new_tokens if generation else DEFAULT_MAX_TOKENS,
+        **context_limits(build.profiles),
+    )
+    _write_config(staging / name, cfg)
+    return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None)
+
+
+def kv_layout(inputs: Sequence[TensorSpec]) -> KVLayout:
+    """L, kv_heads, head_dim and dtype from ``past_key_values.{i}.key/value`` [batch, kv_heads, past, head_dim].
+
+    Raises:
+        TritonConfigError: no past inputs, layers not numbered 0..L-1 with a key
+            and a value each, non-rank-4 or symbolic kv_heads/head_dim, or
+            layers that disagree.
+    """
+    past = {(int(m[1]), m[2]): s for s in inputs if (m := _PAST.match(s.name))}
+    layers = sorted({i for i, _ in past})
+    if not past or layers != list(range(len(layers))) or len(past) != 2 * len(layers):
+        raise TritonConfigError(
+            "export inputs: the generation model needs past_key_values.{i}.key/.value for i in 0..L-1; "
+            f"found {sorted(s.name for s in inputs)}"
+        )
+    geometry = {(len(s.shape), s.shape[1] if len(s.shape) == 4 else None, s.shape[-1], s.dtype) for s in past.values()}
+    rank, heads, head_dim, dtype = next(iter(geometry))
+    fixed = isinstance(heads, int) and isinstance(head_dim, int) and heads > 0 and head_dim > 0
+    if len(geometry) != 1 or rank != 4 or not fixed:
+        raise TritonConfigError(
+            "export inputs: past_key_values.* must all be [batch, kv_heads, past_sequence, head_dim] with fixed "
+            f"kv_heads/head_dim and one dtype; found {sorted((s.name, s.dtype, s.shape) for s in past.values())}"
+        )
+    assert isinstance(heads, int) and isinstance(head_dim, int)  # checked above
+    return KVLayout(len(layers), heads, head_dim, dtype)
+
+
+def _check_kv(model_name: str, kv: KVLayout, graph_inputs: Sequence[TensorSpec]) -> None:
+    """The served graph must take the past tensors the generation model will send."""
+    graph = {s.name: s for s in graph_inputs}
+    for i in range(kv.num_layers):
+        for kind in ("key", "value"):
+            spec = graph.get(f"past_key_values.{i}.{kind}")
+            if spec is None or len(spec.shape) != 4 or spec.shape[1] != kv.kv_heads or spec.shape[3] != kv.head_dim:
+                raise TritonConfigError(
+                    f"model '{model_name}': input past_key_values.{i}.{kind}: the served graph has "
+                    f"{spec.shape if spec else 'no such input'}, the export has [batch, {kv.kv_heads}, "
+                    f"past_sequence, {kv.head_dim}]"
+                )
+
+
+def context_limits(profiles: Sequence[ResolvedProfile]) -> dict[str, int]:
+    """``max_prompt_tokens`` (input_ids axis 1 max) and ``max_context`` (min of attention_mask
+    axis 1 max and past axis 2 max + 1) of profile 0; 0 (unlimited) where not given."""
+    shapes = profiles[0].shapes if profiles else {}
+    limits = {"max_prompt_tokens": 0, "max_context": 0}
+    if "input_ids" in shapes:
+        limits["max_prompt_tokens"] = shapes["input_ids"]["max"][1]
+    context = [shapes["attention_mask"]["max"][1]] if "attention_mask" in shapes else []
+    context += [s["max"][2] + 1 for n, s in shapes.items() if _PAST.match(n)]
+    limits["max_context"] = min(context, default=0)
+    return limits
+
+
+def eos_token_ids(tokenizer_dir: Path) -> list[int]:
+    """EOS id(s): ``eos_token_id`` of generation_config.json, else the ``eos_token`` of
+    tokenizer_config.json / special_tokens_map.json looked up in tokenizer.json, else
+    config.json's ``eos_token_id``.
+
+    Raises:
+        TritonConfigError: none of these files names an EOS token, or the named
+            token is not in tokenizer.json's vocabulary.
+    """
+    ids = _json_field(tokenizer_dir / "generation_config.json", "eos_token_id")
+    if ids is None:
+        ids = _eos_from_token(tokenizer_dir)
+    if ids is None:
+        ids = _json_field(tokenizer_dir / "config.json", "eos_token_id")
+    if ids is None:
+        raise TritonConfigError(
+            f"{tokenizer_dir}: no EOS token in generation_config.json, tokenizer_config.json, "
+            "special_tokens_map.json or config.json; the generation model needs one to stop"
+        )
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def _eos_from_token(tokenizer_dir: Path) -> int | None:
+    from tokenizers import Tokenizer
+
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        token = _json_field(tokenizer_dir / name, "eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token:
+            token_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(token)
+            if token_id is None:
+                raise TritonConfigError(f"{tokenizer_dir / name}: eos_token {token!r} is not in tokenizer.json")
+            return token_id
+    return None
+
+
+def _json_field(path: Path, key: str):
+    return json.loads(path.read_text()).get(key) if path.is_file() else None
+
+
+def _copy_tokenizer(tokenizer_dir: Path, version_dir: Path) -> None:
+    """Copy every file of the tokenizer folder; tokenizer.json is required."""
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise TritonConfigError(
+            f"{tokenizer_dir}: no tokenizer.json; the generation model loads it with the tokenizers library"
+        )
+    if (tokenizer_dir / "model.py").exists():
+        raise TritonConfigError(f"{tokenizer_dir}: holds a model.py, which would replace the generation model's")
+    shutil.copytree(tokenizer_dir, version_dir, dirs_exist_ok=True)
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    """Hardlink ``source`` to ``dest``; copy when linking is impossible (other filesystem, ...).
+
+    Raises:
+        TritonConfigError: ``source`` does not exist.
+    """
+    if not source.is_file():
+        raise TritonConfigError(f"{source}: model file not found")
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copy2(source, dest)
+
+
+def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path) -> None:
+    """Place the ONNX file as ``dest`` and its external-data files (same relative names) beside it."""
+    _link_or_copy(source, dest)
+    for location in sorted(_external_files(model)):
+        rel = Path(location)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise TritonConfigError(f"{source}: external data location {location!r} leaves the model folder")
+        (dest.parent / rel).parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(source.parent / rel, dest.parent / rel)
+
+
+def _external_files(model: onnx.ModelProto) -> set[str]:
+    return {
+        entry.value
+        for tensor in _tensors(model.graph)
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers and attribute tensors of ``graph`` and its subgraphs."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _tensors(sub)
+
+
+def _write_template(name: str, dest: Path) -> None:
+    dest.write_text((resources.files("pipeline.triton") / "templates" / name).read_text())
+
+
+def _write_config(model_dir: Path, cfg: ModelConfig) -> None:
+    (model_dir / "config.pbtxt").write_text(to_text(cfg))
+
+
+def _verify(models: Sequence[StagedModel], staging: Path, version: int, gpu: bool) -> None:
+    """check_config every model, re-parse its written config.pbtxt, require its files.
+
+    Raises:
+        TritonConfigError: a check fails, the file does not parse back to the
+            same config, or the version folder lacks the model file.
+    """
+    for m in models:
+        model_dir = staging / m.config.name
+        check_config(
+            m.config, m.inputs, m.outputs, profile_max_batch=m.profile_max_batch,
+            target=m.target, version_dirs=sorted(os.listdir(model_dir)), gpu_available=gpu,
+        )
+        if parse_config((model_dir / "config.pbtxt").read_text()) != m.config:
+            raise TritonConfigError(f"model '{m.config.name}': config.pbtxt does not parse back to the written config")
+        for name in _required_files(m):
+            if not (model_dir / str(version) / name).is_file():
+                raise TritonConfigError(f"model '{m.config.name}': version folder {version}/ lacks {name}")
+
+
+def _required_files(m: StagedModel) -> list[str]:
+    """Files the version folder must hold: the model file, the python model's ONNX, the tokenizer."""
+    names = [RUNTIMES[m.target][2]]
+    if "onnx_file" in m.config.parameters:
+        names.append(m.config.parameters["onnx_file"].string_value)
+    if m.target == "python":
+        names.append("tokenizer.json")
+    return names
+
+
+def _write_index(recipe: Recipe, target: str, models: Sequence[StagedModel], staging: Path) -> None:
+    """repository.json: recipe, target and per model its platform/backend and files' sha256."""
+    index = {
+        "recipe": recipe.name,
+        "recipe_digest": recipe.digest,
+        "target": target,
+        "models": {
+            m.config.name: {
+                "backend": m.config.platform or m.config.backend,
+                "files": _hashes(staging / m.config.name),
+            }
+            for m in models
+        },
+    }
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _hashes(model_dir: Path) -> dict[str, str]:
+    """relative path -> sha256 for every file under ``model_dir``."""
+    out = {}
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        out[path.relative_to(model_dir).as_posix()] = digest.hexdigest()
+    return out
+
+
+def _publish(staging: Path, out_dir: Path, names: Sequence[str]) -> None:
+    """Rename each staged model folder into ``out_dir``, then replace repository.json.
+
+    The folder being replaced is moved into ``staging/.replaced`` (removed with
+    staging afterwards); if any rename fails every swap done so far is undone.
+    Models the previous repository.json listed that are no longer written are
+    moved out too; other folders in ``out_dir`` are left alone.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    aside = staging / ".replaced"
+    aside.mkdir()
+    stale = [n for n in _published_models(out_dir) if n not in names]
+    done: list[tuple[Path, Path | None, bool]] = []  # (dest, backup, new folder placed)
+    try:
+        for name in [*names, *stale]:
+            dest = out_dir / name
+            backup = aside / name if dest.exists() else None
+            if backup is not None:
+                os.rename(dest, backup)
+            done.append((dest, backup, False))
+            if name in names:
+                os.rename(staging / name, dest)
+                done[-1] = (dest, backup, True)
+        os.replace(staging / INDEX_FILE, out_dir / INDEX_FILE)
+    except OSError as e:
+        _undo(done)
+        raise TritonConfigError(f"{out_dir}: publishing failed ({e}); the previous repository was restored") from e
+
+
+def _undo(done: Sequence[tuple[Path, Path | None, bool]]) -> None:
+    """Reverse _publish's renames: drop placed folders, move replaced ones back."""
+    for dest, backup, placed in reversed(done):
+        if placed:
+            shutil.rmtree(dest)
+        if backup is not None:
+            os.rename(backup, dest)
+
+
+def _published_models(out_dir: Path) -> list[str]:
+    index = out_dir / INDEX_FILE
+    if not index.is_file():
+        return []
+    try:
+        return list(json.loads(index.read_text()).get("models", {}))
+    except (json.JSONDecodeError, AttributeError):
+        return []
