@@ -30,7 +30,9 @@ class ModelSource(Strict):
     """Where the weights come from: a file inside an installed Python package."""
 
     kind: Literal["causal-lm", "encoder"]
-    package: str = Field(description="importable package that ships the weights")
+    package: str | None = Field(
+        description="importable package that ships the weights; null: `path` is a local path"
+    )
     path: str = Field(description="file (GGUF) or folder (HF layout) inside the package")
 
 

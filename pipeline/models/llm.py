@@ -51,6 +51,11 @@ def package_file(source: ModelSource) -> Path:
     Raises:
         ExportError: the package is not installed or the file is missing.
     """
+    if source.package is None:
+        path = Path(source.path)
+        if not path.exists():
+            raise ExportError(f"model.path: {source.path!r} does not exist")
+        return path
     try:
         root = importlib.resources.files(source.package)
     except ModuleNotFoundError as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from pipeline import compare
+from pipeline import compare, profiles
 from pipeline.artifacts import ExportArtifact, TensorSpec
 from pipeline.context import StageContext
 from pipeline.errors import ExportError
@@ -77,6 +77,8 @@ def run(ctx: StageContext) -> ExportArtifact:
     model = onnx.load(str(out), load_external_data=False)
     inputs, outputs = graph_specs(model)
     check_dynamic(inputs, adapter.dynamic_axes(ctx.recipe.export))
+    # Profiles must fit the graph before any expensive work (checks, calibration).
+    profiles.resolve_profiles(list(ctx.recipe.build.profiles), inputs, set(profiles.shape_tensor_inputs(model)))
     checks = verify_shapes(ctx, adapter, module, out, inputs)
     tok_dir = ctx.stage_dir / "tokenizer"
     tokenizer.save_pretrained(str(tok_dir))

@@ -1,0 +1,95 @@
+"""Stage cache, interruption and locking, on a tiny random Llama (issue: integrity)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from pipeline.errors import PipelineError
+from pipeline.recipe import load_recipe
+from pipeline.runner import run_lock, run_pipeline
+from tiny import make_tiny_llama, tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _hits(man: dict) -> dict[str, bool]:
+    return {k: bool(v.get("cache_hit")) for k, v in man["stages"].items()}
+
+
+def _run(path: Path, **overrides):
+    return run_pipeline(load_recipe(path, overrides), path, quiet=True)
+
+
+def test_cache_reruns_only_what_changed(tmp_path, tiny_model):
+    path = tiny_recipe(tmp_path, tiny_model)
+    cold = _run(path)
+    assert cold.passed and not any(_hits(cold.manifest).values())
+    warm = _run(path)
+    assert all(_hits(warm.manifest).values())
+    assert warm.manifest["metrics"] == cold.manifest["metrics"]
+    gate = _run(path, **{"validate.gates.max_relative_perplexity_increase": 0.4})
+    assert _hits(gate.manifest) == {"export": True, "quantize": True, "build": True, "validate": False, "triton": True}
+    assert gate.manifest["metrics"] == cold.manifest["metrics"]
+    calib = _run(path, **{"quantize.calibration.method": "percentile"})
+    assert _hits(calib.manifest) == {"export": True, "quantize": False, "build": False, "validate": False, "triton": False}
+
+
+def test_interrupted_stage_keeps_earlier_work_and_resumes(tmp_path, tiny_model, monkeypatch):
+    path = tiny_recipe(tmp_path, tiny_model)
+    first = _run(path)
+    repo = Path(first.artifacts["triton"].repository)
+    published = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+
+    from pipeline.quant import calibrate
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt("simulated Ctrl-C during calibration")
+
+    monkeypatch.setattr(calibrate, "collect_amax", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run(path, **{"quantize.calibration.samples": 12})
+    run_dir = tmp_path / "artifacts" / "tiny-llm"
+    man = json.loads((run_dir / "manifest.json").read_text())
+    assert man["stages"]["quantize"]["status"] == "failed"
+    assert (run_dir / "export" / "stage.json").is_file()
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == published
+    monkeypatch.undo()
+    resumed = _run(path, **{"quantize.calibration.samples": 12})
+    assert _hits(resumed.manifest)["export"] and not _hits(resumed.manifest)["quantize"]
+
+
+def test_sigterm_mid_build_then_resume(tmp_path, tiny_model):
+    path = tiny_recipe(tmp_path, tiny_model)
+    marker = tmp_path / "artifacts" / "tiny-llm" / "export" / "stage.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "build", str(path), "--quiet"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "export never finished"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    resumed = _run(path)
+    assert _hits(resumed.manifest)["export"] and resumed.passed
+
+
+def test_second_concurrent_build_fails_clearly(tmp_path, tiny_model):
+    path = tiny_recipe(tmp_path, tiny_model)
+    recipe = load_recipe(path)
+    with run_lock(Path(recipe.work_dir) / recipe.name):
+        with pytest.raises(PipelineError, match="another build holds"):
+            run_pipeline(recipe, path, quiet=True)
