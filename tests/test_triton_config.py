@@ -91,6 +91,18 @@ def test_python_onnxruntime_names_its_onnx_file():
     assert cfg.parameters["onnx_file"].string_value == "model.onnx"
 
 
+def test_qdq_graphs_get_basic_onnxruntime_optimizations():
+    inputs, outputs = llm_io()
+    ort_cfg = compute_config(triton(), inputs, outputs, target="onnxruntime", qdq=True)
+    assert ort_cfg.optimization.graph.level == -1
+    assert not build("onnxruntime").HasField("optimization")
+    py_cfg = compute_config(triton(), inputs, outputs, target="python-onnxruntime", qdq=True)
+    assert py_cfg.parameters["graph_optimization_level"].string_value == "basic"
+    assert build("python-onnxruntime").parameters["graph_optimization_level"].string_value == "all"
+    trt = compute_config(triton(instance_group=[{"kind": "KIND_GPU"}]), inputs, outputs, target="tensorrt", qdq=True)
+    assert not trt.HasField("optimization") and not trt.parameters
+
+
 def test_recipe_preferred_batch_size_wins_and_unbatched_dims_are_full_shapes():
     cfg = build(dynamic_batching={"max_queue_delay_microseconds": 5, "preferred_batch_size": [4]})
     assert list(cfg.dynamic_batching.preferred_batch_size) == [4]

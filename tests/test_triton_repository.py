@@ -29,9 +29,10 @@ LAYERS, HEADS, HEAD_DIM, VOCAB, EOS = 2, 1, 4, 11, 0
 WORDS = ["<eos>", *"abcdefghij"]
 
 
-def tiny_llm(path: Path, *, external: bool = False, seed: int = 3) -> Path:
+def tiny_llm(path: Path, *, external: bool = False, qdq: bool = False, seed: int = 3) -> Path:
     """A KV-cache 'LM' with the export's I/O: embed, append to every past, logits from
-    the embedding plus the summed last-layer cache, masked by max(attention_mask)."""
+    the embedding plus the summed last-layer cache, masked by max(attention_mask).
+    ``qdq``: FP8 E4M3 Q/DQ on both lm_head MatMul inputs, as the quantize stage writes."""
     rng = np.random.default_rng(seed)
     past = [f"past_key_values.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
     present = [f"present.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
@@ -54,8 +55,15 @@ def tiny_llm(path: Path, *, external: bool = False, seed: int = 3) -> Path:
         helper.make_node("ReduceMax", ["mask_f", "one"], ["mask_max"], keepdims=1),
         helper.make_node("Unsqueeze", ["mask_max", "two"], ["mask3"]),
         helper.make_node("Mul", ["h", "mask3"], ["h_masked"]),
-        helper.make_node("MatMul", ["h_masked", "lm_head"], ["logits"]),
     ]
+    if qdq:
+        inits += [numpy_helper.from_array(np.array(0.05, np.float32), "scale"),
+                  helper.make_tensor("fp8_zero", TensorProto.FLOAT8E4M3FN, [], [0.0])]
+        for name in ("h_masked", "lm_head"):
+            nodes += [helper.make_node("QuantizeLinear", [name, "scale", "fp8_zero"], [f"{name}_q"]),
+                      helper.make_node("DequantizeLinear", [f"{name}_q", "scale"], [f"{name}_dq"])]
+    matmul_inputs = ["h_masked_dq", "lm_head_dq"] if qdq else ["h_masked", "lm_head"]
+    nodes.append(helper.make_node("MatMul", matmul_inputs, ["logits"]))
     kv = ["batch", HEADS, "past_sequence", HEAD_DIM]
     graph = helper.make_graph(
         nodes, "tiny_llm",
@@ -77,6 +85,15 @@ def tiny_llm(path: Path, *, external: bool = False, seed: int = 3) -> Path:
     else:
         onnx.save(model, str(path))
     return path
+
+
+def ort_session(path: Path | str) -> ort.InferenceSession:
+    """CPU session with the optimization level the repository picks: basic for Q/DQ graphs."""
+    model = onnx.load(str(path), load_external_data=False)
+    options = ort.SessionOptions()
+    if any(n.op_type == "QuantizeLinear" for n in model.graph.node):
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
 
 
 def tiny_tokenizer(folder: Path) -> Path:
@@ -127,11 +144,13 @@ def build_artifact(engine: Path | None = None) -> BuildArtifact:
 
 @pytest.fixture
 def stage(tmp_path):
-    """Upstream artifacts of a tiny LLM run; out_dir is tmp_path/'repo'."""
+    """Upstream artifacts of a tiny LLM run (FP32 export, FP8 Q/DQ quantized graph, no engine);
+    out_dir is tmp_path/'repo'."""
     onnx_path = tiny_llm(tmp_path / "work" / "model.onnx")
     inputs, outputs = graph_io(onnx.load(str(onnx_path)))
     export = ExportArtifact(str(onnx_path), inputs, outputs, str(tiny_tokenizer(tmp_path / "work" / "tokenizer")))
-    quantized = QuantizedArtifact(str(onnx_path), "fp32", [], [])
+    qdq_path = tiny_llm(tmp_path / "work" / "model.qdq.onnx", qdq=True)
+    quantized = QuantizedArtifact(str(qdq_path), "fp8", ["lm_head"], [])
     return {"export": export, "quantized": quantized, "build": build_artifact(), "out_dir": tmp_path / "repo"}
 
 
@@ -154,6 +173,7 @@ def test_auto_without_engine_writes_onnxruntime_repository(stage):
     ]
     cfg = parse_config((repo / "tiny" / "config.pbtxt").read_text())
     assert cfg.platform == "onnxruntime_onnx" and cfg.max_batch_size == 4
+    assert cfg.optimization.graph.level == -1  # Q/DQ graph: ORT_ENABLE_BASIC in Triton's ORT backend
     assert list(cfg.dynamic_batching.preferred_batch_size) == [2]
     source = Path(stage["quantized"].onnx_path)
     assert os.stat(repo / "tiny" / "1" / "model.onnx").st_ino == os.stat(source).st_ino  # hardlinked
@@ -183,6 +203,7 @@ def test_python_onnxruntime_target_ships_model_py_and_onnx(stage):
     assert sorted(p.name for p in version.iterdir()) == ["model.onnx", "model.py"]
     cfg = parse_config((version.parent / "config.pbtxt").read_text())
     assert cfg.backend == "python" and cfg.parameters["onnx_file"].string_value == "model.onnx"
+    assert cfg.parameters["graph_optimization_level"].string_value == "basic"
 
 
 def test_tensorrt_requested_without_engine_is_refused(stage):
@@ -261,7 +282,7 @@ def test_external_data_is_copied_next_to_the_model(stage, tmp_path):
     write_repository(make_recipe(generate_model_name=None), **stage)
     version = stage["out_dir"] / "tiny" / "1"
     assert sorted(p.name for p in version.iterdir()) == ["model.onnx", "model.onnx.data"]
-    ort.InferenceSession(str(version / "model.onnx"), providers=["CPUExecutionProvider"])
+    ort_session(version / "model.onnx")
 
 
 def test_generation_needs_eos_and_tokenizer_json(stage):
@@ -376,7 +397,7 @@ def test_onnxruntime_template_batches_equal_shapes_and_isolates_errors(stage, mo
     broken = {n: a for n, a in llm_feeds(1, 3, 5).items() if n != "attention_mask"}
     responses = model.execute([FakeRequest(**f) for f in [*feeds, broken]])
     assert sorted(r["input_ids"] for r in runs) == [(1, 3), (1, 5), (5, 3)]  # the 3-token requests ran as one
-    reference = ort.InferenceSession(stage["quantized"].onnx_path, providers=["CPUExecutionProvider"])
+    reference = ort_session(stage["quantized"].onnx_path)
     for f, response in zip(feeds, responses):
         assert response.error is None
         for name, expected in zip(model.output_names, reference.run(model.output_names, f)):
@@ -387,7 +408,7 @@ def test_onnxruntime_template_batches_equal_shapes_and_isolates_errors(stage, mo
 def test_generate_template_streams_greedy_tokens_and_stops(stage, monkeypatch):
     write_repository(make_recipe(), **stage)
     onnx_path = Path(stage["quantized"].onnx_path)
-    fake_pb_utils(monkeypatch, ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]))
+    fake_pb_utils(monkeypatch, ort_session(onnx_path))
     model = load_template(stage["out_dir"] / "tiny_generate")
     tok = Tokenizer.from_file(str(Path(stage["export"].tokenizer_dir) / "tokenizer.json"))
     prompts = [("b c d", None), ("j a", np.array([3], np.int32)), (" ".join("abcdefghij"), np.array([40], np.int32))]
@@ -413,7 +434,7 @@ def test_generate_template_streams_greedy_tokens_and_stops(stage, monkeypatch):
 
 def reference_generate(onnx_path: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Greedy decode with onnxruntime, stopping after EOS like the generation model."""
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    sess = ort_session(onnx_path)
     past = {f"past_key_values.{i}.{k}": np.zeros((1, HEADS, 0, HEAD_DIM), np.float32)
             for i in range(LAYERS) for k in ("key", "value")}
     step, total, out = prompt_ids, len(prompt_ids), []
@@ -471,7 +492,7 @@ def test_real_tritonserver_serves_the_repository(stage, tmp_path):
         client = httpclient.InferenceServerClient(server.http_url, concurrency=4)
         assert client.is_model_ready("tiny") and client.is_model_ready("tiny_generate")
         # Batched compute model: requests of two sequence lengths, sent together.
-        sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+        sess = ort_session(onnx_path)
         pending = []
         for batch, seq in [(1, 3), (2, 3), (1, 5)]:
             feeds = {"input_ids": np.arange(batch * seq, dtype=np.int64).reshape(batch, seq) % VOCAB,

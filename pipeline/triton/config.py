@@ -149,6 +149,7 @@ def compute_config(
     *,
     target: str,
     profile_opt_batch: int | None = None,
+    qdq: bool = False,
 ) -> ModelConfig:
     """Config of the compute model named ``triton.model_name``.
 
@@ -160,12 +161,23 @@ def compute_config(
         target: ``tensorrt`` | ``onnxruntime`` | ``python-onnxruntime``.
         profile_opt_batch: opt batch of optimization profile 0, used as
             ``preferred_batch_size`` when the recipe gives none (and it fits).
+        qdq: the graph holds QuantizeLinear/DequantizeLinear nodes. ONNX
+            Runtime then gets basic graph optimizations only: its level-2+ QDQ
+            fusions turn FP8 Q/DQ + MatMul into an invalid MatMulIntegerToFloat
+            on CPU (onnxruntime 1.31; same rule as pipeline/runtime.py).
+            ``onnxruntime``: ``optimization.graph.level: -1`` (the Triton
+            backend's ORT_ENABLE_BASIC); ``python-onnxruntime``: parameter
+            ``graph_optimization_level`` ``basic`` (else ``all``).
 
     Raises:
         TritonConfigError: unknown target or a dtype Triton has no type for.
     """
     cfg = ModelConfig(name=triton.model_name, max_batch_size=triton.max_batch_size)
     _set_runtime(cfg, target)
+    if target == "onnxruntime" and qdq:
+        cfg.optimization.graph.level = -1
+    if target == "python-onnxruntime":
+        cfg.parameters["graph_optimization_level"].string_value = "basic" if qdq else "all"
     batched = triton.max_batch_size > 0
     for kind, entries, specs in (("input", cfg.input, inputs), ("output", cfg.output, outputs)):
         for spec in specs:

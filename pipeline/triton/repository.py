@@ -166,7 +166,8 @@ def _stage_compute(
     model = onnx.load(str(source), load_external_data=False)
     inputs, outputs = graph_io(model)
     max_batch, opt_batch = profile_batch(build.profiles)
-    cfg = compute_config(recipe.triton, inputs, outputs, target=target, profile_opt_batch=opt_batch)
+    qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+    cfg = compute_config(recipe.triton, inputs, outputs, target=target, profile_opt_batch=opt_batch, qdq=qdq)
     version_dir = staging / cfg.name / str(recipe.triton.version)
     version_dir.mkdir(parents=True)
     if target == "tensorrt":

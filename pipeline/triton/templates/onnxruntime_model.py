@@ -2,7 +2,9 @@
 
 Written into ``<repo>/<model>/<version>/model.py`` by pipeline.triton.repository,
 next to the ONNX file named by the config parameter ``onnx_file``. Inputs and
-outputs are the config's, in the graph's dtypes and shapes.
+outputs are the config's, in the graph's dtypes and shapes. The parameter
+``graph_optimization_level`` (``disabled`` | ``basic`` | ``extended`` | ``all``)
+sets the session's graph optimizations (``basic`` for Q/DQ graphs).
 
 Batching (config ``max_batch_size`` > 0): the requests of one ``execute`` call
 are grouped by the shapes of their inputs past the batch axis (and dtypes);
@@ -19,6 +21,13 @@ import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 
+LEVELS = {
+    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -26,7 +35,9 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         folder = os.path.join(args["model_repository"], args["model_version"])
         path = os.path.join(folder, params.get("onnx_file", "model.onnx"))
-        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        options.graph_optimization_level = LEVELS[params.get("graph_optimization_level", "all")]
+        self.session = ort.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
         self.batched = int(config.get("max_batch_size", 0)) > 0
         self.input_names = [t["name"] for t in config["input"]]
         self.output_names = [t["name"] for t in config["output"]]
