@@ -51,7 +51,8 @@ def tensor(name: str, ref: np.ndarray, got: np.ndarray, rtol: float, atol: float
     ref_finite = np.isfinite(ref64)
     bad_nonfinite = int((ref_finite & ~np.isfinite(got64)).sum())
     both = ref_finite & np.isfinite(got64)
-    err = np.abs(got64 - ref64)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(got64 - ref64)
     ok = np.where(both, err <= atol + rtol * np.abs(ref64), ref64 == got64)
     mismatched = int((~ok).sum())
     finite_err = err[both]

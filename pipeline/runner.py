@@ -50,7 +50,8 @@ _SECTIONS: dict[str, Callable[[Recipe], Any]] = {
     "quantize": lambda r: [r.quantize.model_dump(mode="json"), r.validate_.split.model_dump()],
     "build": lambda r: [r.build.model_dump(mode="json")],
     "validate": lambda r: [r.validate_.model_dump(mode="json"), r.quantize.precision],
-    "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir, r.digest],
+    "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
+                         r.validate_.generation and r.validate_.generation.model_dump()],
 }
 
 
@@ -105,8 +106,19 @@ def _commit(stage_dir: Path, key: str, art: Any, record: dict) -> None:
     M.write_json_atomic(stage_dir / "stage.json", {"key": key, "artifact": A.to_jsonable(art), "record": record})
 
 
-def _raise_keyboard_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C
+_signalled: list[int] = []
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    """SIGTERM behaves like Ctrl-C. The signal is also recorded, because Python
+    swallows an exception raised while it runs a GC or weakref callback."""
+    _signalled.append(signum)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _check_signalled() -> None:
+    if _signalled:
+        raise KeyboardInterrupt(f"signal {_signalled[-1]}")
 
 
 @contextlib.contextmanager
@@ -136,6 +148,7 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
     """
     run_dir = Path(recipe.work_dir) / recipe.name
     progress = Progress(quiet)
+    _signalled.clear()
     old = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         with run_lock(run_dir):
@@ -150,6 +163,7 @@ def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -
     arts: dict[str, Any] = {}
     keys: dict[str, str] = {}
     for stage in _stages():
+        _check_signalled()
         ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress)
         keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], versions)
         gate_failed = "validate" in arts and not arts["validate"].passed

@@ -15,6 +15,7 @@ numbers for ONNX Runtime's ``quantize_static`` defaults (``naive_ort_*``).
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -207,44 +208,48 @@ def word_vectors(sess, tok, words: list[str], batch: int) -> dict[str, np.ndarra
 
 
 def pair_spearman(vectors: dict[str, np.ndarray], pairs: list[tuple[str, str]], human: np.ndarray) -> float:
-    """Spearman rho between pair cosines and human scores (float64 ``[n]``).
-
-    Raises:
-        AccuracyError: a cosine is NaN (broken model output).
-    """
+    """Spearman rho between pair cosines and human scores (float64 ``[n]``); NaN when a
+    cosine is not finite (a broken candidate model)."""
     from scipy.stats import spearmanr
 
     a = np.stack([vectors[x] for x, _ in pairs])
     b = np.stack([vectors[y] for _, y in pairs])
     cos = row_cosine(a, b)
-    if np.isnan(cos).any():
-        raise AccuracyError("validate: NaN cosine similarity between word embeddings")
-    return float(spearmanr(cos, human).statistic)
+    return float(spearmanr(cos, human).statistic) if np.isfinite(cos).all() else math.nan
+
+
+def _one_model(sess, tok, sets: dict, sentences: list[str], batch: int, max_len: int) -> tuple[dict, np.ndarray]:
+    """Spearman per word set and the count of non-finite embedding rows (words and
+    sentences) for one session; also the sentence embeddings, float32 ``[N, H]``."""
+    words = sorted({w for pairs, _ in sets.values() for p in pairs for w in p})
+    vecs = word_vectors(sess, tok, words, batch)
+    res: dict = {f"spearman_{n}": pair_spearman(vecs, pairs, human) for n, (pairs, human) in sets.items()}
+    emb = embed(sess, tok, sentences, batch, max_len)
+    bad_words = int((~np.isfinite(np.stack(list(vecs.values())))).any(1).sum())
+    res["nonfinite_rows"] = bad_words + int((~np.isfinite(emb)).any(1).sum())
+    return res, emb
 
 
 def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, max_len: int) -> dict[str, dict]:
-    """Per label of ``sessions`` (the first is the FP32 reference): Spearman per word set
-    and, for the others, mean / min cosine to the reference on ``sentences``.
+    """Per label of ``sessions`` (the first is the FP32 reference): Spearman per word set,
+    non-finite row count and, for the others, mean / min cosine to the reference on
+    ``sentences`` (a non-finite row counts as cosine -1).
 
-    Returns ``{label: {"spearman_<set>": rho, "mean_cosine": c, "min_cosine": c}}``.
+    Returns ``{label: {"spearman_<set>": rho, "nonfinite_rows": n, "mean_cosine": c, "min_cosine": c}}``.
 
     Raises:
-        AccuracyError: the reference embeddings hold NaN.
+        AccuracyError: the reference embeddings hold NaN or Inf.
     """
     from pipeline import data
 
     sets = {name: data.word_pairs(name) for name in WORD_SETS}
-    words = sorted({w for pairs, _ in sets.values() for p in pairs for w in p})
     out: dict[str, dict] = {}
-    ref_label = next(iter(sessions))
     ref = None
     for label, sess in sessions.items():
-        vecs = word_vectors(sess, tok, words, batch)
-        res = {f"spearman_{n}": pair_spearman(vecs, pairs, human) for n, (pairs, human) in sets.items()}
-        emb = embed(sess, tok, sentences, batch, max_len)
-        if label == ref_label:
-            if np.isnan(emb).any():
-                raise AccuracyError("validate: the FP32 reference produced NaN embeddings")
+        res, emb = _one_model(sess, tok, sets, sentences, batch, max_len)
+        if ref is None:
+            if res["nonfinite_rows"]:
+                raise AccuracyError(f"validate: the FP32 reference produced {res['nonfinite_rows']} non-finite embeddings")
             ref = emb
         else:
             cos = np.nan_to_num(row_cosine(ref, emb), nan=-1.0)
@@ -254,9 +259,9 @@ def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, ma
 
 
 def drop_points(ref: dict, cand: dict) -> dict[str, float]:
-    """Spearman drop per word set in points (``100 * (ref - cand)``) and their max."""
+    """Spearman drop per word set in points (``100 * (ref - cand)``) and their max (NaN if any is)."""
     drops = {f"spearman_drop_{n}": 100.0 * (ref[f"spearman_{n}"] - cand[f"spearman_{n}"]) for n in WORD_SETS}
-    return {**drops, "spearman_drop_max": max(drops.values())}
+    return {**drops, "spearman_drop_max": float(np.max(list(drops.values())))}
 
 
 class _FeedReader(CalibrationDataReader):
@@ -269,23 +274,35 @@ class _FeedReader(CalibrationDataReader):
         return next(self._it, None)
 
 
+def _softmax_nodes(onnx_path: str) -> list[str]:
+    import onnx
+
+    return [n.name for n in onnx.load(onnx_path, load_external_data=False).graph.node if n.op_type == "Softmax"]
+
+
 def naive_ort_model(ctx, exp, precision: str) -> str:
     """ONNX Runtime ``quantize_static`` with its QDQ defaults on the FP32 export and the
-    recipe's calibration batches; FP8 uses E4M3FN activation and weight types.
+    recipe's calibration batches; FP8 uses E4M3FN activation and weight types, the
+    Distribution calibrator (the only one ``quantize_static`` accepts for float8) and
+    leaves Softmax nodes unquantized (ORT's float8 path fails on them).
 
     Returns the path of the written model (in the validate stage folder).
 
     Raises:
         QuantizationError: too little calibration data (from ``calibration_batches``).
     """
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     from pipeline.stages.quantize import calibration_batches
 
     out = ctx.stage_dir / f"naive_ort_{precision}.onnx"
     kw: dict = {"quant_format": QuantFormat.QDQ}
     if precision == "fp8":
-        kw.update(activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN)
+        # quantize_static accepts only the Distribution calibrator for float8 types, and its
+        # fixed [0, 1] range for Softmax outputs carries no avg/std, which float8 scales need
+        # (AttributeError in ORT 1.31): Softmax nodes are left out, everything else is default.
+        kw.update(activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN,
+                  calibrate_method=CalibrationMethod.Distribution, nodes_to_exclude=_softmax_nodes(exp.onnx_path))
     with ctx.progress.step(f"validate: naive ORT quantize_static ({precision})"):
         quantize_static(exp.onnx_path, str(out), _FeedReader(calibration_batches(ctx, exp)), **kw)
     return str(out)
@@ -299,10 +316,11 @@ def encoder_metrics(ctx, exp, q) -> dict:
 
     Returns a flat dict: ``spearman_<set>_fp32``, ``spearman_<set>_<precision>``,
     ``spearman_drop_<set>`` and ``spearman_drop_max`` (points), ``mean_cosine``,
-    ``min_cosine``, counts, and the same with a ``naive_ort_`` prefix.
+    ``min_cosine``, ``nonfinite_rows``, ``eval_sentences``, and the same with a
+    ``naive_ort_`` prefix (int8/fp8 only). A broken candidate gives NaN, never an error.
 
     Raises:
-        AccuracyError: NaN in the FP32 reference, or no held-out sentence.
+        AccuracyError: NaN/Inf in the FP32 reference, or no held-out sentence.
         DataError: the split reaches past the corpus.
     """
     from pipeline import data
@@ -312,25 +330,25 @@ def encoder_metrics(ctx, exp, q) -> dict:
     v = ctx.recipe.validate_
     tok = registry.load_tokenizer(exp.tokenizer_dir)
     sentences = held_out_sentences(data.load_documents(v.dataset, v.split), v.max_windows)
-    sessions = {"fp32": ort_session(exp.onnx_path), q.precision: ort_session(q.onnx_path)}
+    sessions = {"reference": ort_session(exp.onnx_path), "candidate": ort_session(q.onnx_path)}
     if q.precision in ("int8", "fp8"):
         sessions["naive_ort"] = ort_session(naive_ort_model(ctx, exp, q.precision))
-    with ctx.progress.step(f"validate: word similarity + cosine ({', '.join(sessions)})"):
+    with ctx.progress.step(f"validate: word similarity + cosine ({len(sessions)} models)"):
         res = similarity_metrics(sessions, tok, sentences, v.batch_size, v.seq_len)
     return _flatten(res, q.precision, len(sentences))
 
 
 def _flatten(res: dict[str, dict], precision: str, n_sentences: int) -> dict:
-    ref, cand = res["fp32"], res[precision]
+    ref, cand = res["reference"], res["candidate"]
     out: dict = {"eval_sentences": n_sentences}
     for n in WORD_SETS:
         out[f"spearman_{n}_fp32"] = ref[f"spearman_{n}"]
         out[f"spearman_{n}_{precision}"] = cand[f"spearman_{n}"]
     out.update(drop_points(ref, cand))
-    out.update(mean_cosine=cand["mean_cosine"], min_cosine=cand["min_cosine"])
+    out.update({k: cand[k] for k in ("mean_cosine", "min_cosine", "nonfinite_rows")})
     if "naive_ort" in res:
         naive = res["naive_ort"]
         out.update({f"naive_ort_spearman_{n}": naive[f"spearman_{n}"] for n in WORD_SETS})
         out.update({f"naive_ort_{k}": val for k, val in drop_points(ref, naive).items()})
-        out.update(naive_ort_mean_cosine=naive["mean_cosine"], naive_ort_min_cosine=naive["min_cosine"])
+        out.update({f"naive_ort_{k}": naive[k] for k in ("mean_cosine", "min_cosine", "nonfinite_rows")})
     return out

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import ExportError
+from pipeline.models import quiet_export
 from pipeline.recipe import ModelSource
 
 PAST = "past_key_values.{i}.{kv}"
@@ -217,11 +218,12 @@ class CausalLMAdapter:
         feeds = sample_feeds(layout, batch=2, sequence=5, past=3)
         args = tuple(torch.from_numpy(feeds[n]) for n in names)
         try:
-            torch.onnx.export(
-                module, args, str(out), dynamo=True, dynamic_shapes=shapes,
-                input_names=names, output_names=["logits", *layout.present_names()],
-                opset_version=export_cfg.opset, external_data=False, verbose=False,
-            )
+            with quiet_export():
+                torch.onnx.export(
+                    module, args, str(out), dynamo=True, dynamic_shapes=shapes, input_names=names,
+                    output_names=["logits", *layout.present_names()], opset_version=export_cfg.opset,
+                    external_data=False, verbose=False,
+                )
         except Exception as e:  # the exporter raises many types; keep its text
             raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
 

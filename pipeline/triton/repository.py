@@ -402,7 +402,6 @@ def _write_index(recipe: Recipe, target: str, models: Sequence[StagedModel], sta
     """repository.json: recipe, target and per model its platform/backend and files' sha256."""
     index = {
         "recipe": recipe.name,
-        "recipe_digest": recipe.digest,
         "target": target,
         "models": {
             m.config.name: {
