@@ -234,6 +234,11 @@ class Recipe(Strict):
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
 
     @property
+    def engine_hash(self) -> str:
+        """sha256 of the sections that shape a TensorRT engine (stamped into it)."""
+        return self.section_hash("model", "export", "quantize", "build")
+
+    @property
     def digest(self) -> str:
         data = self.model_dump(mode="json", by_alias=True)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -286,7 +286,7 @@ def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
     stamp = json.loads(Path(art.stamp_path).read_text())
     capability, _ = build.gpu_info()
     assert build.check_stamp(
-        stamp, tensorrt_version=build.tensorrt_version(), compute_capability=capability, recipe_hash=recipe.digest
+        stamp, tensorrt_version=build.tensorrt_version(), compute_capability=capability, recipe_hash=recipe.engine_hash
     ) == []
     assert stamp["onnx_sha256"] == build.file_sha256(tmp_path / "model.onnx")
     assert shlex.split(Path(art.trtexec_cmd_path).read_text().split("\n", 2)[2].replace("\\\n", " "))[0] == "trtexec"

@@ -31,6 +31,7 @@ from pipeline import profiles
 from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
 from pipeline.errors import PipelineError
 from pipeline.graph_checks import check_qdq_graph
+from pipeline.manifest import sha256_file
 from pipeline.recipe import BuildConfig, Recipe
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def run(recipe: Recipe, quantized_onnx: str, inputs: list[TensorSpec], out_dir: 
     """Resolve profiles, write ``trtexec.sh`` and, where possible, build the engine.
 
     Args:
-        recipe: the run's recipe (``build`` section; ``digest`` for the stamp).
+        recipe: the run's recipe (``build`` section; ``engine_hash`` for the stamp).
         quantized_onnx: path of the explicit-Q/DQ ONNX model.
         inputs: the graph's inputs (symbolic dims as names).
         out_dir: stage folder; receives ``trtexec.sh``, ``model.plan`` and
@@ -219,7 +220,7 @@ def make_stamp(recipe: Recipe, onnx_path: Path, resolved: list[ResolvedProfile])
         "tensorrt_version": tensorrt_version(),
         "compute_capability": capability,
         "gpu_name": gpu_name,
-        "recipe_hash": recipe.digest,
+        "recipe_hash": recipe.engine_hash,
         "onnx_sha256": file_sha256(onnx_path),
         "profiles": [asdict(p) for p in resolved],
     }
@@ -227,11 +228,7 @@ def make_stamp(recipe: Recipe, onnx_path: Path, resolved: list[ResolvedProfile])
 
 def file_sha256(path: Path) -> str:
     """sha256 hex digest of a file's bytes (the .onnx file only, not external data)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_file(path)
 
 
 def check_stamp(stamp: dict[str, Any], *, tensorrt_version: str, compute_capability: str, recipe_hash: str) -> list[str]:
@@ -239,7 +236,7 @@ def check_stamp(stamp: dict[str, Any], *, tensorrt_version: str, compute_capabil
 
     TensorRT engines are tied to the exact TensorRT version and the GPU
     architecture (compute capability, e.g. "9.0"); ``recipe_hash`` is
-    ``Recipe.digest`` of the current recipe.
+    ``Recipe.engine_hash`` of the current recipe.
 
     Returns:
         One human-readable line per missing or mismatching stamp field.
