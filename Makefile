@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 typecheck: $(STAMP)
-	$(PY) -m mypy pipeline/stages/build.py --follow-imports=silent
+	$(PY) -m pytest -q tests/test_build_typecheck.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml

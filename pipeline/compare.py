@@ -7,6 +7,8 @@ raises, because nothing trustworthy was compared.
 """
 from __future__ import annotations
 
+import fnmatch
+
 import numpy as np
 
 from pipeline.errors import AccuracyError
@@ -66,7 +68,17 @@ def tensor(name: str, ref: np.ndarray, got: np.ndarray, rtol: float, atol: float
     }
 
 
-def outputs(refs: list[np.ndarray], gots: list[np.ndarray], names: list[str], rtol: float, atol: float) -> dict:
+def for_output(name: str, default: tuple[float, float], per_output: dict | None) -> tuple[float, float]:
+    """(rtol, atol) for one output: the first matching fnmatch pattern of
+    ``per_output`` (values with ``rtol``/``atol``), else ``default``."""
+    for pattern, tol in (per_output or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return tol.rtol, tol.atol
+    return default
+
+
+def outputs(refs: list[np.ndarray], gots: list[np.ndarray], names: list[str], rtol: float, atol: float,
+            per_output: dict | None = None) -> dict:
     """Compare lists of outputs; report the worst one.
 
     Raises:
@@ -74,7 +86,7 @@ def outputs(refs: list[np.ndarray], gots: list[np.ndarray], names: list[str], rt
     """
     if not refs or len(refs) != len(gots) or len(refs) != len(names):
         raise AccuracyError(f"cannot compare {len(gots)} outputs with {len(refs)} reference outputs")
-    reports = [tensor(n, r, g, rtol, atol) for n, r, g in zip(names, refs, gots)]
+    reports = [tensor(n, r, g, *for_output(n, (rtol, atol), per_output)) for n, r, g in zip(names, refs, gots)]
     worst = max(reports, key=lambda r: (not r["passed"], r["max_abs_err"]))
     return {
         "passed": all(r["passed"] for r in reports),

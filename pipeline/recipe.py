@@ -36,13 +36,21 @@ class ModelSource(Strict):
     path: str = Field(description="file (GGUF) or folder (HF layout) inside the package")
 
 
+class Tolerance(Strict):
+    rtol: float = Field(gt=0)
+    atol: float = Field(gt=0)
+
+
 class ExportConfig(Strict):
     opset: int = Field(19, ge=17, le=23)
     dynamic_axes: dict[str, dict[int, str]] = Field(
         description="input name -> {axis index: symbolic dim name}"
     )
-    rtol: float = Field(1e-3, gt=0)
-    atol: float = Field(1e-3, gt=0)
+    rtol: float | None = Field(None, gt=0, description="default: the FP32 tolerance in pipeline.compare")
+    atol: float | None = Field(None, gt=0)
+    tolerances: dict[str, Tolerance] = Field(
+        default_factory=dict, description="per output name (fnmatch pattern): rtol/atol overrides"
+    )
     check_points: list[dict[str, int]] = Field(
         default_factory=list,
         description="shape points (dim name -> size) where ONNX is checked against torch; "

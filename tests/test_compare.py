@@ -48,3 +48,15 @@ def test_tolerances_depend_on_precision():
     assert compare.tolerance("int8", (0.5, 0.5)) == (0.5, 0.5)
     with pytest.raises(AccuracyError, match="valid"):
         compare.tolerance("fp4")
+
+
+def test_per_output_overrides_win_over_the_default():
+    from pipeline.recipe import Tolerance
+
+    ref = [np.ones(3), np.ones(3)]
+    got = [np.ones(3) + 0.05, np.ones(3) + 0.05]
+    per = {"logits": Tolerance(rtol=0.1, atol=0.1)}
+    r = compare.outputs(ref, got, ["logits", "present.0.key"], 1e-4, 1e-4, per_output=per)
+    assert not r["passed"] and r["worst"].startswith("present.0.key")
+    per["present.*"] = Tolerance(rtol=0.1, atol=0.1)
+    assert compare.outputs(ref, got, ["logits", "present.0.key"], 1e-4, 1e-4, per_output=per)["passed"]

@@ -93,14 +93,16 @@ def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: l
     points = shape_points(ctx)
     if len(points) < 3:
         raise ExportError(f"export.check_points: need at least 3 shape points, got {len(points)}")
+    cfg = ctx.recipe.export
+    tol = compare.tolerance("fp32", (cfg.rtol, cfg.atol) if cfg.rtol and cfg.atol else None)
     results = []
     for i, point in enumerate(ctx.progress.track(points, "export: shape checks")):
         feeds = adapter.sample_feeds(module, inputs, point, seed=i)
         with torch.no_grad():
             ref = [t.numpy() for t in adapter.torch_outputs(module, feeds)]
         got = sess.run(None, feeds)
-        report = compare.outputs(ref, got, [o.name for o in sess.get_outputs()],
-                                 rtol=ctx.recipe.export.rtol, atol=ctx.recipe.export.atol)
+        report = compare.outputs(ref, got, [o.name for o in sess.get_outputs()], *tol,
+                                 per_output=ctx.recipe.export.tolerances)
         shapes = {k: list(v.shape) for k, v in feeds.items() if k in ("input_ids", "attention_mask")}
         results.append({"point": point, "shapes": shapes, **report})
         if not report["passed"]:
