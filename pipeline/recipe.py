@@ -235,6 +235,19 @@ class Recipe(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _calibration_in_profile(self) -> "Recipe":
+        cal = self.quantize.calibration
+        dims = self.build.profiles[0].dims
+        for dim, value, field in (("batch", cal and cal.batch_size, "batch_size"), ("sequence", cal and cal.seq_len, "seq_len")):
+            r = dims.get(dim)
+            if value and r is not None and not r.min <= value <= r.max:
+                raise ValueError(
+                    f"quantize.calibration.{field}={value} lies outside build.profiles[0] {dim} range "
+                    f"[{r.min}, {r.max}]; calibrate on shapes the engine will serve"
+                )
+        return self
+
     def section_hash(self, *sections: str) -> str:
         """sha256 of the named top-level sections (``"validate"`` for validation)."""
         data = self.model_dump(mode="json", by_alias=True)

@@ -76,3 +76,18 @@ def test_tight_gate_fails_with_reason(fp8_llm_run, llm_workspace, capsys):
     man = json.loads((llm_workspace / "artifacts" / "fp8-llm" / "manifest.json").read_text())
     assert man["stages"]["export"]["cache_hit"] and man["stages"]["quantize"]["cache_hit"]
     assert man["stages"]["triton"]["status"] == "skipped"
+
+
+def test_int64_token_inputs_stay_int64_through_to_triton(fp8_llm_run):
+    from pipeline.triton.config import parse_config
+
+    q = fp8_llm_run.artifacts["quantize"]
+    model = onnx.load(q.onnx_path, load_external_data=False)
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    assert types["input_ids"] == types["attention_mask"] == onnx.TensorProto.INT64
+    repo = Path(fp8_llm_run.artifacts["triton"].repository)
+    cfg = parse_config((repo / "smollm2_fp8" / "config.pbtxt").read_text())
+    dtypes = {i.name: i.data_type for i in cfg.input}
+    assert dtypes["input_ids"] == dtypes["attention_mask"] == 9  # TYPE_INT64
+    for path in repo.glob("*/config.pbtxt"):
+        parse_config(path.read_text())

@@ -34,6 +34,8 @@ def test_shipped_recipe_is_valid():
         (lambda d: d["quantize"]["calibration"].update(samples=2), "below min_samples"),
         (lambda d: d["triton"]["instance_group"][0].update(kind="GPU"), "triton.instance_group.0.kind"),
         (lambda d: d["build"].update(profiles=[]), "build.profiles"),
+        (lambda d: d["quantize"]["calibration"].update(seq_len=512), "outside build.profiles[0] sequence range"),
+        (lambda d: d["quantize"]["calibration"].update(batch_size=16), "outside build.profiles[0] batch range"),
     ],
 )
 def test_bad_recipe_names_file_and_key(tmp_path, mutate, expect):

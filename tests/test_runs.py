@@ -93,3 +93,14 @@ def test_second_concurrent_build_fails_clearly(tmp_path, tiny_model):
     with run_lock(Path(recipe.work_dir) / recipe.name):
         with pytest.raises(PipelineError, match="another build holds"):
             run_pipeline(recipe, path, quiet=True)
+
+
+def test_too_little_calibration_data_is_an_error(tmp_path, tiny_model):
+    from pipeline.errors import QuantizationError
+
+    path = tiny_recipe(tmp_path, tiny_model, **{"quantize.calibration.split": {"start": 0, "stop": 1},
+                                                "quantize.calibration.seq_len": 256})
+    with pytest.raises(QuantizationError, match="below min_samples=8"):
+        _run(path)
+    man = json.loads((tmp_path / "artifacts" / "tiny-llm" / "manifest.json").read_text())
+    assert man["stages"]["quantize"]["status"] == "failed" and "min_samples" in man["stages"]["quantize"]["reason"]

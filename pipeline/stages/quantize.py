@@ -66,11 +66,10 @@ def calibration_batches(ctx: StageContext, exp: ExportArtifact) -> list[dict[str
     """Feed dicts of real text windows from the calibration split.
 
     Raises:
-        QuantizationError: fewer windows than ``min_samples``, or a batch/sequence
-            size outside the first optimization profile's range.
+        QuantizationError: fewer windows than ``min_samples`` (the recipe schema
+            already refused batch/sequence sizes outside the first profile).
     """
     cal = ctx.recipe.quantize.calibration
-    _check_in_profile(ctx, cal.batch_size, cal.seq_len)
     tok = registry.load_tokenizer(exp.tokenizer_dir)
     docs = data.load_documents(cal.dataset, cal.split)
     windows = data.token_windows(tok, docs, cal.seq_len, cal.samples)
@@ -82,13 +81,3 @@ def calibration_batches(ctx: StageContext, exp: ExportArtifact) -> list[dict[str
     adapter = registry.adapter(ctx.recipe.model)
     return [adapter.feeds_for_ids(exp, windows[i : i + cal.batch_size]) for i in range(0, len(windows), cal.batch_size)]
 
-
-def _check_in_profile(ctx: StageContext, batch: int, seq_len: int) -> None:
-    dims = ctx.recipe.build.profiles[0].dims
-    for dim, value, field in (("batch", batch, "batch_size"), ("sequence", seq_len, "seq_len")):
-        r = dims.get(dim)
-        if r is not None and not r.min <= value <= r.max:
-            raise QuantizationError(
-                f"quantize.calibration.{field}={value} lies outside the profile's {dim} range "
-                f"[{r.min}, {r.max}]; calibrate on shapes the engine will serve"
-            )
