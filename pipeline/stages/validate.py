@@ -58,7 +58,8 @@ def measure(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> tup
 def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> str:
     """Everything the metrics depend on; the gates are left out, so a gate-only
     change re-evaluates the gates without re-measuring."""
-    cfg = ctx.recipe.validate_.model_dump(mode="json", exclude={"gates"})
+    cfg = {"validate": ctx.recipe.validate_.model_dump(mode="json", exclude={"gates"}),
+           "quantize": ctx.recipe.quantize.model_dump(mode="json")}  # naive baselines re-calibrate
     parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
