@@ -104,3 +104,15 @@ def test_too_little_calibration_data_is_an_error(tmp_path, tiny_model):
         _run(path)
     man = json.loads((tmp_path / "artifacts" / "tiny-llm" / "manifest.json").read_text())
     assert man["stages"]["quantize"]["status"] == "failed" and "min_samples" in man["stages"]["quantize"]["reason"]
+
+
+def test_fp16_recipe_casts_the_graph_and_validates(tmp_path, tiny_model):
+    import onnx
+
+    path = tiny_recipe(tmp_path, tiny_model, **{"quantize.precision": "fp16"})
+    result = _run(path)
+    assert result.passed and "perplexity_fp16" in result.manifest["metrics"]
+    model = onnx.load(result.artifacts["quantize"].onnx_path)
+    types = {i.data_type for i in model.graph.initializer}
+    assert onnx.TensorProto.FLOAT16 in types
+    assert {i.type.tensor_type.elem_type for i in model.graph.input if i.name == "input_ids"} == {onnx.TensorProto.INT64}
