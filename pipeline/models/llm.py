@@ -11,7 +11,7 @@ Graph I/O (``L`` layers, ``H`` KV heads, ``D`` head dim, ``V`` vocab):
 """
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -57,14 +57,16 @@ def package_file(source: ModelSource) -> Path:
         if not path.exists():
             raise ExportError(f"model.path: {source.path!r} does not exist")
         return path
-    try:
-        root = importlib.resources.files(source.package)
-    except ModuleNotFoundError as e:
+    # find_spec locates the package without running its __init__, which for
+    # these weight-only packages imports runtimes we do not install.
+    spec = importlib.util.find_spec(source.package)
+    if spec is None or not spec.submodule_search_locations:
         raise ExportError(
             f"model.package: {source.package!r} is not installed; "
             "run `make venv` (it installs requirements-models.txt)"
-        ) from e
-    path = Path(str(root.joinpath(source.path)))
+        )
+    root = Path(list(spec.submodule_search_locations)[0])
+    path = root / source.path
     if not path.exists():
         raise ExportError(f"model.path: {source.path!r} not found in package {source.package!r} ({path})")
     return path
