@@ -28,6 +28,10 @@ class ExportArtifact:
     tokenizer_dir: str
     shape_checks: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def summary(self) -> str:
+        return f"ONNX matches torch at {len(self.shape_checks)} shape points"
+
 
 @dataclass
 class QuantizedArtifact:
@@ -36,6 +40,13 @@ class QuantizedArtifact:
     quantized_nodes: list[str]
     excluded_nodes: list[str]
     calibration: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def summary(self) -> str:
+        if not self.quantized_nodes:
+            return f"{self.precision}: no Q/DQ"
+        return (f"{self.precision}: {len(self.quantized_nodes)} GEMMs quantized, "
+                f"{len(self.excluded_nodes)} excluded, calibration {self.calibration.get('method')}")
 
 
 @dataclass
@@ -88,6 +99,10 @@ class TritonArtifact:
     repository: str
     models: list[str]
     compute_backend: str
+
+    @property
+    def summary(self) -> str:
+        return f"{self.repository}/: {', '.join(self.models)} (compute model: {self.compute_backend})"
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -103,7 +103,7 @@ def write_outputs(man: dict, run_dir: Path) -> Path:
 def report_markdown(man: dict) -> str:
     name = man["recipe"]["name"]
     lines = [f"# {name}: {man.get('verdict', 'incomplete').upper()}", "", "## Stages", "",
-             "| stage | status | cache | wall (s) | peak RSS (MiB) | reason |", "|---|---|---|---|---|---|"]
+             "| stage | status | cache | wall (s) | peak RSS (MiB) | notes |", "|---|---|---|---|---|---|"]
     for st, r in man["stages"].items():
         cache = "hit" if r.get("cache_hit") else "miss"
         lines.append(f"| {st} | {r['status']} | {cache} | {r['wall_s']} | {r.get('peak_rss_mib')} | {r['reason']} |")

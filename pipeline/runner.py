@@ -160,6 +160,7 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> RunResult:
     versions = M.tool_versions()
     man = M.new_manifest(recipe, recipe_path, versions)
+    versions = {**versions, "inputs": man["inputs"]}  # new weights or corpus invalidate the cache
     arts: dict[str, Any] = {}
     keys: dict[str, str] = {}
     for stage in _stages():
@@ -191,7 +192,8 @@ def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: di
         M.write_outputs(man, ctx.run_dir)
         raise
     status = getattr(art, "status", "ok")
-    record = M.stage_record(status, getattr(art, "reason", ""), time.perf_counter() - start, mem.peak_mib)
+    note = getattr(art, "reason", "") or getattr(art, "summary", "")
+    record = M.stage_record(status, note, time.perf_counter() - start, mem.peak_mib)
     man["stages"][stage.name] = {**record, "cache_hit": False}
     _commit(ctx.run_dir / stage.name, key, art, record)
     return art

@@ -90,11 +90,13 @@ def mean_nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
         logits: float32 ``[batch, seq, vocab]``.
         ids: int64 ``[batch, seq]``; position t predicts token t+1.
     """
-    lg = logits[:, :-1, :].astype(np.float64)
-    target = ids[:, 1:]
-    picked = np.take_along_axis(lg, target[..., None], axis=-1)[..., 0]
-    nll = logsumexp(lg, axis=-1) - picked
-    return float(nll.sum()), int(nll.size)
+    total, count = 0.0, 0
+    for row, tokens in zip(logits, ids):  # one row at a time keeps float64 copies small
+        lg = row[:-1].astype(np.float64)
+        picked = np.take_along_axis(lg, tokens[1:, None], axis=-1)[:, 0]
+        nll = logsumexp(lg, axis=-1) - picked
+        total, count = total + float(nll.sum()), count + int(nll.size)
+    return total, count
 
 
 def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str) -> float:
