@@ -1,8 +1,6 @@
 """Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, or FP16."""
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import onnx
 
@@ -24,10 +22,10 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     """
     q = ctx.recipe.quantize
     out = ctx.stage_dir / "model.onnx"
+    model = onnx.load(exp.onnx_path)  # with its external weights, saved back as one file
     if q.precision == "fp32":
-        shutil.copyfile(exp.onnx_path, out)
+        onnx.save(model, str(out))
         return QuantizedArtifact(str(out), "fp32", [], [])
-    model = onnx.load(exp.onnx_path)
     if q.precision == "fp16":
         return _fp16(model, out)
     _check_opset(model, q.precision)
