@@ -36,6 +36,19 @@ def tolerance(precision: str, override: tuple[float, float] | None = None) -> tu
     return DEFAULT_TOLERANCES[precision]
 
 
+_CHUNK = 1 << 22
+
+
+def _chunk(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float) -> tuple[int, int, float]:
+    """(mismatched, non-finite where the reference is finite, max finite abs error) of one chunk."""
+    ref_finite, got_finite = np.isfinite(ref), np.isfinite(got)
+    both = ref_finite & got_finite
+    with np.errstate(invalid="ignore"):
+        err = np.abs(got - ref)
+    ok = np.where(both, err <= atol + rtol * np.abs(ref), ref == got)
+    return int((~ok).sum()), int((ref_finite & ~got_finite).sum()), float(err[both].max()) if both.any() else 0.0
+
+
 def tensor(name: str, ref: np.ndarray, got: np.ndarray, rtol: float, atol: float) -> dict:
     """Compare one tensor. Returns a JSON-able report with ``passed``.
 
@@ -47,21 +60,21 @@ def tensor(name: str, ref: np.ndarray, got: np.ndarray, rtol: float, atol: float
         raise AccuracyError(f"{name}: shape {list(got.shape)} differs from reference {list(ref.shape)}")
     if ref.size == 0:
         raise AccuracyError(f"{name}: comparison of zero elements proves nothing")
-    ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
-    if np.isnan(ref64).any():
+    ref_flat, got_flat = ref.reshape(-1), got.reshape(-1)
+    if np.isnan(ref_flat).any():
         raise AccuracyError(f"{name}: reference holds NaN; the reference model or its input is broken")
-    ref_finite = np.isfinite(ref64)
-    bad_nonfinite = int((ref_finite & ~np.isfinite(got64)).sum())
-    both = ref_finite & np.isfinite(got64)
-    with np.errstate(invalid="ignore"):
-        err = np.abs(got64 - ref64)
-    ok = np.where(both, err <= atol + rtol * np.abs(ref64), ref64 == got64)
-    mismatched = int((~ok).sum())
-    finite_err = err[both]
+    mismatched = bad_nonfinite = 0
+    max_err = 0.0
+    for start in range(0, ref_flat.size, _CHUNK):  # bounded float64 temporaries
+        r = ref_flat[start : start + _CHUNK].astype(np.float64)
+        g = got_flat[start : start + _CHUNK].astype(np.float64)
+        bad, nonfinite, err = _chunk(r, g, rtol, atol)
+        mismatched, bad_nonfinite = mismatched + bad, bad_nonfinite + nonfinite
+        max_err = max(max_err, err)
     return {
         "name": name,
         "elements": int(ref.size),
-        "max_abs_err": float(finite_err.max()) if finite_err.size else 0.0,
+        "max_abs_err": max_err,
         "mismatched": mismatched,
         "nonfinite_in_candidate": bad_nonfinite,
         "passed": mismatched == 0 and bad_nonfinite == 0,
