@@ -23,6 +23,7 @@ import os
 import shlex
 from dataclasses import asdict
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -171,7 +172,7 @@ def _trtexec_dims(shape: list[int]) -> str:
     return "x".join(str(d) for d in shape) if shape else "scalar"
 
 
-def write_trtexec_script(path: Path, argv: list[str], make_dirs: list[Path] = ()) -> Path:
+def write_trtexec_script(path: Path, argv: list[str], make_dirs: Sequence[Path] = ()) -> Path:
     """Write ``argv`` as an executable sh script, one argument per line, that
     first changes to its own folder and creates ``make_dirs``. Returns ``path``."""
     body = " \\\n  ".join(_sh_quote(a) for a in argv)
