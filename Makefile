@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv build check test typecheck bench clean
+.PHONY: venv build check test typecheck bench bench-build serve clean
 
 venv: $(STAMP)
 
@@ -33,7 +33,16 @@ test: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m pytest -q tests/test_build_typecheck.py
 
+# Serve the recipe's Triton repository on the pytriton wheel's tritonserver (127.0.0.1, free
+# ports) until Ctrl-C; `bench` starts it, measures (recipe serve: section) and stops it.
+# Both build what is missing first (finished stages are cached).
+serve: $(STAMP)
+	$(PY) -m pipeline serve recipes/$(RECIPE).yaml
+
 bench: $(STAMP)
+	$(PY) -m pipeline bench recipes/$(RECIPE).yaml
+
+bench-build: $(STAMP)
 	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml
 
 clean:

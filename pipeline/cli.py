@@ -1,5 +1,8 @@
 """Command line: ``python -m pipeline build recipes/fp8-llm.yaml``.
 
+Also ``check`` (recipe only), ``serve`` (local tritonserver until Ctrl-C) and
+``bench`` (start, measure, stop; see pipeline.serve).
+
 Exit codes: 0 success, 1 an accuracy gate failed, 2 bad input or a failed stage.
 """
 from __future__ import annotations
@@ -48,6 +51,33 @@ def cmd_check(args) -> int:
     return 0
 
 
+def _served(args):
+    from pipeline.recipe import load_recipe
+    from pipeline.serve.prepare import built_artifacts
+    from pipeline.serve.run import prepare_for_server
+
+    recipe = load_recipe(args.recipe, _parse_set(args.set))
+    return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet))
+
+
+def cmd_serve(args) -> int:
+    from pipeline.serve.run import serve_forever
+
+    code = serve_forever(_served(args), check=args.check)
+    print(f"tritonserver stopped (exit status {code})")
+    return 0 if code == 0 else 2
+
+
+def cmd_bench(args) -> int:
+    from pipeline.serve.run import bench
+
+    served = _served(args)
+    result = bench(served)
+    print(result["markdown"])
+    print(f"bench: {served.run_dir / 'bench' / 'bench.json'}\n       {served.run_dir / 'bench' / 'bench.md'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trtpipe", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -58,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe field by dotted path (repeatable)")
         sp.add_argument("--quiet", action="store_true", help="no progress output")
+        sp.set_defaults(fn=fn)
+    for name, fn, help_ in (("serve", cmd_serve, "serve the recipe's repository on a local tritonserver until Ctrl-C"),
+                            ("bench", cmd_bench, "start tritonserver, measure latency / throughput / batching, stop")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe field by dotted path, e.g. serve.concurrency=[1,2] (repeatable)")
+        sp.add_argument("--quiet", action="store_true", help="no build progress output")
+        if name == "serve":
+            sp.add_argument("--check", action="store_true",
+                            help="stream every validate prompt and compare with the validate stage's greedy tokens")
         sp.set_defaults(fn=fn)
     return p
 

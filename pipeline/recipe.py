@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -210,6 +210,46 @@ class TritonConfig(Strict):
     version: int = Field(1, ge=1)
 
 
+class ServeSLO(Strict):
+    """Per-request service-level objective; goodput counts the requests that meet it."""
+
+    ttft_ms: float = Field(1000.0, gt=0, description="LLM: time to first token, ms")
+    tpot_ms: float = Field(250.0, gt=0, description="LLM: mean time per output token after the first, ms")
+    latency_ms: float = Field(1000.0, gt=0, description="non-LLM: request latency, ms")
+
+
+class ServeConfig(Strict):
+    """Serving on a local tritonserver and the ``bench`` load (``python -m pipeline bench``).
+
+    Not part of :attr:`Recipe.digest`: it shapes no build artifact, so changing an
+    SLO invalidates no stage and no engine; bench results record the values used.
+    """
+
+    slo: ServeSLO = ServeSLO()
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4], min_length=1)
+    requests_per_level: int = Field(8, ge=1, description="requests sent at each concurrency level")
+    max_tokens: int = Field(32, ge=1, description="LLM: output tokens per request (EOS ignored)")
+    long_max_tokens: int = Field(260, ge=2, description="LLM: output tokens of the TPOT-position request")
+    tpot_positions: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [16, 256], min_length=2, max_length=2,
+        description="LLM: output positions whose TPOT is compared (ratio second / first)",
+    )
+    bucket_tokens: int = Field(64, ge=1, description="sequence length of every request in the batching comparison")
+    batching_concurrency: int = Field(16, ge=1, description="concurrency of the batching / instances comparison")
+    batching_requests: int = Field(32, ge=1, description="requests per variant in that comparison")
+    ready_timeout_s: float = Field(300.0, gt=0, description="how long the server may take to load, s")
+
+    @model_validator(mode="after")
+    def _long_enough(self) -> "ServeConfig":
+        first, second = self.tpot_positions
+        if not first < second:
+            raise ValueError(f"tpot_positions: need the first below the second, got {first}, {second}")
+        if self.long_max_tokens < second + 4:
+            raise ValueError(f"long_max_tokens ({self.long_max_tokens}) must reach tpot_positions[1] + 4 "
+                             f"({second + 4}): TPOT there is the median gap of positions {second - 4}..{second + 3}")
+        return self
+
+
 class Recipe(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     model: ModelSource
@@ -218,6 +258,7 @@ class Recipe(Strict):
     build: BuildConfig
     validate_: ValidateConfig = Field(alias="validate")
     triton: TritonConfig
+    serve: ServeConfig = Field(default_factory=ServeConfig, exclude=True)
     output_dir: str = "model_repository"
     work_dir: str = "artifacts"
 

@@ -192,7 +192,8 @@ def test_generation_model_is_decoupled_with_numbers_in_parameters(stage):
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert params == {"compute_model": "tiny", "num_layers": "2", "kv_heads": "1", "head_dim": "4",
                       "kv_dtype": "float32", "eos_token_ids": "0", "default_max_tokens": "6",
-                      "max_context": "33", "max_prompt_tokens": "16"}  # min(40, 32 + 1), input_ids max
+                      "max_context": "33", "max_prompt_tokens": "16",  # min(40, 32 + 1), input_ids max
+                      "max_concurrent_generations": "4"}  # max_batch_size
     template = (Path(repo_mod.__file__).parent / "templates" / "generate_model.py").read_text()
     assert (gen / "1" / "model.py").read_text() == template
 
@@ -272,7 +273,12 @@ def test_republish_replaces_models_and_drops_ones_no_longer_written(stage):
 
 
 def test_encoder_recipe_gets_no_generation_model(stage):
-    art = write_repository(make_recipe(kind="encoder"), **stage)
+    """An encoder gets a tokenizer + ensemble instead (tests/test_serve_encoder.py); a graph whose
+    inputs the tokenizer cannot make (this LLM's past tensors) is refused, naming them."""
+    with pytest.raises(TritonConfigError, match=r"model 'tiny_tokenizer': the tokenizer model makes .*"
+                                                r"needs \['past_key_values.0.key'"):
+        write_repository(make_recipe(kind="encoder"), **stage)
+    art = write_repository(make_recipe(kind="encoder"), **stage, compute_only=True)
     assert art.models == ["tiny"]
 
 
@@ -391,8 +397,8 @@ def test_onnxruntime_template_batches_equal_shapes_and_isolates_errors(stage, mo
     write_repository(make_recipe(target="python-onnxruntime", generate_model_name=None), **stage)
     model = load_template(stage["out_dir"] / "tiny")
     runs = []
-    real_run = model.session.run
-    model.session.run = lambda names, feeds: runs.append({n: a.shape for n, a in feeds.items()}) or real_run(names, feeds)
+    real_run = model._session_run  # session.run, or run_with_ort_values with the weights dequantized once
+    model._session_run = lambda feeds: runs.append({n: a.shape for n, a in feeds.items()}) or real_run(feeds)
     feeds = [llm_feeds(1, 3, 1), llm_feeds(2, 3, 2), llm_feeds(1, 5, 3), llm_feeds(2, 3, 4)]
     broken = {n: a for n, a in llm_feeds(1, 3, 5).items() if n != "attention_mask"}
     responses = model.execute([FakeRequest(**f) for f in [*feeds, broken]])
@@ -415,6 +421,7 @@ def test_generate_template_streams_greedy_tokens_and_stops(stage, monkeypatch):
     requests = [FakeRequest(text_input=np.array([p.encode()], np.object_),
                             **({} if m is None else {"max_tokens": m})) for p, m in prompts]
     assert model.execute(requests) is None
+    model.drain(timeout=60)  # generations run on the model's threads
     for (prompt, max_tokens), request in zip(prompts, requests):
         ids = tok.encode(prompt).ids
         budget = min(6 if max_tokens is None else int(max_tokens[0]), 33 - len(ids) + 1)  # max_context 33
@@ -425,6 +432,7 @@ def test_generate_template_streams_greedy_tokens_and_stops(stage, monkeypatch):
         assert text == tok.decode(expected, skip_special_tokens=True)
     long_prompt = FakeRequest(text_input=np.array([" ".join(["a"] * 17).encode()], np.object_))
     model.execute([long_prompt])
+    model.drain(timeout=60)
     (response, flags), = long_prompt.sent
     assert flags == 1 and "prompt has 17 tokens; this model accepts at most 16" in response.error
 

@@ -10,7 +10,8 @@ Targets (the resolved ``triton.target``), their config and version folder:
 * ``tensorrt``: platform ``tensorrt_plan``; ``model.plan``.
 * ``onnxruntime``: platform ``onnxruntime_onnx``; ``model.onnx``.
 * ``python-onnxruntime``: backend ``python``; ``model.py`` + ``model.onnx``.
-* ``python``: backend ``python``; ``model.py`` (the generation model).
+* ``python``: backend ``python``; ``model.py`` (the generation and tokenizer models).
+* ``ensemble``: platform ``ensemble``; an empty version folder (encoder text -> embedding).
 
 Device rule (``instance_group.kind``), checked by :func:`check_config`:
 
@@ -67,10 +68,17 @@ RUNTIMES: dict[str, tuple[str, str, str]] = {
     "onnxruntime": ("onnxruntime_onnx", "", "model.onnx"),
     "python-onnxruntime": ("", "python", "model.py"),
     "python": ("", "python", "model.py"),
+    "ensemble": ("ensemble", "", ""),
 }
 
-#: I/O of the generation model, checked like a graph's I/O (max_batch_size 0).
-GENERATE_INPUTS = [TensorSpec("text_input", "object", [1]), TensorSpec("max_tokens", "int32", [1])]
+#: I/O of the generation model, checked like a graph's I/O (max_batch_size 0). Every input
+#: is optional in the config; model.py needs exactly one of ``text_input`` / ``input_ids``.
+GENERATE_INPUTS = [
+    TensorSpec("text_input", "object", [1]),
+    TensorSpec("max_tokens", "int32", [1]),
+    TensorSpec("input_ids", "int64", ["prompt_tokens"]),
+    TensorSpec("ignore_eos", "bool", [1]),
+]
 GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_ids", "int64", [1])]
 
 
@@ -167,7 +175,9 @@ def compute_config(
             on CPU (onnxruntime 1.31; same rule as pipeline/runtime.py).
             ``onnxruntime``: ``optimization.graph.level: -1`` (the Triton
             backend's ORT_ENABLE_BASIC); ``python-onnxruntime``: parameter
-            ``graph_optimization_level`` ``basic`` (else ``all``).
+            ``graph_optimization_level`` ``basic`` (else ``all``) and
+            ``dequantize_weights`` ``once`` (constant weight DequantizeLinear
+            run once at load; bit-identical outputs, see the template).
 
     Raises:
         TritonConfigError: unknown target or a dtype Triton has no type for.
@@ -178,6 +188,8 @@ def compute_config(
         cfg.optimization.graph.level = -1
     if target == "python-onnxruntime":
         cfg.parameters["graph_optimization_level"].string_value = "basic" if qdq else "all"
+        if qdq:
+            cfg.parameters["dequantize_weights"].string_value = "once"
     batched = triton.max_batch_size > 0
     for kind, entries, specs in (("input", cfg.input, inputs), ("output", cfg.output, outputs)):
         for spec in specs:
@@ -222,19 +234,25 @@ def generate_config(
     default_max_tokens: int,
     max_context: int = 0,
     max_prompt_tokens: int = 0,
+    max_concurrent_generations: int = 1,
 ) -> ModelConfig:
     """Config of the decoupled python-backend generation model.
 
-    I/O (max_batch_size 0): ``text_input`` TYPE_STRING [1], ``max_tokens``
-    TYPE_INT32 [1] (optional) -> ``text_output`` TYPE_STRING [1] and
-    ``token_ids`` TYPE_INT64 [1], one token per streamed response. Every number
+    I/O (max_batch_size 0), all inputs optional: ``text_input`` TYPE_STRING [1]
+    (a prompt) or ``input_ids`` TYPE_INT64 [-1] (prompt token ids, no
+    tokenizer round trip), ``max_tokens`` TYPE_INT32 [1], ``ignore_eos``
+    TYPE_BOOL [1] (generate exactly ``max_tokens``, for benchmarks) ->
+    ``text_output`` TYPE_STRING [1] and ``token_ids`` TYPE_INT64 [1], one
+    token per streamed response. Every number
     model.py needs travels in ``parameters`` as strings; ``max_context`` /
-    ``max_prompt_tokens`` of 0 mean unlimited.
+    ``max_prompt_tokens`` of 0 mean unlimited; ``max_concurrent_generations``
+    requests generate at once (threads), later ones wait.
     """
     cfg = ModelConfig(name=name, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
-    cfg.input.add(name="text_input", data_type=mc.TYPE_STRING, dims=[1])
-    cfg.input.add(name="max_tokens", data_type=mc.TYPE_INT32, dims=[1], optional=True)
+    for spec in GENERATE_INPUTS:
+        cfg.input.add(name=spec.name, data_type=triton_dtype(spec.dtype), dims=config_dims(spec.shape, False),
+                      optional=True)
     cfg.output.add(name="text_output", data_type=mc.TYPE_STRING, dims=[1])
     cfg.output.add(name="token_ids", data_type=mc.TYPE_INT64, dims=[1])
     cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
@@ -248,10 +266,110 @@ def generate_config(
         "default_max_tokens": default_max_tokens,
         "max_context": max_context,
         "max_prompt_tokens": max_prompt_tokens,
+        "max_concurrent_generations": max_concurrent_generations,
     }
     for key, value in params.items():
         cfg.parameters[key].string_value = str(value)
     return cfg
+
+
+#: Encoder tokenizer model: sentence in, the encoder graph's int64 inputs out.
+TOKENIZER_INPUT = "text"
+TOKENIZER_OUTPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def tokenizer_config(
+    name: str, *, max_batch_size: int, outputs: Sequence[str], max_length: int, pad_id: int, pad_to_multiple_of: int
+) -> ModelConfig:
+    """Config of the python-backend tokenizer model of an encoder.
+
+    I/O (batched, ``max_batch_size`` > 0): ``text`` TYPE_STRING [1] per row ->
+    each of ``outputs`` (a subset of :data:`TOKENIZER_OUTPUTS`) TYPE_INT64 [-1].
+    Parameters (strings): ``max_length`` (truncation, tokens), ``pad_id`` and
+    ``pad_to_multiple_of`` (a request's rows are padded to its longest row,
+    rounded up to this multiple, so requests of similar length get one shape
+    and the compute model can batch them).
+
+    Raises:
+        TritonConfigError: an output the tokenizer cannot produce, or
+            ``max_batch_size`` < 1.
+    """
+    check_tokenizer_outputs(name, outputs, max_batch_size)
+    cfg = ModelConfig(name=name, backend="python", max_batch_size=max_batch_size)
+    cfg.input.add(name=TOKENIZER_INPUT, data_type=mc.TYPE_STRING, dims=[1])
+    for out in outputs:
+        cfg.output.add(name=out, data_type=mc.TYPE_INT64, dims=[-1])
+    cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    for key, value in (("max_length", max_length), ("pad_id", pad_id), ("pad_to_multiple_of", pad_to_multiple_of)):
+        cfg.parameters[key].string_value = str(value)
+    return cfg
+
+
+def check_tokenizer_outputs(name: str, outputs: Sequence[str], max_batch_size: int) -> None:
+    """Raises TritonConfigError unless the tokenizer model can make ``outputs`` (the encoder
+    graph's inputs) and ``max_batch_size`` >= 1."""
+    unknown = sorted(set(outputs) - set(TOKENIZER_OUTPUTS))
+    if unknown or max_batch_size < 1:
+        raise TritonConfigError(
+            f"model '{name}': the tokenizer model makes {list(TOKENIZER_OUTPUTS)} with max_batch_size >= 1; "
+            f"the encoder graph needs {unknown or list(outputs)} (max_batch_size {max_batch_size})"
+        )
+
+
+def ensemble_config(name: str, tokenizer: ModelConfig, compute: ModelConfig) -> ModelConfig:
+    """Ensemble ``text`` -> ``tokenizer`` -> ``compute`` -> the compute model's outputs.
+
+    Every tokenizer output feeds the compute input of the same name; the
+    ensemble's outputs are the compute model's, with the same names, types and dims.
+    """
+    cfg = ModelConfig(name=name, platform="ensemble", max_batch_size=compute.max_batch_size)
+    cfg.input.add(name=TOKENIZER_INPUT, data_type=mc.TYPE_STRING, dims=[1])
+    for out in compute.output:
+        cfg.output.add(name=out.name, data_type=out.data_type, dims=list(out.dims))
+    first = cfg.ensemble_scheduling.step.add(model_name=tokenizer.name, model_version=-1)
+    first.input_map[TOKENIZER_INPUT] = TOKENIZER_INPUT
+    second = cfg.ensemble_scheduling.step.add(model_name=compute.name, model_version=-1)
+    for out in tokenizer.output:
+        first.output_map[out.name] = out.name
+        second.input_map[out.name] = out.name
+    for out in compute.output:
+        second.output_map[out.name] = out.name
+    return cfg
+
+
+def check_ensemble(cfg: ModelConfig, models: dict[str, ModelConfig]) -> None:
+    """Refuse an ensemble whose steps do not connect.
+
+    Raises:
+        TritonConfigError: a step names a model not in ``models`` or a tensor
+            that model does not have; a step reads a tensor no earlier step
+            (or the ensemble input) makes, with another data type; an ensemble
+            output no step makes.
+    """
+    available = {t.name: t.data_type for t in cfg.input}
+    for i, step in enumerate(cfg.ensemble_scheduling.step):
+        model = models.get(step.model_name)
+        if model is None:
+            _fail(cfg, f"ensemble_scheduling.step[{i}]", f"model '{step.model_name}' is not in the repository")
+        ins = {t.name: t.data_type for t in model.input}
+        outs = {t.name: t.data_type for t in model.output}
+        for model_input, tensor in step.input_map.items():
+            if model_input not in ins or available.get(tensor) != ins[model_input]:
+                _fail(cfg, f"ensemble_scheduling.step[{i}].input_map['{model_input}']", f"tensor '{tensor}' "
+                      f"({_type_name(available.get(tensor))}) does not feed input '{model_input}' of "
+                      f"'{step.model_name}' ({_type_name(ins.get(model_input))})")
+        for model_output, tensor in step.output_map.items():
+            if model_output not in outs:
+                _fail(cfg, f"ensemble_scheduling.step[{i}].output_map['{model_output}']",
+                      f"'{step.model_name}' has no output '{model_output}'; it has {sorted(outs)}")
+            available[tensor] = outs[model_output]
+    for out in cfg.output:
+        if available.get(out.name) != out.data_type:
+            _fail(cfg, f"output '{out.name}'", "no ensemble step makes it with this data type")
+
+
+def _type_name(dtype: int | None) -> str:
+    return "missing" if dtype is None else mc.DataType.Name(dtype)
 
 
 def check_config(

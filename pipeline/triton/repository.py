@@ -9,6 +9,10 @@ Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
     <model_name>/<v>/model.py + model.onnx   target python-onnxruntime
     <generate_model_name>/config.pbtxt   causal-lm recipes with generate_model_name
     <generate_model_name>/<v>/model.py + every file of export.tokenizer_dir
+    <model_name>_tokenizer/config.pbtxt  encoder recipes: text -> the graph's int64 inputs
+    <model_name>_tokenizer/<v>/model.py + every file of export.tokenizer_dir
+    <model_name>_ensemble/config.pbtxt   encoder recipes: text -> tokenizer -> compute model
+    <model_name>_ensemble/<v>/           (empty, as Triton wants for ensembles)
 
 Publishing: everything is written into a staging folder next to ``out_dir``;
 every config is checked (:func:`~pipeline.triton.config.check_config`) and every
@@ -39,17 +43,24 @@ from pipeline.triton.config import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     RUNTIMES,
+    TOKENIZER_INPUT,
     ModelConfig,
     check_config,
+    check_ensemble,
+    check_tokenizer_outputs,
     compute_config,
+    ensemble_config,
     generate_config,
     graph_io,
     parse_config,
     to_text,
+    tokenizer_config,
 )
 
 INDEX_FILE = "repository.json"
 DEFAULT_MAX_TOKENS = 32  # generation default when the recipe has no validate.generation
+DEFAULT_MAX_LENGTH = 512  # encoder tokenizer truncation when the profile gives no input_ids max
+PAD_TO_MULTIPLE_OF = 16  # encoder tokenizer: row length rounded up to this (shape buckets for batching)
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
@@ -72,6 +83,16 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: str
+
+
+def tokenizer_model_name(model_name: str) -> str:
+    """Name of an encoder's tokenizer model."""
+    return f"{model_name}_tokenizer"
+
+
+def ensemble_model_name(model_name: str) -> str:
+    """Name of an encoder's text -> embedding ensemble."""
+    return f"{model_name}_ensemble"
 
 
 def resolve_target(requested: str, build: BuildArtifact) -> str:
@@ -122,18 +143,22 @@ def write_repository(
     quantized: QuantizedArtifact,
     build: BuildArtifact,
     out_dir: Path,
+    compute_only: bool = False,
 ) -> TritonArtifact:
     """Write, check and publish the Triton model repository for ``recipe``.
 
     The compute model serves ``quantized.onnx_path`` (or ``build.engine_path``
     for target ``tensorrt``); causal-lm recipes with ``triton.generate_model_name``
-    also get the decoupled generation model.
+    also get the decoupled generation model; encoder recipes get a tokenizer
+    model and an ensemble (text -> embedding). ``compute_only``: the compute
+    model alone (bench variants).
 
     Raises:
         TritonConfigError: target ``tensorrt`` without an engine; a config that
             fails :func:`check_config`; a config.pbtxt that does not parse back
             to the same message; missing tokenizer.json or EOS id; a KV layout
-            the compute graph does not match. The published repository (if any)
+            the compute graph does not match; an encoder graph input the
+            tokenizer model cannot make, or no pad token. The published repository (if any)
             is unchanged in all these cases.
     """
     target = resolve_target(recipe.triton.target, build)
@@ -147,8 +172,10 @@ def write_repository(
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     try:
         models = [_stage_compute(recipe, target, quantized, build, staging)]
-        if recipe.model.kind == "causal-lm" and recipe.triton.generate_model_name:
+        if recipe.model.kind == "causal-lm" and recipe.triton.generate_model_name and not compute_only:
             models.append(_stage_generate(recipe, export, models[0].inputs, build, staging))
+        if recipe.model.kind == "encoder" and not compute_only:
+            models += _stage_encoder_text(recipe, export, models[0], build, staging)
         _verify(models, staging, recipe.triton.version, gpu_available(build) if target == "onnxruntime" else False)
         _write_index(recipe, target, models, staging)
         _publish(staging, out_dir, [m.config.name for m in models])
@@ -200,10 +227,60 @@ def _stage_generate(
         kv_dtype=kv.dtype,
         eos_token_ids=eos_token_ids(version_dir),
         default_max_tokens=generation.new_tokens if generation else DEFAULT_MAX_TOKENS,
+        max_concurrent_generations=max(1, recipe.triton.max_batch_size),
         **context_limits(build.profiles),
     )
     _write_config(staging / name, cfg)
     return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None)
+
+
+def _stage_encoder_text(
+    recipe: Recipe, export: ExportArtifact, compute: StagedModel, build: BuildArtifact, staging: Path
+) -> list[StagedModel]:
+    """Tokenizer model (template + tokenizer files) and the text -> embedding ensemble."""
+    name = recipe.triton.model_name
+    version = str(recipe.triton.version)
+    tok_dir = staging / tokenizer_model_name(name) / version
+    check_tokenizer_outputs(tokenizer_model_name(name), [s.name for s in compute.inputs], recipe.triton.max_batch_size)
+    _copy_tokenizer(Path(export.tokenizer_dir), tok_dir)
+    _write_template("tokenizer_model.py", tok_dir / "model.py")
+    tokenizer = tokenizer_config(
+        tokenizer_model_name(name), max_batch_size=recipe.triton.max_batch_size, outputs=[s.name for s in compute.inputs],
+        max_length=context_limits(build.profiles)["max_prompt_tokens"] or DEFAULT_MAX_LENGTH,
+        pad_id=pad_token_id(tok_dir), pad_to_multiple_of=PAD_TO_MULTIPLE_OF,
+    )
+    ensemble = ensemble_config(ensemble_model_name(name), tokenizer, compute.config)
+    check_ensemble(ensemble, {m.name: m for m in (tokenizer, compute.config)})
+    (staging / ensemble.name / version).mkdir(parents=True)
+    for cfg in (tokenizer, ensemble):
+        _write_config(staging / cfg.name, cfg)
+    text = [TensorSpec(TOKENIZER_INPUT, "object", ["batch", 1])]
+    ids = [TensorSpec(s.name, "int64", ["batch", "sequence"]) for s in compute.inputs]
+    return [StagedModel(tokenizer, text, ids, "python", None), StagedModel(ensemble, text, compute.outputs, "ensemble", None)]
+
+
+def pad_token_id(tokenizer_dir: Path) -> int:
+    """Pad id: ``pad_token`` of tokenizer_config.json / special_tokens_map.json looked up in
+    tokenizer.json, else tokenizer.json's ``padding.pad_id``.
+
+    Raises:
+        TritonConfigError: no pad token named, or the named one is not in the vocabulary.
+    """
+    from tokenizers import Tokenizer
+
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        token = _json_field(tokenizer_dir / name, "pad_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token:
+            token_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(token)
+            if token_id is None:
+                raise TritonConfigError(f"{tokenizer_dir / name}: pad_token {token!r} is not in tokenizer.json")
+            return token_id
+    padding = _json_field(tokenizer_dir / "tokenizer.json", "padding")
+    if isinstance(padding, dict) and "pad_id" in padding:
+        return int(padding["pad_id"])
+    raise TritonConfigError(f"{tokenizer_dir}: no pad_token in tokenizer_config.json or special_tokens_map.json and "
+                            "no padding in tokenizer.json; the encoder tokenizer model pads batches with it")
 
 
 def kv_layout(inputs: Sequence[TensorSpec]) -> KVLayout:
@@ -390,7 +467,7 @@ def _verify(models: Sequence[StagedModel], staging: Path, version: int, gpu: boo
 
 def _required_files(m: StagedModel) -> list[str]:
     """Files the version folder must hold: the model file, the python model's ONNX, the tokenizer."""
-    names = [RUNTIMES[m.target][2]]
+    names = [RUNTIMES[m.target][2]] if RUNTIMES[m.target][2] else []
     if "onnx_file" in m.config.parameters:
         names.append(m.config.parameters["onnx_file"].string_value)
     if m.target == "python":

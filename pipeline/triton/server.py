@@ -53,6 +53,12 @@ class ServerDist:
     python_backend: Path  # libtriton_python.so, triton_python_backend_utils.py
     stub: Path  # triton_python_backend_stub for this interpreter's version
 
+    @property
+    def backends(self) -> list[str]:
+        """Backends this server can load: the folders of its ``backends/`` directory
+        (the pytriton wheel ships only ``python``; no ``onnxruntime``, no ``tensorrt``)."""
+        return sorted(p.name for p in self.python_backend.parent.iterdir() if p.is_dir() and not p.name.startswith("_"))
+
 
 def find_server() -> ServerDist:
     """Locate tritonserver in the installed nvidia-pytriton wheel.
@@ -201,9 +207,10 @@ def free_ports(count: int) -> list[int]:
 
 
 def start_server(
-    repository: str | Path,
+    repository: str | Path | Sequence[str | Path],
     *,
     models: Sequence[str] = (),
+    explicit: bool = False,
     timeout_s: float = 120.0,
     workdir: str | Path | None = None,
     exit_timeout_s: int = 10,
@@ -215,8 +222,12 @@ def start_server(
     """Start tritonserver on ``repository`` (all its models load) and wait until ready.
 
     Args:
-        repository: model repository folder.
+        repository: model repository folder, or several (Triton merges them;
+            model names must be unique across them).
         models: models that must report ready (besides server readiness).
+        explicit: ``--model-control-mode=explicit``: only ``models`` load at
+            start; the others are loaded and unloaded by the client
+            (``load_model`` / ``unload_model``).
         timeout_s: readiness deadline; the server is stopped when it passes.
         workdir: where the backend folder and ``tritonserver.log`` go; the log
             is kept after stop. Default: a temporary folder, removed by stop.
@@ -236,8 +247,10 @@ def start_server(
     backends = _backend_dir(dist, work)
     http, grpc, metrics = free_ports(3)
     prefix = f"trtpipe{os.getpid()}-{secrets.token_hex(4)}-"
+    repositories = [repository] if isinstance(repository, (str, Path)) else list(repository)
+    control = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)] if explicit else []
     cmd = [
-        str(dist.binary), f"--model-repository={Path(repository).resolve()}",
+        str(dist.binary), *(f"--model-repository={Path(r).resolve()}" for r in repositories), *control,
         f"--backend-directory={backends}", "--http-address=127.0.0.1", f"--http-port={http}",
         "--grpc-address=127.0.0.1", f"--grpc-port={grpc}", "--metrics-address=127.0.0.1",
         f"--metrics-port={metrics}", f"--exit-timeout-secs={exit_timeout_s}", f"--log-verbose={log_verbose}",
@@ -263,15 +276,20 @@ def start_server(
 
 
 def _backend_dir(dist: ServerDist, work: Path) -> Path:
-    """``work/backends/python`` with links to the wheel's python backend and this Python's stub."""
-    python = work / "backends" / "python"
+    """``work/backends``: ``python/`` with links to the wheel's python backend and this
+    Python's stub; every other backend folder of the wheel linked as it is."""
+    root = work / "backends"
+    python = root / "python"
     python.mkdir(parents=True, exist_ok=True)
     for source in [*dist.python_backend.iterdir(), dist.stub]:
         if source.is_file():
             link = python / source.name
             link.unlink(missing_ok=True)
             link.symlink_to(source)
-    return work / "backends"
+    for name in dist.backends:
+        if name != "python" and not (root / name).exists():
+            (root / name).symlink_to(dist.python_backend.parent / name)
+    return root
 
 
 def _server_env(dist: ServerDist) -> dict[str, str]:

@@ -1,0 +1,183 @@
+"""tritonclient calls: streamed generation (gRPC, decoupled), inference, statistics.
+
+Times are ``time.perf_counter()`` seconds taken in this process: a token's
+time is when its response reached the client callback.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from pipeline.errors import PipelineError
+
+#: numpy dtype -> Triton wire type name.
+WIRE_TYPES = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+              np.dtype(np.float16): "FP16", np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
+
+
+class ServeClientError(PipelineError):
+    """The server answered a request with an error, or did not answer in time."""
+
+
+@dataclass
+class Generation:
+    """One streamed generation: its tokens and when each arrived (s, perf_counter)."""
+
+    sent: float
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def ttft_ms(self) -> float:
+        """Time to first token, ms: first token's arrival minus the send time."""
+        return (self.times[0] - self.sent) * 1e3
+
+    @property
+    def gaps_ms(self) -> list[float]:
+        """Inter-token latencies, ms: ``gaps_ms[k - 1]`` = arrival of token k minus token k - 1."""
+        return list(np.diff(self.times) * 1e3)
+
+    @property
+    def tpot_ms(self) -> float:
+        """Time per output token after the first, ms: (last - first arrival) / (tokens - 1);
+        NaN for a single token. (The TPOT of vLLM's benchmark_serving and genai-perf.)"""
+        n = len(self.times)
+        return (self.times[-1] - self.times[0]) * 1e3 / (n - 1) if n > 1 else float("nan")
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.times[-1] - self.sent) * 1e3
+
+
+def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    """A gRPC InferInput holding ``array`` (shape and type from the array)."""
+    array = np.ascontiguousarray(array)
+    value = grpcclient.InferInput(name, list(array.shape), WIRE_TYPES[array.dtype])
+    value.set_data_from_numpy(array)
+    return value
+
+
+def generation_inputs(*, input_ids=None, text: str | None = None, max_tokens: int | None = None,
+                      ignore_eos: bool = False) -> list[grpcclient.InferInput]:
+    """Inputs of the generation model: ``input_ids`` int64 [n] or ``text``, plus options."""
+    inputs = []
+    if input_ids is not None:
+        inputs.append(tensor("input_ids", np.asarray(input_ids, np.int64).reshape(-1)))
+    if text is not None:
+        inputs.append(tensor("text_input", np.array([text.encode()], dtype=np.object_)))
+    if max_tokens is not None:
+        inputs.append(tensor("max_tokens", np.array([max_tokens], np.int32)))
+    if ignore_eos:
+        inputs.append(tensor("ignore_eos", np.array([True])))
+    return inputs
+
+
+class StreamClient:
+    """One gRPC stream to a decoupled model; one request in flight at a time.
+
+        with StreamClient(server.grpc_url) as c:
+            g = c.generate("smollm2_generate", input_ids=[...], max_tokens=32)
+    """
+
+    def __init__(self, url: str, timeout_s: float = 300.0):
+        self.timeout_s = timeout_s
+        self._responses: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=lambda result, error: self._responses.put((time.perf_counter(), result, error)))
+
+    def generate(self, model: str, **inputs: Any) -> Generation:
+        """Send one request (see :func:`generation_inputs`) and collect its stream.
+
+        Raises:
+            ServeClientError: an error response, or no response for ``timeout_s``.
+        """
+        gen = Generation(sent=time.perf_counter())
+        self.client.async_stream_infer(model, generation_inputs(**inputs), enable_empty_final_response=True)
+        while True:
+            try:
+                at, result, error = self._responses.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise ServeClientError(f"{model}: no response for {self.timeout_s:.0f}s") from None
+            if error is not None:
+                raise ServeClientError(f"{model}: {error}")
+            response = result.get_response()
+            if response.outputs:
+                gen.tokens.append(int(result.as_numpy("token_ids")[0]))
+                gen.text += result.as_numpy("text_output")[0].decode("utf-8", "replace")
+                gen.times.append(at)
+            if response.parameters["triton_final_response"].bool_param:
+                return gen
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+    def __enter__(self) -> "StreamClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def infer_ms(client: grpcclient.InferenceServerClient, model: str, inputs: dict[str, np.ndarray]) -> float:
+    """One synchronous inference; its latency in ms as seen by the client.
+
+    Raises:
+        ServeClientError: the server answered with an error.
+    """
+    start = time.perf_counter()
+    try:
+        client.infer(model, [tensor(n, a) for n, a in inputs.items()])
+    except Exception as e:  # InferenceServerException and transport errors
+        raise ServeClientError(f"{model}: {e}") from e
+    return (time.perf_counter() - start) * 1e3
+
+
+def model_statistics(client: grpcclient.InferenceServerClient, model: str) -> dict:
+    """Triton's statistics extension for ``model`` (all versions summed), as plain ints.
+
+    Returns ``{"inference_count", "execution_count", "compute_infer_ns",
+    "queue_ns", "batches": {batch size: executions}}``. ``compute_infer_ns``
+    sums ``batch_stats`` (one entry per execution; ``inference_stats`` would
+    count a batch's time once per request in it); ``queue_ns`` is per request.
+    """
+    return parse_statistics(client.get_inference_statistics(model, as_json=True))
+
+
+def settled_statistics(client: grpcclient.InferenceServerClient, model: str, at_least: int,
+                       timeout_s: float = 10.0) -> dict:
+    """:func:`model_statistics` once they count ``at_least`` inferences: Triton may update them
+    just after the answer reaches the client, so a reading taken at once can miss the last ones.
+
+    Raises:
+        ServeClientError: still fewer after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = model_statistics(client, model)
+        if stats["inference_count"] >= at_least:
+            return stats
+        if time.monotonic() > deadline:
+            raise ServeClientError(f"{model}: statistics count {stats['inference_count']} inferences, "
+                                   f"expected at least {at_least} after {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+def parse_statistics(stats: dict) -> dict:
+    """The statistics extension's JSON (int64 fields may be strings) -> see :func:`model_statistics`."""
+    out: dict = {"inference_count": 0, "execution_count": 0, "compute_infer_ns": 0, "queue_ns": 0, "batches": {}}
+    for s in stats.get("model_stats", []):
+        out["inference_count"] += int(s.get("inference_count", 0))
+        out["execution_count"] += int(s.get("execution_count", 0))
+        out["queue_ns"] += int(s.get("inference_stats", {}).get("queue", {}).get("ns", 0))
+        for b in s.get("batch_stats", []):
+            size, compute = int(b["batch_size"]), b.get("compute_infer", {})
+            out["batches"][size] = out["batches"].get(size, 0) + int(compute.get("count", 0))
+            out["compute_infer_ns"] += int(compute.get("ns", 0))
+    return out

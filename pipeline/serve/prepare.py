@@ -1,0 +1,171 @@
+"""What a local tritonserver serves for a recipe.
+
+The pytriton wheel's tritonserver ships only the python backend. A recipe
+whose target needs a backend the server lacks (``onnxruntime``: the
+``onnxruntime`` backend, ``tensorrt``: the ``tensorrt`` backend) is served from
+a python-onnxruntime copy, written by the same generator with the same checks
+(:func:`pipeline.triton.repository.write_repository`, target overridden) into
+``<work_dir>/<recipe>/serve_repository``; ``recipe.output_dir`` is never
+touched. Bench variants of the compute model (dynamic batching off/on x 1/2
+instances) go to ``<work_dir>/<recipe>/bench_repository/<variant>``, one
+repository each, all loadable by one server.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import GateFailed, PipelineError
+from pipeline.recipe import DynamicBatching, InstanceGroup, Recipe
+from pipeline.triton.repository import (
+    INDEX_FILE,
+    ensemble_model_name,
+    resolve_target,
+    tokenizer_model_name,
+    write_repository,
+)
+
+#: resolved target -> the tritonserver backend folder it needs.
+NEEDED_BACKEND = {"tensorrt": "tensorrt", "onnxruntime": "onnxruntime", "python-onnxruntime": "python"}
+SERVE_DIR = "serve_repository"
+BENCH_DIR = "bench_repository"
+
+
+@dataclass
+class Served:
+    """A repository a local tritonserver can load, and the models in it."""
+
+    recipe: Recipe
+    artifacts: dict[str, Any]  # stage name -> artifact of the finished run
+    repository: Path
+    target: str
+    note: str  # which repository and why, for people
+
+    @property
+    def compute_model(self) -> str:
+        return self.recipe.triton.model_name
+
+    @property
+    def generate_model(self) -> str | None:
+        name = self.recipe.triton.generate_model_name
+        return name if self.recipe.model.kind == "causal-lm" else None
+
+    @property
+    def ensemble_model(self) -> str | None:
+        return ensemble_model_name(self.compute_model) if self.recipe.model.kind == "encoder" else None
+
+    @property
+    def run_dir(self) -> Path:
+        """``<work_dir>/<recipe>``: the run's artifacts, server log and bench results."""
+        return Path(self.recipe.work_dir) / self.recipe.name
+
+    @property
+    def models(self) -> list[str]:
+        """Every model of the repository: compute first, then generate / tokenizer + ensemble."""
+        extra = [self.generate_model] if self.generate_model else []
+        if self.ensemble_model:
+            extra = [tokenizer_model_name(self.compute_model), self.ensemble_model]
+        return [self.compute_model, *extra]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The compute model with dynamic batching on/off and ``instances`` instances."""
+
+    name: str
+    dynamic_batching: bool
+    instances: int
+    repository: Path
+
+
+def built_artifacts(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> dict[str, Any]:
+    """Artifacts of a finished run: :func:`run_pipeline` (finished stages are cache hits).
+
+    Raises:
+        GateFailed: an accuracy gate failed, so no repository was published.
+        PipelineError: a stage failed (from the runner).
+    """
+    from pipeline.runner import run_pipeline
+
+    result = run_pipeline(recipe, recipe_path, quiet=quiet)
+    if not result.passed or "triton" not in result.artifacts:
+        raise GateFailed(f"{recipe.name}: an accuracy gate failed, nothing was published to serve; "
+                         f"see {result.manifest_path.parent / 'report.md'}")
+    return result.artifacts
+
+
+def with_triton(recipe: Recipe, **changes: Any) -> Recipe:
+    """A copy of ``recipe`` with ``triton`` fields replaced (e.g. ``target``)."""
+    return recipe.model_copy(update={"triton": recipe.triton.model_copy(update=changes)})
+
+
+def prepare(recipe: Recipe, artifacts: dict[str, Any], backends: list[str]) -> Served:
+    """Pick what to serve with a server that has ``backends``; write the serve copy if needed.
+
+    Raises:
+        TritonConfigError: the serve copy fails the generator's checks.
+        PipelineError: the target is loadable but ``recipe.output_dir`` no
+            longer holds this recipe's models (recipes share output_dir).
+    """
+    target = resolve_target(recipe.triton.target, artifacts["build"])
+    needed = NEEDED_BACKEND[target]
+    if needed in backends:
+        _check_published(recipe, artifacts["triton"])
+        note = f"serving {recipe.output_dir}/ (target {target}; backend {needed} present)"
+        return Served(recipe, artifacts, Path(recipe.output_dir), target, note)
+    out = Path(recipe.work_dir) / recipe.name / SERVE_DIR
+    serve_recipe = with_triton(recipe, target="python-onnxruntime")
+    write_repository(serve_recipe, export=artifacts["export"], quantized=artifacts["quantize"],
+                     build=artifacts["build"], out_dir=out)
+    note = (f"target {target!r} needs tritonserver's {needed!r} backend; this server has only {backends}. "
+            f"Serving the same models as target 'python-onnxruntime' (ONNX Runtime in the python backend) "
+            f"from {out}/; {recipe.output_dir}/ is unchanged")
+    return Served(serve_recipe, artifacts, out, "python-onnxruntime", note)
+
+
+def _check_published(recipe: Recipe, triton_artifact) -> None:
+    """Every model of this recipe's triton stage is in ``recipe.output_dir`` and listed as this recipe's."""
+    index = Path(recipe.output_dir) / INDEX_FILE
+    data = json.loads(index.read_text()) if index.is_file() else {}
+    models = data.get("models", {})
+    missing = [m for m in triton_artifact.models
+               if m not in models or models[m].get("recipe", data.get("recipe")) != recipe.name]
+    if missing:
+        raise PipelineError(
+            f"{recipe.output_dir}/ does not hold recipe {recipe.name!r}'s models {missing} any more (another build "
+            f"published over them). Re-publish: rm -r {Path(recipe.work_dir) / recipe.name / 'triton'} "
+            f"and build {recipe.name} again"
+        )
+
+
+def write_variants(served: Served) -> list[Variant]:
+    """The compute model with dynamic batching off/on x 1/2 instances, one repository each.
+
+    "On" uses the recipe's ``triton.dynamic_batching`` (default settings when it
+    has none); the instance kind is the recipe's first instance group's.
+    Returns [] when ``max_batch_size`` is 0 (Triton cannot batch such a model).
+
+    Raises:
+        TritonConfigError: a variant fails the generator's checks.
+    """
+    triton = served.recipe.triton
+    if triton.max_batch_size == 0:
+        return []
+    kind = triton.instance_group[0].kind
+    root = Path(served.recipe.work_dir) / served.recipe.name / BENCH_DIR
+    variants = []
+    for batching in (False, True):
+        for count in (1, 2):
+            name = f"{triton.model_name}__db_{'on' if batching else 'off'}_i{count}"
+            recipe = with_triton(
+                served.recipe, model_name=name, generate_model_name=None, target=served.target,
+                dynamic_batching=(triton.dynamic_batching or DynamicBatching()) if batching else None,
+                instance_group=[InstanceGroup(count=count, kind=kind)],
+            )
+            a = served.artifacts
+            write_repository(recipe, export=a["export"], quantized=a["quantize"], build=a["build"],
+                             out_dir=root / name, compute_only=True)
+            variants.append(Variant(name, batching, count, root / name))
+    return variants

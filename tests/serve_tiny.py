@@ -1,0 +1,145 @@
+"""Tiny models for the serve / bench tests: a BERT-like encoder with an INT8 Q/DQ weight and
+a WordPiece tokenizer, a tiny KV-cache LM (from test_triton_repository), their recipes and
+the stage artifacts a finished run would hand to pipeline.serve."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from pipeline.artifacts import (
+    BuildArtifact,
+    ExportArtifact,
+    QuantizedArtifact,
+    ResolvedProfile,
+    ValidationArtifact,
+)
+from pipeline.recipe import Recipe, ServeConfig
+from pipeline.triton.config import graph_io
+from test_triton_repository import build_artifact, make_recipe, tiny_llm, tiny_tokenizer
+
+HIDDEN = 8
+ENC_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", ".",
+             "in", "park", "and", "of", "to", "is", "it"]
+ENC_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def tiny_encoder(path: Path, seed: int = 5) -> Path:
+    """(input_ids, attention_mask, token_type_ids) int64 [batch, sequence] -> embeddings float32
+    [batch, 8]: word + type embedding, an INT8 Q/DQ activation and weight into one MatMul,
+    masked mean over the sequence, L2 normalisation (the encoder recipes' graph, in miniature)."""
+    rng = np.random.default_rng(seed)
+    i64, f32 = TensorProto.INT64, TensorProto.FLOAT
+    inits = [
+        numpy_helper.from_array(rng.normal(size=(len(ENC_WORDS), HIDDEN)).astype(np.float32), "word"),
+        numpy_helper.from_array(rng.normal(size=(2, HIDDEN)).astype(np.float32), "types"),
+        numpy_helper.from_array(rng.integers(-127, 128, (HIDDEN, HIDDEN)).astype(np.int8), "w_q"),
+        numpy_helper.from_array(np.array(0.01, np.float32), "w_scale"),
+        numpy_helper.from_array(np.array(0, np.int8), "zp"),
+        numpy_helper.from_array(np.array(0.05, np.float32), "a_scale"),
+        numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+        numpy_helper.from_array(np.array([2], np.int64), "axis2"),
+        numpy_helper.from_array(np.array(1e-9, np.float32), "tiny"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["word", "input_ids"], ["e_word"]),
+        helper.make_node("Gather", ["types", "token_type_ids"], ["e_type"]),
+        helper.make_node("Add", ["e_word", "e_type"], ["h"]),
+        helper.make_node("QuantizeLinear", ["h", "a_scale", "zp"], ["h_q"]),
+        helper.make_node("DequantizeLinear", ["h_q", "a_scale", "zp"], ["h_dq"]),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale", "zp"], ["w"]),
+        helper.make_node("MatMul", ["h_dq", "w"], ["h2"]),
+        helper.make_node("Cast", ["attention_mask"], ["m"], to=f32),
+        helper.make_node("Unsqueeze", ["m", "axis2"], ["m3"]),
+        helper.make_node("Mul", ["h2", "m3"], ["hm"]),
+        helper.make_node("ReduceSum", ["hm", "axis1"], ["total"], keepdims=0),
+        helper.make_node("ReduceSum", ["m3", "axis1"], ["count"], keepdims=0),
+        helper.make_node("Max", ["count", "tiny"], ["count_c"]),
+        helper.make_node("Div", ["total", "count_c"], ["pooled"]),
+        helper.make_node("LpNormalization", ["pooled"], ["embeddings"], axis=-1, p=2),
+    ]
+    graph = helper.make_graph(
+        nodes, "tiny_encoder",
+        [helper.make_tensor_value_info(n, i64, ["batch", "sequence"]) for n in ENC_INPUTS],
+        [helper.make_tensor_value_info("embeddings", f32, ["batch", HIDDEN])], inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def tiny_wordpiece(folder: Path) -> Path:
+    """BERT-style WordPiece tokenizer ([CLS] text [SEP], lower case) with pad_token [PAD] (id 0)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(ENC_WORDS)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.decoder = decoders.WordPiece()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": "[PAD]", "model_max_length": 64}))
+    return folder
+
+
+def encoder_profiles(batch_max: int = 8, seq_max: int = 64) -> list[ResolvedProfile]:
+    shape = {"min": [1, 1], "opt": [4, 16], "max": [batch_max, seq_max]}
+    return [ResolvedProfile("default", {n: shape for n in ENC_INPUTS})]
+
+
+def encoder_recipe(ws: Path, serve: dict | None = None, **triton) -> Recipe:
+    """An encoder recipe writing into ``ws`` (work_dir, output_dir); ``triton`` overrides."""
+    data = {
+        "name": "tiny-encoder",
+        "model": {"kind": "encoder", "package": None, "path": "tiny"},
+        "export": {"dynamic_axes": {n: {0: "batch", 1: "sequence"} for n in ENC_INPUTS}},
+        "quantize": {"precision": "fp32"},
+        "build": {"profiles": [{"name": "default"}]},
+        "validate": {"split": {"start": 220, "stop": 230}, "metric": "word_similarity", "gates": {}},
+        "triton": {"model_name": "tiny_enc", "max_batch_size": 8, "target": "python-onnxruntime",
+                   "dynamic_batching": {"max_queue_delay_microseconds": 50000},
+                   "instance_group": [{"count": 1, "kind": "KIND_CPU"}], **triton},
+        "serve": serve or {},
+        "work_dir": str(ws / "artifacts"), "output_dir": str(ws / "model_repository"),
+    }
+    return Recipe.model_validate(data)
+
+
+def encoder_artifacts(ws: Path) -> dict:
+    """Stage artifacts of a finished tiny-encoder run (no engine, no greedy tokens)."""
+    path = tiny_encoder(ws / "work" / "encoder.onnx")
+    inputs, outputs = graph_io(onnx.load(str(path)))
+    build = BuildArtifact("skipped", "tensorrt not installed", None, None, "trtexec.sh", encoder_profiles())
+    return {
+        "export": ExportArtifact(str(path), inputs, outputs, str(tiny_wordpiece(ws / "work" / "tokenizer"))),
+        "quantize": QuantizedArtifact(str(path), "int8", ["MatMul"], []),
+        "build": build,
+        "validate": ValidationArtifact({}, [], {}),
+    }
+
+
+def llm_recipe(ws: Path, serve: dict | None = None, **triton) -> Recipe:
+    """test_triton_repository's tiny LLM recipe, writing into ``ws``, with a ``serve`` section."""
+    recipe = make_recipe(**triton)
+    return recipe.model_copy(update={"work_dir": str(ws / "artifacts"), "output_dir": str(ws / "model_repository"),
+                                     "serve": ServeConfig.model_validate(serve or {})})
+
+
+def llm_artifacts(ws: Path, prompts: list[list[int]] | None = None) -> dict:
+    """Stage artifacts of a finished tiny-LLM run: FP32 export, FP8 Q/DQ graph, greedy prompts."""
+    onnx_path = tiny_llm(ws / "work" / "model.onnx")
+    inputs, outputs = graph_io(onnx.load(str(onnx_path)))
+    qdq = tiny_llm(ws / "work" / "model.qdq.onnx", qdq=True)
+    greedy = {"prompt_ids": prompts or [[1, 2, 3], [4, 5, 6]]}
+    return {
+        "export": ExportArtifact(str(onnx_path), inputs, outputs, str(tiny_tokenizer(ws / "work" / "tokenizer"))),
+        "quantize": QuantizedArtifact(str(qdq), "fp8", ["lm_head"], []),
+        "build": build_artifact(),
+        "validate": ValidationArtifact({}, [], greedy),
+    }
