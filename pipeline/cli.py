@@ -46,8 +46,11 @@ def cmd_build(args) -> int:
 def cmd_check(args) -> int:
     from pipeline.recipe import load_recipe
 
+    from pipeline.models.llm import package_file
+
     recipe = load_recipe(args.recipe, _parse_set(args.set))
-    print(f"{args.recipe}: valid recipe {recipe.name!r} (sha256 {recipe.digest[:12]})")
+    weights = package_file(recipe.model)  # raises, naming model.package/path, when missing
+    print(f"{args.recipe}: valid recipe {recipe.name!r} (sha256 {recipe.digest[:12]}); weights: {weights}")
     return 0
 
 

@@ -98,8 +98,10 @@ def _load_cached(stage: StageDef, stage_dir: Path, key: str) -> Any | None:
 
 
 def _paths(art: Any) -> list[str]:
+    """Files and folders a cached artifact needs (for a repository: each model folder)."""
     d = A.to_jsonable(art)
-    return [v for k, v in d.items() if isinstance(v, str) and (k.endswith("_path") or k == "repository")]
+    paths = [v for k, v in d.items() if isinstance(v, str) and (k.endswith("_path") or k == "repository")]
+    return paths + [str(Path(d["repository"]) / m) for m in d.get("models", [])]
 
 
 def _commit(stage_dir: Path, key: str, art: Any, record: dict) -> None:

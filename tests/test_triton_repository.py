@@ -178,7 +178,7 @@ def test_auto_without_engine_writes_onnxruntime_repository(stage):
     source = Path(stage["quantized"].onnx_path)
     assert os.stat(repo / "tiny" / "1" / "model.onnx").st_ino == os.stat(source).st_ino  # hardlinked
     index = json.loads((repo / "repository.json").read_text())
-    assert index["target"] == "onnxruntime"
+    assert {m["target"] for m in index["models"].values()} == {"onnxruntime"}
     for name, entry in index["models"].items():
         assert entry["files"] == snapshot(repo / name)
     assert not [p for p in repo.parent.iterdir() if ".staging-" in p.name]
@@ -243,7 +243,27 @@ def test_failed_check_keeps_the_published_repository(stage):
     assert not [p for p in repo.parent.iterdir() if ".staging-" in p.name]
 
 
-def test_failed_rename_rolls_back_every_swap(stage, monkeypatch):
+def test_failed_swap_rolls_back_every_swap(stage, monkeypatch):
+    write_repository(make_recipe(), **stage)
+    repo = stage["out_dir"]
+    before = snapshot(repo)
+    real_exchange, calls = repo_mod.exchange, []
+
+    def flaky_exchange(a, b):
+        calls.append(b)
+        if len(calls) == 2:  # tiny swapped in; tiny_generate's swap fails
+            raise OSError("disk full")
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(repo_mod, "exchange", flaky_exchange)
+    with pytest.raises(TritonConfigError, match=r"publishing failed \(disk full\); the previous repository was restored"):
+        write_repository(make_recipe(dynamic_batching={"max_queue_delay_microseconds": 7}), **stage)
+    monkeypatch.setattr(repo_mod, "exchange", real_exchange)
+    assert snapshot(repo) == before
+
+
+def test_failed_rename_rolls_back_without_exchange(stage, monkeypatch):
+    """Where renameat2 is unavailable, publishing falls back to two renames."""
     write_repository(make_recipe(), **stage)
     repo = stage["out_dir"]
     before = snapshot(repo)
@@ -255,6 +275,7 @@ def test_failed_rename_rolls_back_every_swap(stage, monkeypatch):
             raise OSError("disk full")
         real_rename(src, dst)
 
+    monkeypatch.setattr(repo_mod, "exchange", lambda a, b: False)
     monkeypatch.setattr(repo_mod.os, "rename", flaky_rename)
     with pytest.raises(TritonConfigError, match=r"publishing failed \(disk full\); the previous repository was restored"):
         write_repository(make_recipe(dynamic_batching={"max_queue_delay_microseconds": 7}), **stage)
@@ -549,3 +570,14 @@ def test_server_that_fails_to_load_reports_the_log_and_leaves_nothing(tmp_path):
     assert not list(Path("/dev/shm").glob(f"trtpipe{os.getpid()}-*"))  # start_server's shm prefix
     assert not (tmp_path / "server" / "backends").exists()
     assert (tmp_path / "server" / "tritonserver.log").is_file()
+
+
+def test_recipes_sharing_a_repository_keep_each_others_models(stage):
+    write_repository(make_recipe(), **stage)
+    other = make_recipe(generate_model_name=None).model_copy(update={"name": "other"})
+    other = other.model_copy(update={"triton": other.triton.model_copy(update={"model_name": "other_model"})})
+    write_repository(other, **stage)
+    repo = stage["out_dir"]
+    assert {"tiny", "tiny_generate", "other_model"} <= {p.name for p in repo.iterdir()}
+    index = json.loads((repo / "repository.json").read_text())["models"]
+    assert index["other_model"]["recipe"] == "other" and index["tiny"]["recipe"] != "other"

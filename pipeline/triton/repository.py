@@ -16,9 +16,8 @@ Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
 
 Publishing: everything is written into a staging folder next to ``out_dir``;
 every config is checked (:func:`~pipeline.triton.config.check_config`) and every
-written config.pbtxt re-parsed; only then is each model folder renamed into
-place (the replaced one moved aside, restored if a later rename fails) and
-``repository.json`` replaced. A failure before that leaves a previously
+written config.pbtxt re-parsed; only then is each model folder swapped into
+place atomically (see :func:`_publish`) and ``repository.json`` replaced. A failure before that leaves a previously
 published repository untouched.
 """
 from __future__ import annotations
@@ -38,6 +37,7 @@ import onnx
 
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec, TritonArtifact
 from pipeline.errors import TritonConfigError
+from pipeline.fsutil import exchange
 from pipeline.recipe import Recipe
 from pipeline.triton.config import (
     GENERATE_INPUTS,
@@ -177,8 +177,8 @@ def write_repository(
         if recipe.model.kind == "encoder" and not compute_only:
             models += _stage_encoder_text(recipe, export, models[0], build, staging)
         _verify(models, staging, recipe.triton.version, gpu_available(build) if target == "onnxruntime" else False)
-        _write_index(recipe, target, models, staging)
-        _publish(staging, out_dir, [m.config.name for m in models])
+        _write_index(recipe, target, models, staging, out_dir)
+        _publish(staging, out_dir, [m.config.name for m in models], recipe.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     backend = models[0].config.platform or models[0].config.backend
@@ -475,20 +475,21 @@ def _required_files(m: StagedModel) -> list[str]:
     return names
 
 
-def _write_index(recipe: Recipe, target: str, models: Sequence[StagedModel], staging: Path) -> None:
-    """repository.json: recipe, target and per model its platform/backend and files' sha256."""
-    index = {
-        "recipe": recipe.name,
-        "target": target,
-        "models": {
-            m.config.name: {
-                "backend": m.config.platform or m.config.backend,
-                "files": _hashes(staging / m.config.name),
-            }
-            for m in models
-        },
-    }
-    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+def _write_index(recipe: Recipe, target: str, models: Sequence[StagedModel], staging: Path, out_dir: Path) -> None:
+    """repository.json: per model its recipe, target, platform/backend and files' sha256.
+
+    Entries of other recipes already published in ``out_dir`` are kept, so
+    several recipes can share one repository.
+    """
+    entries = {k: v for k, v in _read_index(out_dir).items() if v.get("recipe") != recipe.name}
+    for m in models:
+        entries[m.config.name] = {
+            "recipe": recipe.name,
+            "target": target,
+            "backend": m.config.platform or m.config.backend,
+            "files": _hashes(staging / m.config.name),
+        }
+    (staging / INDEX_FILE).write_text(json.dumps({"models": entries}, indent=2, sort_keys=True) + "\n")
 
 
 def _hashes(model_dir: Path) -> dict[str, str]:
@@ -503,49 +504,72 @@ def _hashes(model_dir: Path) -> dict[str, str]:
     return out
 
 
-def _publish(staging: Path, out_dir: Path, names: Sequence[str]) -> None:
-    """Rename each staged model folder into ``out_dir``, then replace repository.json.
+def _publish(staging: Path, out_dir: Path, names: Sequence[str], recipe_name: str) -> None:
+    """Place each staged model folder in ``out_dir``, then replace repository.json.
 
-    The folder being replaced is moved into ``staging/.replaced`` (removed with
-    staging afterwards); if any rename fails every swap done so far is undone.
-    Models the previous repository.json listed that are no longer written are
-    moved out too; other folders in ``out_dir`` are left alone.
+    An existing model folder is swapped with its staged one in one atomic
+    ``renameat2(RENAME_EXCHANGE)`` where the kernel allows it, so a Triton
+    polling the repository sees the old or the new model, never a missing or
+    half-written one; elsewhere it is moved aside, then the new one renamed in.
+    Replaced folders end up in ``staging`` (removed afterwards). If a step
+    fails, every swap done so far is undone. Models this recipe published
+    earlier but no longer writes are moved out too; other recipes' stay.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     aside = staging / ".replaced"
     aside.mkdir()
-    stale = [n for n in _published_models(out_dir) if n not in names]
-    done: list[tuple[Path, Path | None, bool]] = []  # (dest, backup, new folder placed)
+    stale = [n for n in _published_models(out_dir, recipe_name) if n not in names]
+    done: list[tuple[Path, Path]] = []  # (dest, where the replaced/new-less folder now is)
     try:
-        for name in [*names, *stale]:
-            dest = out_dir / name
-            backup = aside / name if dest.exists() else None
-            if backup is not None:
-                os.rename(dest, backup)
-            done.append((dest, backup, False))
-            if name in names:
-                os.rename(staging / name, dest)
-                done[-1] = (dest, backup, True)
+        for name in names:
+            done.append(_place(staging / name, out_dir / name, aside / name))
+        for name in stale:
+            os.rename(out_dir / name, aside / name)
+            done.append((out_dir / name, aside / name))
         os.replace(staging / INDEX_FILE, out_dir / INDEX_FILE)
     except OSError as e:
         _undo(done)
         raise TritonConfigError(f"{out_dir}: publishing failed ({e}); the previous repository was restored") from e
 
 
-def _undo(done: Sequence[tuple[Path, Path | None, bool]]) -> None:
-    """Reverse _publish's renames: drop placed folders, move replaced ones back."""
-    for dest, backup, placed in reversed(done):
-        if placed:
+def _place(new: Path, dest: Path, aside: Path) -> tuple[Path, Path]:
+    """Put ``new`` at ``dest``; return (dest, path now holding the old state)."""
+    if dest.exists() and exchange(new, dest):
+        return dest, new
+    if dest.exists():
+        os.rename(dest, aside)
+        try:
+            os.rename(new, dest)
+        except OSError:
+            os.rename(aside, dest)
+            raise
+        return dest, aside
+    os.rename(new, dest)
+    return dest, new  # ``new`` no longer exists: undo removes dest
+
+
+def _undo(done: Sequence[tuple[Path, Path]]) -> None:
+    """Reverse _publish: put each old folder back (or remove a new one)."""
+    for dest, old in reversed(done):
+        if old.exists() and dest.exists() and exchange(old, dest):
+            continue
+        if dest.exists():
             shutil.rmtree(dest)
-        if backup is not None:
-            os.rename(backup, dest)
+        if old.exists():
+            os.rename(old, dest)
 
 
-def _published_models(out_dir: Path) -> list[str]:
-    index = out_dir / INDEX_FILE
-    if not index.is_file():
-        return []
+def _read_index(out_dir: Path) -> dict[str, dict]:
+    """model name -> index entry of ``out_dir/repository.json`` ({} when absent or unreadable)."""
     try:
-        return list(json.loads(index.read_text()).get("models", {}))
-    except (json.JSONDecodeError, AttributeError):
-        return []
+        models = json.loads((out_dir / INDEX_FILE).read_text()).get("models", {})
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return {}
+    return {k: v for k, v in models.items() if isinstance(v, dict)}
+
+
+def _published_models(out_dir: Path, recipe_name: str) -> list[str]:
+    """Models that recipe ``recipe_name`` published earlier into ``out_dir``."""
+    return [k for k, v in _read_index(out_dir).items() if v.get("recipe") == recipe_name]
+
+
