@@ -81,19 +81,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+COMMANDS = (
+    ("build", "cmd_build", "run the pipeline for a recipe"),
+    ("check", "cmd_check", "validate a recipe (schema and weights) and exit"),
+    ("serve", "cmd_serve", "serve the recipe's repository on a local tritonserver until Ctrl-C"),
+    ("bench", "cmd_bench", "start tritonserver, measure latency / throughput / batching, stop"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trtpipe", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, fn, help_ in (("build", cmd_build, "run the pipeline for a recipe"),
-                            ("check", cmd_check, "validate a recipe and exit")):
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe field by dotted path (repeatable)")
-        sp.add_argument("--quiet", action="store_true", help="no progress output")
-        sp.set_defaults(fn=fn)
-    for name, fn, help_ in (("serve", cmd_serve, "serve the recipe's repository on a local tritonserver until Ctrl-C"),
-                            ("bench", cmd_bench, "start tritonserver, measure latency / throughput / batching, stop")):
+    for name, fn, help_ in COMMANDS:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -102,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "serve":
             sp.add_argument("--check", action="store_true",
                             help="stream every validate prompt and compare with the validate stage's greedy tokens")
-        sp.set_defaults(fn=fn)
+        sp.set_defaults(fn=globals()[fn])
     return p
 
 

@@ -266,16 +266,9 @@ def pad_token_id(tokenizer_dir: Path) -> int:
     Raises:
         TritonConfigError: no pad token named, or the named one is not in the vocabulary.
     """
-    from tokenizers import Tokenizer
-
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        token = _json_field(tokenizer_dir / name, "pad_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        if token:
-            token_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(token)
-            if token_id is None:
-                raise TritonConfigError(f"{tokenizer_dir / name}: pad_token {token!r} is not in tokenizer.json")
-            return token_id
+    token_id = _special_token_id(tokenizer_dir, "pad_token")
+    if token_id is not None:
+        return token_id
     padding = _json_field(tokenizer_dir / "tokenizer.json", "padding")
     if isinstance(padding, dict) and "pad_id" in padding:
         return int(padding["pad_id"])
@@ -360,15 +353,25 @@ def eos_token_ids(tokenizer_dir: Path) -> list[int]:
 
 
 def _eos_from_token(tokenizer_dir: Path) -> int | None:
+    return _special_token_id(tokenizer_dir, "eos_token")
+
+
+def _special_token_id(tokenizer_dir: Path, key: str) -> int | None:
+    """Id of the special token ``key`` ("eos_token", "pad_token") named in the
+    tokenizer's config files, or None when none names it.
+
+    Raises:
+        TritonConfigError: the named token is not in tokenizer.json.
+    """
     from tokenizers import Tokenizer
 
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        token = _json_field(tokenizer_dir / name, "eos_token")
+        token = _json_field(tokenizer_dir / name, key)
         token = token.get("content") if isinstance(token, dict) else token
         if token:
             token_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(token)
             if token_id is None:
-                raise TritonConfigError(f"{tokenizer_dir / name}: eos_token {token!r} is not in tokenizer.json")
+                raise TritonConfigError(f"{tokenizer_dir / name}: {key} {token!r} is not in tokenizer.json")
             return token_id
     return None
 
