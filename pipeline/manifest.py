@@ -1,6 +1,7 @@
 """manifest.json, report.md and junit.xml: what ran, with what, and the verdict."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -32,8 +33,18 @@ def tool_versions() -> dict[str, str]:
         out["tensorrt"] = tensorrt.__version__
     except Exception:
         out["tensorrt"] = "absent"
-    out["trt-pipeline"] = _version("trt-pipeline")
+    out["trt-pipeline"] = f"{_version('trt-pipeline')}+src.{code_hash()[:12]}"
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def code_hash() -> str:
+    """sha256 of this package's Python sources and templates: a code change invalidates the stage cache."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
+    return h.hexdigest()
 
 
 def sha256_file(path: str | Path, _cache: dict = {}) -> str:

@@ -13,7 +13,7 @@ from pipeline import data
 from pipeline.artifacts import ExportArtifact, GateResult, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import AccuracyError, RecipeError
-from pipeline.manifest import sha256_file, write_json_atomic
+from pipeline.manifest import code_hash, sha256_file, write_json_atomic
 from pipeline.models import registry
 from pipeline.models.llm import greedy_generate, layout_from_specs, prefill_feeds
 from pipeline.recipe import Gates
@@ -60,7 +60,8 @@ def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -
     change re-evaluates the gates without re-measuring."""
     cfg = {"validate": ctx.recipe.validate_.model_dump(mode="json", exclude={"gates"}),
            "quantize": ctx.recipe.quantize.model_dump(mode="json")}  # naive baselines re-calibrate
-    parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision]
+    parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision,
+             code_hash()]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
