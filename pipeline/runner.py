@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,12 +152,15 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
     run_dir = Path(recipe.work_dir) / recipe.name
     progress = Progress(quiet)
     _signalled.clear()
-    old = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    main = threading.current_thread() is threading.main_thread()  # handlers only work there
+    sigs = (signal.SIGINT, signal.SIGTERM) if main else ()
+    old = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in sigs}
     try:
         with run_lock(run_dir):
             return _run(recipe, recipe_path, run_dir, progress)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> RunResult:

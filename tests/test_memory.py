@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 
 import numpy as np
 import psutil
@@ -11,10 +12,12 @@ from pipeline.memory import PeakRSS
 
 def test_peak_includes_memory_held_in_the_block():
     gc.collect()  # earlier tests' garbage must not be freed mid-measurement
+    size = 64 * 2**20
     with PeakRSS() as m:
         before = psutil.Process().memory_info().rss
-        block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
-    del block
+        block = mmap.mmap(-1, size)  # fresh anonymous pages, whatever malloc is in use
+        np.frombuffer(block, np.uint8)[::4096] = 1  # touch every page
+    block.close()
     assert m.peak_bytes >= before + 60 * 2**20
 
 

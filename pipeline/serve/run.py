@@ -55,7 +55,9 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print) -> i
     """
     log(served.note)
     server = launch(served)
-    old = signal.signal(signal.SIGTERM, _interrupt)
+    # Installed explicitly: a SIGINT disposition inherited as "ignored" (some
+    # launchers and test runners pass that on) would otherwise make Ctrl-C a no-op.
+    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         _print_endpoints(served, server, log)
         if check and not served.generate_model:
@@ -70,7 +72,8 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print) -> i
     except KeyboardInterrupt:
         log("stopping tritonserver ...")
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         code = server.stop()
     return code
 
