@@ -38,3 +38,38 @@ def exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+
+
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+
+
+def copy_file(source: Path, dest: Path) -> None:
+    """Copy ``source`` to a new file ``dest`` (reflink where the file system can,
+    else a byte copy). Never a hard link: a published file must not share its
+    inode with a stage output that a later run rewrites.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+        FileExistsError: ``dest`` exists.
+    """
+    import fcntl
+    import shutil
+
+    with open(source, "rb") as src, open(dest, "xb") as dst:
+        try:
+            fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
+        except OSError:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    shutil.copystat(source, dest)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file's bytes, read in 4 MiB blocks (never memoised:
+    verification must see what is on disk now)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

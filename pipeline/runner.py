@@ -25,7 +25,8 @@ from pydantic import TypeAdapter
 from pipeline import artifacts as A
 from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
-from pipeline.errors import PipelineError
+from pipeline.errors import LockHeld
+from pipeline.faults import fault_point
 from pipeline.memory import PeakRSS
 from pipeline.recipe import Recipe
 
@@ -95,7 +96,13 @@ def _load_cached(stage: StageDef, stage_dir: Path, key: str) -> Any | None:
     if data.get("key") != key:
         return None
     art = TypeAdapter(stage.artifact).validate_python(data["artifact"])
-    return art if all(Path(p).exists() for p in _paths(art)) else None
+    paths = _paths(art)
+    if not all(Path(p).exists() for p in paths):
+        return None
+    # An ONNX output that no longer loads (truncated or missing data file) is a miss.
+    from pipeline.onnx_io import check_loadable
+
+    return None if any(check_loadable(p) for p in paths if p.endswith(".onnx")) else art
 
 
 def _paths(art: Any) -> list[str]:
@@ -134,7 +141,7 @@ def run_lock(run_dir: Path):
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            raise PipelineError(
+            raise LockHeld(
                 f"another build holds {path} (pid {fh.read().strip() or '?'}); wait for it to finish"
             ) from None
         fh.seek(0), fh.truncate(), fh.write(str(os.getpid())), fh.flush()
@@ -164,6 +171,7 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
 
 
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> RunResult:
+    _repair_published(recipe, progress)
     versions = M.tool_versions()
     man = M.new_manifest(recipe, recipe_path, versions)
     versions = {**versions, "inputs": man["inputs"]}  # new weights or corpus invalidate the cache
@@ -181,8 +189,30 @@ def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -
     return _finish(man, arts, run_dir, recipe)
 
 
+def _repair_published(recipe: Recipe, progress: Progress) -> None:
+    """Complete a publish into output_dir that a crash interrupted (see pipeline.triton.publish)."""
+    from pipeline.triton import publish
+
+    note = publish.recover(Path(recipe.output_dir))
+    if note:
+        progress.print(f"[yellow]{note}[/yellow]")
+    publish.remove_leftovers(Path(recipe.output_dir), recipe.name)
+
+
+def _still_published(stage: StageDef, art: Any) -> bool:
+    """A cached triton stage counts only while its models are byte-identical to what it published."""
+    if stage.name != "triton":
+        return True
+    from pipeline.triton import publish
+
+    return not publish.verify_repository(Path(art.repository), art.models)
+
+
 def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
     cached = _load_cached(stage, ctx.run_dir / stage.name, key)
+    if cached is not None and not _still_published(stage, cached):
+        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: published files differ from repository.json; republishing")
+        cached = None
     if cached is not None:
         prev = json.loads((ctx.run_dir / stage.name / "stage.json").read_text())["record"]
         man["stages"][stage.name] = {**prev, "cache_hit": True, "wall_s": 0.0}
@@ -192,7 +222,9 @@ def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: di
     start = time.perf_counter()
     try:
         with PeakRSS() as mem:
+            fault_point(f"stage:{stage.name}:start")
             art = stage.fn(ctx, *(arts[d] for d in stage.deps))
+            fault_point(f"stage:{stage.name}:end")
     except (Exception, KeyboardInterrupt) as e:
         man["stages"][stage.name] = M.stage_record("failed", f"{type(e).__name__}: {e}", time.perf_counter() - start)
         M.write_outputs(man, ctx.run_dir)

@@ -23,6 +23,7 @@ from pipeline.errors import TritonConfigError
 from pipeline.recipe import Recipe
 from pipeline.triton import repository as repo_mod
 from pipeline.triton.config import graph_io, parse_config
+from pipeline.triton import publish as publish_mod
 from pipeline.triton.repository import kv_layout, resolve_target, write_repository
 
 LAYERS, HEADS, HEAD_DIM, VOCAB, EOS = 2, 1, 4, 11, 0
@@ -176,7 +177,9 @@ def test_auto_without_engine_writes_onnxruntime_repository(stage):
     assert cfg.optimization.graph.level == -1  # Q/DQ graph: ORT_ENABLE_BASIC in Triton's ORT backend
     assert list(cfg.dynamic_batching.preferred_batch_size) == [2]
     source = Path(stage["quantized"].onnx_path)
-    assert os.stat(repo / "tiny" / "1" / "model.onnx").st_ino == os.stat(source).st_ino  # hardlinked
+    published = repo / "tiny" / "1" / "model.onnx"
+    assert os.stat(published).st_ino != os.stat(source).st_ino  # a copy: no stage run can change it
+    assert published.read_bytes() == source.read_bytes()
     index = json.loads((repo / "repository.json").read_text())
     assert {m["target"] for m in index["models"].values()} == {"onnxruntime"}
     for name, entry in index["models"].items():
@@ -247,7 +250,7 @@ def test_failed_swap_rolls_back_every_swap(stage, monkeypatch):
     write_repository(make_recipe(), **stage)
     repo = stage["out_dir"]
     before = snapshot(repo)
-    real_exchange, calls = repo_mod.exchange, []
+    real_exchange, calls = publish_mod.exchange, []
 
     def flaky_exchange(a, b):
         calls.append(b)
@@ -255,10 +258,10 @@ def test_failed_swap_rolls_back_every_swap(stage, monkeypatch):
             raise OSError("disk full")
         return real_exchange(a, b)
 
-    monkeypatch.setattr(repo_mod, "exchange", flaky_exchange)
+    monkeypatch.setattr(publish_mod, "exchange", flaky_exchange)
     with pytest.raises(TritonConfigError, match=r"publishing failed \(disk full\); the previous repository was restored"):
         write_repository(make_recipe(dynamic_batching={"max_queue_delay_microseconds": 7}), **stage)
-    monkeypatch.setattr(repo_mod, "exchange", real_exchange)
+    monkeypatch.setattr(publish_mod, "exchange", real_exchange)
     assert snapshot(repo) == before
 
 
@@ -275,7 +278,7 @@ def test_failed_rename_rolls_back_without_exchange(stage, monkeypatch):
             raise OSError("disk full")
         real_rename(src, dst)
 
-    monkeypatch.setattr(repo_mod, "exchange", lambda a, b: False)
+    monkeypatch.setattr(publish_mod, "exchange", lambda a, b: False)
     monkeypatch.setattr(repo_mod.os, "rename", flaky_rename)
     with pytest.raises(TritonConfigError, match=r"publishing failed \(disk full\); the previous repository was restored"):
         write_repository(make_recipe(dynamic_batching={"max_queue_delay_microseconds": 7}), **stage)

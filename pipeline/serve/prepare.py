@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import GateFailed, PipelineError
+from pipeline.errors import GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.recipe import DynamicBatching, InstanceGroup, Recipe
 from pipeline.triton.repository import (
     INDEX_FILE,
@@ -114,7 +114,7 @@ def prepare(recipe: Recipe, artifacts: dict[str, Any], backends: list[str]) -> S
     if needed in backends:
         _check_published(recipe, artifacts["triton"])
         note = f"serving {recipe.output_dir}/ (target {target}; backend {needed} present)"
-        return Served(recipe, artifacts, Path(recipe.output_dir), target, note)
+        return _verified(Served(recipe, artifacts, Path(recipe.output_dir), target, note))
     out = Path(recipe.work_dir) / recipe.name / SERVE_DIR
     serve_recipe = with_triton(recipe, target="python-onnxruntime")
     write_repository(serve_recipe, export=artifacts["export"], quantized=artifacts["quantize"],
@@ -122,7 +122,22 @@ def prepare(recipe: Recipe, artifacts: dict[str, Any], backends: list[str]) -> S
     note = (f"target {target!r} needs tritonserver's {needed!r} backend; this server has only {backends}. "
             f"Serving the same models as target 'python-onnxruntime' (ONNX Runtime in the python backend) "
             f"from {out}/; {recipe.output_dir}/ is unchanged")
-    return Served(serve_recipe, artifacts, out, "python-onnxruntime", note)
+    return _verified(Served(serve_recipe, artifacts, out, "python-onnxruntime", note))
+
+
+def _verified(served: Served) -> Served:
+    """``served`` once its models re-hash to their repository.json entries (``verify-repo``).
+
+    Raises:
+        RepositoryCorrupt: a file differs, is missing or extra, or a publish is half done.
+    """
+    from pipeline.triton.publish import verify_repository
+
+    problems = verify_repository(served.repository, served.models)
+    if problems:
+        raise RepositoryCorrupt(f"{served.repository}: refusing to serve a repository that fails verification:\n  "
+                                + "\n  ".join(problems))
+    return served
 
 
 def _check_published(recipe: Recipe, triton_artifact) -> None:

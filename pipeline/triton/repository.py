@@ -14,15 +14,15 @@ Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
     <model_name>_ensemble/config.pbtxt   encoder recipes: text -> tokenizer -> compute model
     <model_name>_ensemble/<v>/           (empty, as Triton wants for ensembles)
 
-Publishing: everything is written into a staging folder next to ``out_dir``;
+Publishing: everything is written into a staging folder next to ``out_dir``
+(model files are copied or reflinked, never hard-linked to stage outputs);
 every config is checked (:func:`~pipeline.triton.config.check_config`) and every
-written config.pbtxt re-parsed; only then is each model folder swapped into
-place atomically (see :func:`_publish`) and ``repository.json`` replaced. A failure before that leaves a previously
-published repository untouched.
+written config.pbtxt re-parsed; only then are the recipe's model folders and
+index entries published as one unit (:mod:`pipeline.triton.publish`). A failure
+before that leaves a previously published repository untouched.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -37,7 +37,8 @@ import onnx
 
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec, TritonArtifact
 from pipeline.errors import TritonConfigError
-from pipeline.fsutil import exchange
+from pipeline.fsutil import copy_file
+from pipeline.triton import publish
 from pipeline.recipe import Recipe
 from pipeline.triton.config import (
     GENERATE_INPUTS,
@@ -57,7 +58,7 @@ from pipeline.triton.config import (
     tokenizer_config,
 )
 
-INDEX_FILE = "repository.json"
+INDEX_FILE = publish.INDEX_FILE
 DEFAULT_MAX_TOKENS = 32  # generation default when the recipe has no validate.generation
 DEFAULT_MAX_LENGTH = 512  # encoder tokenizer truncation when the profile gives no input_ids max
 PAD_TO_MULTIPLE_OF = 16  # encoder tokenizer: row length rounded up to this (shape buckets for batching)
@@ -169,7 +170,7 @@ def write_repository(
         )
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=publish.staging_prefix(out_dir, recipe.name), dir=out_dir.parent))
     try:
         models = [_stage_compute(recipe, target, quantized, build, staging)]
         if recipe.model.kind == "causal-lm" and recipe.triton.generate_model_name and not compute_only:
@@ -177,10 +178,10 @@ def write_repository(
         if recipe.model.kind == "encoder" and not compute_only:
             models += _stage_encoder_text(recipe, export, models[0], build, staging)
         _verify(models, staging, recipe.triton.version, gpu_available(build) if target == "onnxruntime" else False)
-        _write_index(recipe, target, models, staging, out_dir)
-        _publish(staging, out_dir, [m.config.name for m in models], recipe.name)
+        publish.publish(staging, out_dir, _index_entries(recipe, target, models, staging), recipe.name)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if publish.pending(out_dir) is None:  # else the next run completes the publish from staging
+            shutil.rmtree(staging, ignore_errors=True)
     backend = models[0].config.platform or models[0].config.backend
     return TritonArtifact(repository=str(out_dir), models=[m.config.name for m in models], compute_backend=backend)
 
@@ -198,7 +199,7 @@ def _stage_compute(
     version_dir = staging / cfg.name / str(recipe.triton.version)
     version_dir.mkdir(parents=True)
     if target == "tensorrt":
-        _link_or_copy(Path(str(build.engine_path)), version_dir / "model.plan")
+        _copy_model_file(Path(str(build.engine_path)), version_dir / "model.plan")
     else:
         _copy_onnx(source, model, version_dir / "model.onnx")
     if target == "python-onnxruntime":
@@ -391,29 +392,27 @@ def _copy_tokenizer(tokenizer_dir: Path, version_dir: Path) -> None:
     shutil.copytree(tokenizer_dir, version_dir, dirs_exist_ok=True)
 
 
-def _link_or_copy(source: Path, dest: Path) -> None:
-    """Hardlink ``source`` to ``dest``; copy when linking is impossible (other filesystem, ...).
+def _copy_model_file(source: Path, dest: Path) -> None:
+    """Copy (or reflink) ``source`` to ``dest``: never a hard link, so no later stage
+    run can change a published file.
 
     Raises:
         TritonConfigError: ``source`` does not exist.
     """
     if not source.is_file():
         raise TritonConfigError(f"{source}: model file not found")
-    try:
-        os.link(source, dest)
-    except OSError:
-        shutil.copy2(source, dest)
+    copy_file(source, dest)
 
 
 def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path) -> None:
     """Place the ONNX file as ``dest`` and its external-data files (same relative names) beside it."""
-    _link_or_copy(source, dest)
+    _copy_model_file(source, dest)
     for location in sorted(_external_files(model)):
         rel = Path(location)
         if rel.is_absolute() or ".." in rel.parts:
             raise TritonConfigError(f"{source}: external data location {location!r} leaves the model folder")
         (dest.parent / rel).parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(source.parent / rel, dest.parent / rel)
+        _copy_model_file(source.parent / rel, dest.parent / rel)
 
 
 def _external_files(model: onnx.ModelProto) -> set[str]:
@@ -478,101 +477,14 @@ def _required_files(m: StagedModel) -> list[str]:
     return names
 
 
-def _write_index(recipe: Recipe, target: str, models: Sequence[StagedModel], staging: Path, out_dir: Path) -> None:
-    """repository.json: per model its recipe, target, platform/backend and files' sha256.
-
-    Entries of other recipes already published in ``out_dir`` are kept, so
-    several recipes can share one repository.
-    """
-    entries = {k: v for k, v in _read_index(out_dir).items() if v.get("recipe") != recipe.name}
-    for m in models:
-        entries[m.config.name] = {
+def _index_entries(recipe: Recipe, target: str, models: Sequence[StagedModel], staging: Path) -> dict[str, dict]:
+    """repository.json entries of this recipe: per model its recipe, target, platform/backend and files' sha256."""
+    return {
+        m.config.name: {
             "recipe": recipe.name,
             "target": target,
             "backend": m.config.platform or m.config.backend,
-            "files": _hashes(staging / m.config.name),
+            "files": publish.tree_hashes(staging / m.config.name),
         }
-    (staging / INDEX_FILE).write_text(json.dumps({"models": entries}, indent=2, sort_keys=True) + "\n")
-
-
-def _hashes(model_dir: Path) -> dict[str, str]:
-    """relative path -> sha256 for every file under ``model_dir``."""
-    out = {}
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        out[path.relative_to(model_dir).as_posix()] = digest.hexdigest()
-    return out
-
-
-def _publish(staging: Path, out_dir: Path, names: Sequence[str], recipe_name: str) -> None:
-    """Place each staged model folder in ``out_dir``, then replace repository.json.
-
-    An existing model folder is swapped with its staged one in one atomic
-    ``renameat2(RENAME_EXCHANGE)`` where the kernel allows it, so a Triton
-    polling the repository sees the old or the new model, never a missing or
-    half-written one; elsewhere it is moved aside, then the new one renamed in.
-    Replaced folders end up in ``staging`` (removed afterwards). If a step
-    fails, every swap done so far is undone. Models this recipe published
-    earlier but no longer writes are moved out too; other recipes' stay.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    aside = staging / ".replaced"
-    aside.mkdir()
-    stale = [n for n in _published_models(out_dir, recipe_name) if n not in names]
-    done: list[tuple[Path, Path]] = []  # (dest, where the replaced/new-less folder now is)
-    try:
-        for name in names:
-            done.append(_place(staging / name, out_dir / name, aside / name))
-        for name in stale:
-            os.rename(out_dir / name, aside / name)
-            done.append((out_dir / name, aside / name))
-        os.replace(staging / INDEX_FILE, out_dir / INDEX_FILE)
-    except OSError as e:
-        _undo(done)
-        raise TritonConfigError(f"{out_dir}: publishing failed ({e}); the previous repository was restored") from e
-
-
-def _place(new: Path, dest: Path, aside: Path) -> tuple[Path, Path]:
-    """Put ``new`` at ``dest``; return (dest, path now holding the old state)."""
-    if dest.exists() and exchange(new, dest):
-        return dest, new
-    if dest.exists():
-        os.rename(dest, aside)
-        try:
-            os.rename(new, dest)
-        except OSError:
-            os.rename(aside, dest)
-            raise
-        return dest, aside
-    os.rename(new, dest)
-    return dest, new  # ``new`` no longer exists: undo removes dest
-
-
-def _undo(done: Sequence[tuple[Path, Path]]) -> None:
-    """Reverse _publish: put each old folder back (or remove a new one)."""
-    for dest, old in reversed(done):
-        if old.exists() and dest.exists() and exchange(old, dest):
-            continue
-        if dest.exists():
-            shutil.rmtree(dest)
-        if old.exists():
-            os.rename(old, dest)
-
-
-def _read_index(out_dir: Path) -> dict[str, dict]:
-    """model name -> index entry of ``out_dir/repository.json`` ({} when absent or unreadable)."""
-    try:
-        models = json.loads((out_dir / INDEX_FILE).read_text()).get("models", {})
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return {}
-    return {k: v for k, v in models.items() if isinstance(v, dict)}
-
-
-def _published_models(out_dir: Path, recipe_name: str) -> list[str]:
-    """Models that recipe ``recipe_name`` published earlier into ``out_dir``."""
-    return [k for k, v in _read_index(out_dir).items() if v.get("recipe") == recipe_name]
-
-
+        for m in models
+    }

@@ -1,0 +1,271 @@
+"""Publishing one recipe's models into a model repository, as one unit.
+
+The unit is the recipe's model folders plus their ``repository.json`` entries.
+A publish is a small transaction with a journal (``.publish-journal.json`` in the
+repository) written before anything live changes:
+
+1. every model folder is complete in a staging folder beside the repository,
+   and the new ``repository.json`` content is computed;
+2. the journal records the staging folder, each staged folder's inode and the new index;
+3. each model folder is swapped in (``renameat2(RENAME_EXCHANGE)`` where possible,
+   so a polling Triton never sees a missing model), stale ones are moved out;
+4. ``repository.json`` is replaced atomically, then the journal is removed.
+
+A crash anywhere in 3-4 leaves the journal; the next publish or build into that
+repository (:func:`recover`) rolls the transaction forward from it: a folder
+whose inode equals the staged one is already in place, any other is swapped in.
+:func:`verify_repository` (``python -m pipeline verify-repo DIR``) reports a
+pending journal and re-hashes every file against ``repository.json``.
+SIGINT / SIGTERM are held back during steps 3-4, so Ctrl-C never splits them.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from pipeline.errors import RepositoryCorrupt, TritonConfigError
+from pipeline.faults import fault_point
+from pipeline.fsutil import exchange, file_sha256
+
+INDEX_FILE = "repository.json"
+JOURNAL_FILE = ".publish-journal.json"
+
+
+def read_index(repo: Path) -> dict[str, dict]:
+    """model name -> entry of ``repo/repository.json`` ({} when absent or unreadable)."""
+    try:
+        models = json.loads((repo / INDEX_FILE).read_text()).get("models", {})
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return {}
+    return {k: v for k, v in models.items() if isinstance(v, dict)}
+
+
+def published_models(repo: Path, recipe_name: str) -> list[str]:
+    """Models that recipe ``recipe_name`` published into ``repo``."""
+    return [k for k, v in read_index(repo).items() if v.get("recipe") == recipe_name]
+
+
+def tree_hashes(model_dir: Path) -> dict[str, str]:
+    """relative posix path -> sha256 hex of every file under ``model_dir``."""
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+    return {p.relative_to(model_dir).as_posix(): file_sha256(p) for p in files}
+
+
+def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: str) -> None:
+    """Publish the staged folders ``staging/<name>`` (name -> index entry in ``entries``)
+    into ``repo`` as one unit; other recipes' models and entries stay.
+
+    Raises:
+        RepositoryCorrupt: an earlier interrupted publish cannot be completed.
+        TritonConfigError: a file-system step failed; every step done so far
+            was undone, so the repository holds the previous set.
+    """
+    repo.mkdir(parents=True, exist_ok=True)
+    recover(repo)
+    index = {k: v for k, v in read_index(repo).items() if v.get("recipe") != recipe_name}
+    index.update(entries)
+    journal = {
+        "recipe": recipe_name,
+        "staging": str(staging.resolve()),
+        "models": {name: os.stat(staging / name).st_ino for name in entries},
+        "stale": [n for n in published_models(repo, recipe_name) if n not in entries],
+        "index": {"models": index},
+    }
+    with _signals_held():
+        _write_json(repo / JOURNAL_FILE, journal)
+        fault_point("publish:journal")
+        try:
+            _swap_models(repo, journal)
+        except OSError as e:
+            _rollback(repo, journal)
+            raise TritonConfigError(f"{repo}: publishing failed ({e}); the previous repository was restored") from e
+        _finish(repo, journal)
+
+
+def pending(repo: Path) -> dict | None:
+    """The journal of an interrupted publish into ``repo``, or None."""
+    try:
+        return json.loads((repo / JOURNAL_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise RepositoryCorrupt(f"{repo / JOURNAL_FILE}: unreadable publish journal ({e})") from e
+
+
+def recover(repo: Path) -> str | None:
+    """Complete an interrupted publish into ``repo`` (roll forward); returns a note, or None
+    when there was nothing to do.
+
+    Raises:
+        RepositoryCorrupt: the journal's staged folders are gone, so the
+            transaction can neither complete nor be told apart from the old set.
+    """
+    journal = pending(repo)
+    if journal is None:
+        return None
+    with _signals_held():
+        _swap_models(repo, journal)
+        _finish(repo, journal)
+    return f"{repo}: completed the interrupted publish of recipe {journal['recipe']!r}"
+
+
+def staging_prefix(repo: Path, recipe_name: str) -> str:
+    """Name prefix of a recipe's staging folders, beside ``repo``."""
+    return f".{repo.name}.staging-{recipe_name}-"
+
+
+def remove_leftovers(repo: Path, recipe_name: str) -> list[Path]:
+    """Remove staging folders a killed publish of ``recipe_name`` left beside ``repo``
+    (call with the recipe's run lock held, after :func:`recover`); returns them."""
+    journal = pending(repo)
+    keep = Path(journal["staging"]) if journal else None
+    if not repo.parent.is_dir():
+        return []
+    gone = [p for p in repo.parent.glob(staging_prefix(repo, recipe_name) + "*") if p.resolve() != keep]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def _swap_models(repo: Path, journal: dict) -> None:
+    """Step 3: swap each staged folder in, move stale ones out. Idempotent, so a
+    crash in it is resumed by running it again."""
+    staging = Path(journal["staging"])
+    aside = staging / ".replaced"
+    aside.mkdir(parents=True, exist_ok=True)
+    for i, (name, ino) in enumerate(journal["models"].items()):
+        _place(staging / name, repo / name, aside / name, ino)
+        fault_point(f"publish:model:{i}")
+    for name in journal["stale"]:
+        if (repo / name).exists() and not (aside / name).exists():
+            os.rename(repo / name, aside / name)
+    fault_point("publish:stale")
+
+
+def _finish(repo: Path, journal: dict) -> None:
+    """Step 4: the new index, then the journal goes, then the staging folder."""
+    _write_json(repo / INDEX_FILE, journal["index"], indent=2)
+    fault_point("publish:index")
+    (repo / JOURNAL_FILE).unlink()
+    fault_point("publish:cleanup")
+    shutil.rmtree(journal["staging"], ignore_errors=True)
+
+
+def _rollback(repo: Path, journal: dict) -> None:
+    """Undo :func:`_swap_models` after an in-process failure, then drop the journal.
+
+    Raises:
+        RepositoryCorrupt: the undo failed too; the journal stays for the next run.
+    """
+    staging = Path(journal["staging"])
+    aside = staging / ".replaced"
+    try:
+        for name in journal["stale"]:
+            if (aside / name).exists() and not (repo / name).exists():
+                os.rename(aside / name, repo / name)
+        for name, ino in reversed(journal["models"].items()):
+            dest = repo / name
+            if _inode(dest) != ino:  # not swapped in; its old folder may be aside already
+                if not dest.exists() and (aside / name).exists():
+                    os.rename(aside / name, dest)
+                continue
+            old = next((p for p in (aside / name, staging / name) if p.exists()), None)
+            if old is not None and exchange(old, dest):
+                continue
+            os.rename(dest, staging / f".{name}.undone")
+            if old is not None:
+                os.rename(old, dest)
+    except OSError as e:
+        raise RepositoryCorrupt(f"{repo}: publishing failed and so did the undo ({e}); "
+                                "the next build of the recipe completes the publish") from e
+    (repo / JOURNAL_FILE).unlink()
+
+
+def _place(new: Path, dest: Path, aside: Path, ino: int) -> None:
+    """Put the staged folder ``new`` (inode ``ino``) at ``dest`` unless it is there already."""
+    if _inode(dest) == ino:
+        return
+    if _inode(new) != ino:
+        raise RepositoryCorrupt(
+            f"{dest}: an interrupted publish cannot be completed: its staged folder {new} is gone. "
+            f"Remove {dest.parent / JOURNAL_FILE} and rebuild the recipe"
+        )
+    if dest.exists() and exchange(new, dest):
+        return
+    if dest.exists():
+        os.rename(dest, aside)
+    os.rename(new, dest)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _write_json(path: Path, data: dict, indent: int | None = None) -> None:
+    """Write ``path`` atomically and durably (temp file, fsync, rename, fsync of the folder)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(data, indent=indent, sort_keys=True, allow_nan=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back (delivered on exit), so Ctrl-C cannot split a publish."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def verify_repository(repo: Path, models: Sequence[str] | None = None) -> list[str]:
+    """Re-hash a published repository against its ``repository.json``.
+
+    ``models``: check only these (default: every indexed model). Returns one
+    line per problem (empty: the repository is exactly what was published):
+    a pending publish journal, a missing index or model folder, and every file
+    that is missing, differs from its recorded sha256, or is not recorded.
+    """
+    repo = Path(repo)
+    problems = []
+    journal = pending(repo)
+    if journal is not None:
+        problems.append(f"{repo}: half-published: the publish of recipe {journal['recipe']!r} was interrupted "
+                        f"({JOURNAL_FILE} present); the next build of that recipe completes it")
+    if not (repo / INDEX_FILE).is_file():
+        return problems + [f"{repo / INDEX_FILE}: missing; {repo} is not a published repository"]
+    index = read_index(repo)
+    for name in models if models is not None else sorted(index):
+        problems += _verify_model(repo, name, index.get(name))
+    return problems
+
+
+def _verify_model(repo: Path, name: str, entry: dict | None) -> list[str]:
+    if entry is None:
+        return [f"{repo / name}: not listed in {INDEX_FILE}"]
+    if not (repo / name).is_dir():
+        return [f"{repo / name}: model folder missing"]
+    recorded = entry.get("files", {})
+    actual = tree_hashes(repo / name)
+    out = [f"{repo / name / f}: missing" for f in sorted(set(recorded) - set(actual))]
+    out += [f"{repo / name / f}: sha256 {actual[f][:12]} differs from the published {recorded[f][:12]}"
+            for f in sorted(set(recorded) & set(actual)) if recorded[f] != actual[f]]
+    out += [f"{repo / name / f}: not part of the published model" for f in sorted(set(actual) - set(recorded))]
+    return out
