@@ -45,8 +45,10 @@ class QuantizedArtifact:
     def summary(self) -> str:
         if not self.quantized_nodes:
             return f"{self.precision}: no Q/DQ"
-        return (f"{self.precision}: {len(self.quantized_nodes)} GEMMs quantized, "
+        text = (f"{self.precision}: {len(self.quantized_nodes)} GEMMs quantized, "
                 f"{len(self.excluded_nodes)} excluded, calibration {self.calibration.get('method')}")
+        shortfall = self.calibration.get("shortfall")
+        return f"{text}; WARNING: {shortfall}" if shortfall else text
 
 
 @dataclass
@@ -99,10 +101,12 @@ class TritonArtifact:
     repository: str
     models: list[str]
     compute_backend: str
+    warnings: list[str] = field(default_factory=list)  # e.g. engine built on another GPU model, same compute capability
 
     @property
     def summary(self) -> str:
-        return f"{self.repository}/: {', '.join(self.models)} (compute model: {self.compute_backend})"
+        text = f"{self.repository}/: {', '.join(self.models)} (compute model: {self.compute_backend})"
+        return text + "".join(f"; warning: {w}" for w in self.warnings)
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -50,7 +50,7 @@ def _export_sections(r: Recipe) -> Any:
 _SECTIONS: dict[str, Callable[[Recipe], Any]] = {
     "export": _export_sections,
     "quantize": lambda r: [r.quantize.model_dump(mode="json"), r.validate_.split.model_dump()],
-    "build": lambda r: [r.build.model_dump(mode="json")],
+    "build": lambda r: [r.build.model_dump(mode="json"), r.triton.serving and r.triton.serving.model_dump(mode="json")],
     "validate": lambda r: [r.validate_.model_dump(mode="json"), r.quantize.precision],
     "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
                          r.validate_.generation and r.validate_.generation.model_dump()],

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ProfileError
+from pipeline import serving
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 
@@ -182,6 +183,7 @@ def test_run_here_skips_with_plain_reason(tmp_path):
         assert "no Builder" in art.reason
     else:
         assert art.reason == "no CUDA GPU visible"
+    assert art.reason.endswith("; serving runtime not checked: no engine built")
     assert [p.name for p in art.profiles] == ["default", "decode"]
     assert art.profiles[1].shapes["mask:0"]["opt"] == [8, 1]
     assert art.profiles[0].shapes["scale"] == {"min": [4], "opt": [4], "max": [4]}
@@ -202,11 +204,12 @@ def test_reason_without_gpu(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", real_looking)
     art = build.run(make_recipe(tmp_path, [PROFILE]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
     assert art.status == "skipped"
-    assert art.reason == f"no CUDA GPU visible; equivalent build command written to {tmp_path / 'b' / 'trtexec.sh'}"
+    assert art.reason == (f"no CUDA GPU visible; equivalent build command written to {tmp_path / 'b' / 'trtexec.sh'}; "
+                          "serving runtime not checked: no engine built")
 
 
 def test_run_rejects_profiles_that_do_not_fit(tmp_path):
-    bad = {"name": "default", "dims": {"batch": {"min": 1, "opt": 1, "max": 2}}}
+    bad = {"name": "default", "dims": {"batch": {"min": 1, "opt": 1, "max": 4}}}
     with pytest.raises(ProfileError, match=r"'input_ids' \[batch, sequence\] axis 1 is dynamic \('sequence'\)"):
         build.run(make_recipe(tmp_path, [bad]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
     assert not (tmp_path / "b" / "trtexec.sh").exists()
@@ -250,23 +253,38 @@ STAMP = {
 }
 
 
+TARGET = serving.Target("10.13.0.35", "9.0", "H200")
+
+
 def test_check_stamp_accepts_a_matching_engine():
-    assert build.check_stamp(STAMP, tensorrt_version="10.13.0.35", compute_capability="9.0", recipe_hash="abc123") == []
+    result = build.check_stamp(STAMP, TARGET, "abc123")
+    assert (result.errors, result.warnings) == ([], [])
 
 
 def test_check_stamp_lists_every_mismatch():
-    problems = build.check_stamp(STAMP, tensorrt_version="10.8.0.43", compute_capability="8.9", recipe_hash="def456")
-    assert len(problems) == 3
-    assert problems[0].startswith("tensorrt_version: engine has '10.13.0.35', here '10.8.0.43'")
-    assert problems[1].startswith("compute_capability: engine has '9.0', here '8.9'")
-    assert "GPU architecture" in problems[1]
-    assert problems[2].startswith("recipe_hash: engine has 'abc123', here 'def456'")
+    stamp = {**STAMP, "tensorrt_version": "10.8.0.43", "compute_capability": "8.9", "gpu_name": "NVIDIA L40S"}
+    [trt, cap] = build.check_stamp(stamp, TARGET, "abc123").errors
+    assert trt.startswith("tensorrt_version: engine has '10.8.0.43', the serving runtime has '10.13.0.35'")
+    assert cap.startswith("compute_capability: engine has '8.9', the serving GPU 'H200' has '9.0'")
+    assert "GPU architecture" in cap and cap.endswith("; rebuild the engine")
+    [changed] = build.check_stamp(STAMP, TARGET, "def456").errors
+    assert changed.startswith("recipe_hash: engine has 'abc123', the recipe 'def456'")
+
+
+def test_check_stamp_warns_for_another_gpu_of_the_same_capability():
+    result = build.check_stamp(STAMP, serving.Target("10.13.0", "9.0", "H100"), "abc123")
+    assert result.errors == []
+    [warning] = result.warnings
+    assert warning.startswith("gpu_name: engine has 'NVIDIA H200', the serving GPU is 'H100': same compute capability 9.0")
 
 
 def test_check_stamp_reports_missing_fields():
-    stamp = {k: v for k, v in STAMP.items() if k != "compute_capability"}
-    [problem] = build.check_stamp(stamp, tensorrt_version="10.13.0.35", compute_capability="9.0", recipe_hash="abc123")
-    assert problem.startswith("compute_capability: missing from the engine stamp (expected '9.0')")
+    stamp = {k: v for k, v in STAMP.items() if k not in ("compute_capability", "gpu_name")}
+    result = build.check_stamp(stamp, TARGET, "abc123")
+    assert result.errors == [
+        "compute_capability: missing from the engine stamp; rebuild the engine",
+        "gpu_name: missing from the engine stamp; rebuild the engine",
+    ]
 
 
 def test_file_sha256_matches_hashlib(tmp_path):
@@ -282,15 +300,16 @@ def test_file_sha256_matches_hashlib(tmp_path):
 
 @pytest.mark.skipif(not trt_and_gpu_present(), reason="needs the tensorrt wheel and a CUDA GPU")
 def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
-    recipe = make_recipe(tmp_path, [PROFILE, DECODE])
+    here = build.local_target()
+    data = make_recipe(tmp_path, [PROFILE, DECODE]).model_dump(by_alias=True)
+    trt = ".".join(map(str, serving.tensorrt_triple(here.tensorrt)))
+    data["triton"]["serving"] = {"tensorrt": trt, "gpu": here.gpu_name, "compute_capability": here.compute_capability}
+    recipe = Recipe.model_validate(data)
     art = build.run(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")
     assert art.status == "ok", art.reason
     assert Path(art.engine_path).stat().st_size > 0
     assert (tmp_path / "cache" / "tiny.cache").stat().st_size > 0
     stamp = json.loads(Path(art.stamp_path).read_text())
-    capability, _ = build.gpu_info()
-    assert build.check_stamp(
-        stamp, tensorrt_version=build.tensorrt_version(), compute_capability=capability, recipe_hash=recipe.engine_hash
-    ) == []
+    assert build.check_stamp(stamp, build.local_target(), recipe.engine_hash).errors == []
     assert stamp["onnx_sha256"] == build.file_sha256(tmp_path / "model.onnx")
     assert shlex.split(Path(art.trtexec_cmd_path).read_text().split("\n", 2)[2].replace("\\\n", " "))[0] == "trtexec"

@@ -90,5 +90,10 @@ def test_mypy_resolves_the_tensorrt_stubs(mypy_env, tmp_path):
 
 
 def test_build_stage_typechecks_against_tensorrt_stubs(mypy_env):
-    out = _mypy(mypy_env, "pipeline/stages/build.py")
+    out = _mypy(mypy_env, "pipeline/stages/build.py", "pipeline/serving.py", "pipeline/stages/triton.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_gpu_check_helper_typechecks(mypy_env):
+    out = _mypy(mypy_env, "benchmarks/gpu_check.py")
     assert out.returncode == 0, out.stdout + out.stderr

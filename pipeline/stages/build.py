@@ -8,7 +8,15 @@ profile; the timing cache at ``build.timing_cache`` is loaded and saved.
 Whatever happens, the stage first writes ``trtexec.sh``: the equivalent
 ``trtexec`` command line, so an engine can be rebuilt (or the build debugged)
 on a machine that has TensorRT but not this tool. Without an importable
-``tensorrt`` package or a CUDA GPU the stage returns status ``"skipped"``.
+``tensorrt`` package or a CUDA GPU the stage returns status ``"skipped"`` and
+checks nothing about the serving runtime (its reason says so).
+
+Where an engine would be built, the recipe must declare ``triton.serving``
+(the Triton container / TensorRT version and GPU model that will load the
+plan, see pipeline.serving): the build refuses a local TensorRT or compute
+capability that differs from it, and FP8 on a GPU below compute capability
+8.9. The stamp records what the engine was built with; :func:`check_stamp`
+compares it with the declared target at deploy time.
 
 Every call into TensorRT sits in a small annotated function so mypy checks it
 against ``tensorrt-stubs`` (tests/test_build_typecheck.py).
@@ -28,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from pipeline import profiles
+from pipeline import profiles, serving
 from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
 from pipeline.errors import PipelineError
 from pipeline.graph_checks import check_qdq_graph
@@ -43,10 +51,15 @@ log = logging.getLogger(__name__)
 ENGINE_NAME = "model.plan"
 STAMP_NAME = "engine_stamp.json"
 SCRIPT_NAME = "trtexec.sh"
+NOT_CHECKED = "serving runtime not checked: no engine built"
 
 
 class EngineBuildError(PipelineError):
     """The ONNX parser or the TensorRT builder rejected the graph or the profiles."""
+
+
+class ServingRuntimeError(EngineBuildError):
+    """This machine cannot build an engine the declared serving runtime loads (or none is declared)."""
 
 
 def run(recipe: Recipe, quantized_onnx: str, inputs: list[TensorSpec], out_dir: Path) -> BuildArtifact:
@@ -60,8 +73,10 @@ def run(recipe: Recipe, quantized_onnx: str, inputs: list[TensorSpec], out_dir: 
             ``engine_stamp.json``.
 
     Returns:
-        BuildArtifact with status ``"ok"`` (engine and stamp written) or
-        ``"skipped"`` with the reason (no importable tensorrt / no CUDA GPU).
+        BuildArtifact with status ``"ok"`` (engine and stamp written; ``reason``
+        holds warnings such as another GPU model of the same compute capability,
+        or a timing cache that was started afresh) or ``"skipped"`` with the
+        reason (no importable tensorrt / no CUDA GPU; serving runtime not checked).
 
     Raises:
         ProfileError: the recipe profiles do not fit the graph's inputs.
@@ -70,6 +85,9 @@ def run(recipe: Recipe, quantized_onnx: str, inputs: list[TensorSpec], out_dir: 
             parser or builder failed (message lists every parser error).
         GraphCheckError: the Q/DQ graph breaks a TensorRT rule (checked before
             building).
+        ServingRuntimeError: ``triton.serving`` is missing, or the local
+            TensorRT / compute capability differs from it, or FP8 on a GPU
+            below compute capability 8.9 (all checked before building).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -88,16 +106,92 @@ def run(recipe: Recipe, quantized_onnx: str, inputs: list[TensorSpec], out_dir: 
     )
     reason = unavailable_reason()
     if reason is not None:
-        reason = f"{reason}; equivalent build command written to {script}"
+        reason = f"{reason}; equivalent build command written to {script}; {NOT_CHECKED}"
         log.warning("build skipped: %s", reason)
         return BuildArtifact("skipped", reason, None, None, str(script), resolved)
+    notes = preflight(recipe, local_target(), script)
     check_qdq_graph(model, base_dir=str(onnx_path.parent))
-    plan = build_engine(onnx_path, resolved, dynamic, recipe.build, cache_path)
+    plan = build_engine(onnx_path, resolved, dynamic, recipe.build, cache_path, notes)
     _write_atomic(engine_path, plan)
     stamp = make_stamp(recipe, onnx_path, resolved)
     stamp_path = out_dir / STAMP_NAME
     _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
-    return BuildArtifact("ok", "", str(engine_path), str(stamp_path), str(script), resolved)
+    for note in notes:
+        log.warning("build: %s", note)
+    return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved)
+
+
+# --- serving runtime: checked before building ---------------------------------------------
+
+
+def local_target() -> serving.Target:
+    """This machine as a build target: tensorrt package version and CUDA device 0."""
+    capability, name = gpu_info()
+    return serving.Target(tensorrt_version(), capability, name)
+
+
+def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
+    """Refuse a build whose engine the declared serving runtime could not load.
+
+    Args:
+        recipe: its ``triton.serving`` is the declared target; ``quantize.precision``.
+        local: this machine (TensorRT version, compute capability, GPU name).
+        script: the written ``trtexec.sh``, named in the refusal.
+
+    Returns:
+        Warnings (e.g. another GPU model with the same compute capability).
+
+    Raises:
+        ServingRuntimeError: FP8 on a GPU below compute capability 8.9 (here or
+            declared); ``triton.serving`` missing; a different TensorRT
+            major.minor.patch or compute capability than declared.
+    """
+    fp8 = recipe.quantize.precision == "fp8"
+    problem = serving.fp8_problem(local.compute_capability, f"this GPU ({local.gpu_name})") if fp8 else None
+    if problem:
+        raise ServingRuntimeError(f"build: {problem}; build on a GPU of compute capability 8.9 or later")
+    cfg = recipe.triton.serving
+    if cfg is None:
+        raise ServingRuntimeError(
+            f"build: TensorRT {local.tensorrt} and a {local.gpu_name} (compute capability {local.compute_capability}) "
+            "are present, so an engine would be built, but the recipe does not declare triton.serving, the runtime "
+            "that will load it. Add e.g. triton: {serving: {container: '25.01-trtllm-python-py3', gpu: 'H100'}} or "
+            "{tensorrt: '10.8.0', gpu: 'H100'}" + _containers_hint(local.tensorrt)
+        )
+    declared = serving.declared_target(cfg)
+    problem = serving.fp8_problem(declared.compute_capability, f"the serving GPU ({declared.gpu_name})") if fp8 else None
+    if problem:
+        raise ServingRuntimeError(f"build: {problem} (recipe triton.serving.gpu)")
+    result = serving.compare(local, declared, "this machine")
+    if result.errors:
+        raise ServingRuntimeError(
+            "build: refusing to build an engine the declared serving runtime cannot load:\n  "
+            + "\n  ".join(result.errors) + "\n" + _where_to_build(declared, script)
+        )
+    return result.warnings
+
+
+def _containers_hint(version: str) -> str:
+    tags = serving.containers_with(version)
+    return f"; known containers with TensorRT {version}: {', '.join(tags)}" if tags else ""
+
+
+def _where_to_build(declared: serving.Target, script: Path) -> str:
+    """How to build the same engine where TensorRT and the GPU match the declaration."""
+    rel = os.path.relpath(script)
+    under_cwd = not rel.startswith("..")  # then mounting the working folder brings the script's inputs along
+    shown = rel if under_cwd else str(script)
+    image = declared.image
+    if image is None:
+        tags = serving.containers_with(declared.tensorrt)
+        image = serving.container_image(tags[0]) if tags else None
+    where = f"inside {image}" if image else f"where TensorRT {declared.tensorrt} is installed"
+    docker = f"  (e.g. docker run --rm --gpus all -v \"$PWD\":/work -w /work {image} sh {shown})"
+    return (
+        f"Build on a {declared.gpu_name} (compute capability {declared.compute_capability}) {where}, with "
+        f"trtexec on PATH: sh {shown}" + (docker if image and under_cwd else "")
+        + f"; or install tensorrt=={'.'.join(map(str, serving.tensorrt_triple(declared.tensorrt)))}.* here"
+    )
 
 
 def _load_graph(onnx_path: Path, inputs: list[TensorSpec]) -> onnx.ModelProto:
@@ -241,28 +335,30 @@ def file_sha256(path: Path) -> str:
     return sha256_file(path)
 
 
-def check_stamp(stamp: dict[str, Any], *, tensorrt_version: str, compute_capability: str, recipe_hash: str) -> list[str]:
-    """Reasons an engine may not be used here; empty when it may.
+def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str) -> serving.Comparison:
+    """Compare an engine's stamp with the DECLARED serving target (not this machine).
 
-    TensorRT engines are tied to the exact TensorRT version and the GPU
-    architecture (compute capability, e.g. "9.0"); ``recipe_hash`` is
+    A plan loads only in the TensorRT major.minor.patch that built it and on
+    GPUs of its compute capability (e.g. "9.0"); ``recipe_hash`` is
     ``Recipe.engine_hash`` of the current recipe.
 
     Returns:
-        One human-readable line per missing or mismatching stamp field.
+        ``errors``: one line per missing or mismatching field (TensorRT
+        version, compute capability, recipe hash); ``warnings``: a different
+        GPU model with the same compute capability.
     """
-    expected = {
-        "tensorrt_version": (tensorrt_version, "engines load only in the TensorRT version that built them"),
-        "compute_capability": (compute_capability, "engines are specific to a GPU architecture"),
-        "recipe_hash": (recipe_hash, "the recipe changed since the engine was built"),
-    }
-    problems = []
-    for key, (want, why) in expected.items():
+    errors: list[str] = []
+    for key in ("tensorrt_version", "compute_capability", "gpu_name", "recipe_hash"):
         if key not in stamp:
-            problems.append(f"{key}: missing from the engine stamp (expected {want!r}); rebuild the engine")
-        elif str(stamp[key]) != want:
-            problems.append(f"{key}: engine has {stamp[key]!r}, here {want!r} ({why}); rebuild the engine")
-    return problems
+            errors.append(f"{key}: missing from the engine stamp; rebuild the engine")
+    if "recipe_hash" in stamp and str(stamp["recipe_hash"]) != recipe_hash:
+        errors.append(f"recipe_hash: engine has {stamp['recipe_hash']!r}, the recipe {recipe_hash!r} "
+                      "(the recipe changed since the engine was built); rebuild the engine")
+    if errors:
+        return serving.Comparison(errors, [])
+    built = serving.Target(str(stamp["tensorrt_version"]), str(stamp["compute_capability"]), str(stamp["gpu_name"]))
+    result = serving.compare(built, target, "engine")
+    return serving.Comparison([f"{e}; rebuild the engine" for e in result.errors], result.warnings)
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
@@ -281,9 +377,17 @@ def tensorrt_version() -> str:
 
 
 def build_engine(
-    onnx_path: Path, resolved: list[ResolvedProfile], dynamic: list[str], build: BuildConfig, timing_cache: Path
+    onnx_path: Path,
+    resolved: list[ResolvedProfile],
+    dynamic: list[str],
+    build: BuildConfig,
+    timing_cache: Path,
+    notes: list[str],
 ) -> memoryview:
     """Parse, configure and build; save the timing cache. Returns the serialized engine.
+
+    ``notes`` receives what the report should say (e.g. the timing cache was
+    unreadable and an empty one was used).
 
     Raises:
         EngineBuildError: parser errors (all of them, with node names), an
@@ -298,7 +402,7 @@ def build_engine(
     network = create_network(builder)
     parse_onnx(network, logger, onnx_path)
     config = create_config(builder, build)
-    cache = attach_timing_cache(config, timing_cache)
+    cache = attach_timing_cache(config, timing_cache, notes)
     for prof in resolved:
         add_profile(builder, config, prof, dynamic)
     plan = builder.build_serialized_network(network, config)
@@ -363,19 +467,29 @@ def create_config(builder: trt.Builder, build: BuildConfig) -> trt.IBuilderConfi
     return config
 
 
-def attach_timing_cache(config: trt.IBuilderConfig, path: Path) -> trt.ITimingCache:
+def attach_timing_cache(config: trt.IBuilderConfig, path: Path, notes: list[str]) -> trt.ITimingCache:
     """Load the timing cache at ``path`` (or start empty) and attach it to ``config``.
 
-    A cache from another GPU or TensorRT version is not accepted by
-    ``set_timing_cache``; then an empty cache is used and later overwrites it.
+    ``create_timing_cache`` returns None for a corrupt file, and
+    ``set_timing_cache`` refuses a cache from another GPU or TensorRT version;
+    either way an empty cache is used (it overwrites the file after the
+    build) and a line saying so is appended to ``notes``.
+
+    Raises:
+        EngineBuildError: TensorRT cannot create even an empty timing cache.
     """
     data = path.read_bytes() if path.is_file() else b""
     cache = config.create_timing_cache(data)
-    if config.set_timing_cache(cache, False):
+    if cache is None:
+        notes.append(f"timing cache {path} is unreadable (corrupt or truncated); started an empty one, "
+                     "which replaces the file after this build")
+    elif config.set_timing_cache(cache, False):
         return cache
-    log.warning("timing cache %s does not match this GPU/TensorRT; starting an empty one", path)
+    else:
+        notes.append(f"timing cache {path} does not match this GPU/TensorRT; started an empty one")
     cache = config.create_timing_cache(b"")
-    config.set_timing_cache(cache, False)
+    if cache is None or not config.set_timing_cache(cache, False):
+        raise EngineBuildError("TensorRT could not create an empty timing cache")
     return cache
 
 
@@ -391,14 +505,22 @@ def add_profile(
     """Add one optimization profile (dynamic inputs only). Returns its index.
 
     Raises:
-        EngineBuildError: TensorRT rejected the profile.
+        EngineBuildError: TensorRT rejected the profile; ``set_shape`` raising
+            RuntimeError (inconsistent min/opt/max) names the profile and input.
     """
     import tensorrt as trt
 
     profile = builder.create_optimization_profile()
     for name in dynamic:
         shape = prof.shapes[name]
-        profile.set_shape(name, trt.Dims(shape["min"]), trt.Dims(shape["opt"]), trt.Dims(shape["max"]))
+        try:
+            profile.set_shape(name, trt.Dims(shape["min"]), trt.Dims(shape["opt"]), trt.Dims(shape["max"]))
+        except RuntimeError as e:
+            raise EngineBuildError(
+                f"build.profiles {prof.name!r}, input {name!r}: TensorRT rejected min {shape['min']}, "
+                f"opt {shape['opt']}, max {shape['max']} ({e}); each axis needs min <= opt <= max, the same rank "
+                "in all three and the input's rank"
+            ) from e
     index = config.add_optimization_profile(profile)
     if index < 0:
         raise EngineBuildError(f"TensorRT rejected optimization profile {prof.name!r}: {prof.shapes}")
