@@ -6,9 +6,15 @@ the stage cache.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
+
+#: A float that strict JSON stored as null (NaN / inf) reads back as NaN.
+NullableFloat = Annotated[float, BeforeValidator(lambda v: math.nan if v is None else v)]
 
 
 @dataclass
@@ -74,7 +80,7 @@ class BuildArtifact:
 class GateResult:
     name: str
     metric: str
-    value: float
+    value: NullableFloat
     bound: float
     op: str  # "<=" or ">="
     passed: bool

@@ -1,36 +1,110 @@
 """Command line: ``python -m pipeline build recipes/fp8-llm.yaml``.
 
-Also ``check`` (recipe only), ``serve`` (local tritonserver until Ctrl-C) and
-``bench`` (start, measure, stop; see pipeline.serve).
+Commands: ``build`` (every stage), ``check`` (the build's pre-flight only: schema,
+cross-section constraints and the weights' presence), ``serve`` (local
+tritonserver until Ctrl-C), ``bench`` (start, measure, stop; see pipeline.serve)
+and ``verify-repo DIR`` (re-hash a published repository against its repository.json).
 
-Exit codes: 0 success, 1 an accuracy gate failed, 2 bad input or a failed stage.
+``--set KEY=VALUE`` overrides one recipe field for this run. KEY is a dotted path;
+list items are addressed by index (``build.profiles.0.dims.batch.max=16``). VALUE
+is read as YAML (``0.5``, ``true``, ``[1, 8]``, ``{min: 1, opt: 4, max: 8}``); where it
+is not valid YAML it is taken as the plain string (``*mlp*``), and a bracketed list
+that is not valid YAML as a list of plain strings (``[*mlp*, *attn*]``). The schema
+then decides whether the value fits.
+
+Exit codes (pipeline.errors):
+
+* 0: passed.
+* 1: an accuracy gate failed, or an accuracy budget is unreachable.
+* 2: bad input: the recipe (file, key path and YAML line), a ``--set`` value, a
+  data or model file.
+* 3: internal error: one console line naming the exception and the file holding
+  the traceback: ``<work_dir>/<recipe name>/error.log`` once the recipe was read,
+  else ``./pipeline-error.log``.
+* 4: environment: lock held, server failed to start, storage or network error, a
+  published repository that fails verification.
+* 130: interrupted (Ctrl-C / SIGTERM); finished stages are kept.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
-import yaml
 
-from pipeline.errors import PipelineError
+from pipeline.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError, RecipeError, RepositoryCorrupt
+
+FALLBACK_LOG = Path("pipeline-error.log")
 
 
-def _parse_set(items: list[str]) -> dict:
+def parse_set_value(text: str) -> object:
+    """A ``--set`` VALUE: YAML when it parses, else a bracketed list of plain strings
+    (``[*mlp*, "x"]``), else the plain string."""
+    from pipeline.recipe import parse_yaml
+
+    try:
+        return parse_yaml(text, "value")[0]
+    except RecipeError:
+        pass
+    inner = text.strip()
+    if inner.startswith("[") and inner.endswith("]"):
+        items = [item.strip() for item in inner[1:-1].split(",")]
+        return [item[1:-1] if len(item) > 1 and item[0] == item[-1] and item[0] in "\"'" else item
+                for item in items if item]
+    return text
+
+
+def parse_set(items: list[str]) -> dict[str, object]:
+    """``["a.b=1", ...]`` -> ``{"a.b": 1, ...}`` (see :func:`parse_set_value`).
+
+    Raises:
+        RecipeError: an item without ``=`` or with an empty key.
+    """
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise PipelineError(f"--set {item!r}: expected KEY=VALUE, e.g. validate.gates.max_relative_perplexity_increase=0.01")
-        out[key] = yaml.safe_load(value)
+        if not sep or not key.strip():
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. validate.gates.max_relative_perplexity_increase=0.01")
+        out[key.strip()] = parse_set_value(value)
     return out
 
 
-def cmd_build(args) -> int:
+def load(args):
+    """The recipe of ``args`` with its ``--set`` overrides; kept on ``args`` so an
+    internal error can save its traceback next to the recipe's artifacts.
+
+    Raises:
+        RecipeError: see :func:`pipeline.recipe.load_recipe`.
+    """
     from pipeline.recipe import load_recipe
+
+    args.loaded_recipe = load_recipe(args.recipe, parse_set(args.set))
+    return args.loaded_recipe
+
+
+def preflight(args):
+    """Everything the build checks before its first stage: the recipe (schema and
+    cross-section constraints) and the model weights' presence. Returns (recipe, weights path).
+
+    Raises:
+        RecipeError: the recipe or a ``--set`` value is invalid.
+        PipelineError: the weights are missing (names model.package / model.path).
+    """
+    from pipeline.models.llm import package_file
+
+    recipe = load(args)
+    try:
+        weights = package_file(recipe.model)  # raises, naming model.package/path, when missing
+    except (ImportError, ValueError) as e:  # a parent package that is missing or broken
+        raise RecipeError(f"model.package: {recipe.model.package!r} cannot be located ({type(e).__name__}: {e})") from None
+    return recipe, weights
+
+
+def cmd_build(args) -> int:
     from pipeline.runner import run_pipeline
 
-    recipe = load_recipe(args.recipe, _parse_set(args.set))
+    recipe, _ = preflight(args)
     result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet)
     run_dir = result.manifest_path.parent
     for g in result.manifest["gates"]:
@@ -44,22 +118,16 @@ def cmd_build(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from pipeline.recipe import load_recipe
-
-    from pipeline.models.llm import package_file
-
-    recipe = load_recipe(args.recipe, _parse_set(args.set))
-    weights = package_file(recipe.model)  # raises, naming model.package/path, when missing
+    recipe, weights = preflight(args)
     print(f"{args.recipe}: valid recipe {recipe.name!r} (sha256 {recipe.digest[:12]}); weights: {weights}")
     return 0
 
 
 def _served(args):
-    from pipeline.recipe import load_recipe
     from pipeline.serve.prepare import built_artifacts
     from pipeline.serve.run import prepare_for_server
 
-    recipe = load_recipe(args.recipe, _parse_set(args.set))
+    recipe = load(args)
     return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet))
 
 
@@ -81,41 +149,99 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_verify_repo(args) -> int:
+    """Re-hash a published repository against its repository.json.
+
+    Raises:
+        RepositoryCorrupt: any file differs, is missing or is half-published (exit 4);
+            the message lists every problem.
+    """
+    from pipeline.triton.publish import read_index, verify_repository
+
+    repo = Path(args.dir)
+    if not repo.is_dir():
+        raise PipelineError(f"verify-repo: {repo} is not a directory")
+    problems = verify_repository(repo)
+    if problems:
+        listed = "\n".join(f"  {p}" for p in problems)
+        raise RepositoryCorrupt(f"{repo}: {len(problems)} problem(s) against repository.json:\n{listed}")
+    print(f"verified: {repo} ({len(read_index(repo))} models)")
+    return 0
+
+
+#: name, function, help, positional argument (``recipe`` commands also take --set / --quiet).
 COMMANDS = (
-    ("build", "cmd_build", "run the pipeline for a recipe"),
-    ("check", "cmd_check", "validate a recipe (schema and weights) and exit"),
-    ("serve", "cmd_serve", "serve the recipe's repository on a local tritonserver until Ctrl-C"),
-    ("bench", "cmd_bench", "start tritonserver, measure latency / throughput / batching, stop"),
+    ("build", "cmd_build", "run the pipeline for a recipe", "recipe"),
+    ("check", "cmd_check", "the build's pre-flight only: recipe schema and constraints, weights", "recipe"),
+    ("serve", "cmd_serve", "serve the recipe's repository on a local tritonserver until Ctrl-C", "recipe"),
+    ("bench", "cmd_bench", "start tritonserver, measure latency / throughput / batching, stop", "recipe"),
+    ("verify-repo", "cmd_verify_repo", "re-hash a published model repository against its repository.json", "dir"),
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, fn, help_ in COMMANDS:
+    for name, fn, help_, positional in COMMANDS:
         sp = sub.add_parser(name, help=help_)
+        sp.set_defaults(fn=globals()[fn])
+        if positional == "dir":
+            sp.add_argument("dir", help="a published Triton model repository, e.g. model_repository")
+            continue
         sp.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe field by dotted path, e.g. serve.concurrency=[1,2] (repeatable)")
+                        help="override a recipe field by dotted path (list items by index), e.g. "
+                             "serve.concurrency=[1,2] or build.profiles.0.dims.batch.max=16 (repeatable)")
         sp.add_argument("--quiet", action="store_true", help="no build progress output")
         if name == "serve":
             sp.add_argument("--check", action="store_true",
                             help="stream every validate prompt and compare with the validate stage's greedy tokens")
-        sp.set_defaults(fn=globals()[fn])
     return p
 
 
+def _error_log(args) -> Path:
+    """Where an internal error's traceback goes (see the module docstring)."""
+    recipe = getattr(args, "loaded_recipe", None)
+    return Path(recipe.work_dir) / recipe.name / "error.log" if recipe is not None else FALLBACK_LOG
+
+
+def _internal_error(args, exc: BaseException) -> int:
+    """Save the traceback, print one line naming the exception and the log; exit 3."""
+    text = "".join(traceback.format_exception(exc))
+    where = "not saved"
+    for log in dict.fromkeys([_error_log(args), FALLBACK_LOG]):
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(f"python -m pipeline {' '.join(getattr(args, 'argv', []))}\n{text}")
+            where = f"traceback in {log}"
+            break
+        except OSError:
+            continue
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    print(f"internal error: {type(exc).__name__}: {first[:300]} ({where}; please report it)", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit code (see the module docstring)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)
     except PipelineError as e:
+        if e.exit_code == EXIT_INTERNAL:
+            return _internal_error(args, e)
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted: finished stages are kept; the next run resumes after them", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug: exit 3, traceback to a file, one line on the console
+        return _internal_error(args, e)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import tempfile
 from importlib import metadata
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
+
+import numpy as np
 
 from pipeline.recipe import Recipe
 
@@ -91,8 +94,72 @@ def stage_record(status: str, reason: str = "", wall_s: float = 0.0, peak_rss_mi
     return {"status": status, "reason": reason, "wall_s": round(wall_s, 2), "peak_rss_mib": peak_rss_mib}
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, default=str))
+REASON_SUFFIX = "_reason"
+
+
+def _nonfinite_reason(value: float) -> str:
+    return f"not a finite number ({value!r})"
+
+
+def _clean(value):
+    """``value`` with numpy scalars made Python ones and non-finite floats made None."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return strict_jsonable(value) if isinstance(value, (dict, list, tuple)) else value
+
+
+def strict_jsonable(data):
+    """A copy of ``data`` (dicts, lists, tuples, scalars) that strict JSON can hold:
+    every NaN/inf float (numpy scalars included) becomes ``None``. In a dict, a
+    key ``k`` that lost its value gets ``k + "_reason"`` unless the producer
+    already set one (e.g. "the naive_ort model gave 384 non-finite embeddings");
+    a list that lost an element gets the reason under its own key.
+
+    Returns the new object; the input is not changed.
+    """
+    if isinstance(data, dict):
+        out: dict = {}
+        for k, v in data.items():
+            out[k] = _clean(v)
+            reason_key = f"{k}{REASON_SUFFIX}"
+            if reason_key in data or not isinstance(k, str):
+                continue
+            if out[k] is None and v is not None:
+                out[reason_key] = _nonfinite_reason(float(v))
+            elif isinstance(v, (list, tuple)) and _lost(v, out[k]):
+                out[reason_key] = f"elements {_lost(v, out[k])} were not finite numbers (written as null)"
+        return out
+    if isinstance(data, (list, tuple)):
+        return [_clean(v) for v in data]
+    return _clean(data)
+
+
+def _lost(before, after) -> list[int]:
+    """Indices where a list element was a value and became None."""
+    return [i for i, (a, b) in enumerate(zip(before, after)) if a is not None and b is None]
+
+
+def write_json_atomic(path: Path, data: dict, *, strict: bool = True) -> None:
+    """Write ``data`` as indented JSON via a temp file and rename.
+
+    ``strict=True`` (metrics.json, manifest.json, bench.json): sanitised with
+    :func:`strict_jsonable` first, then dumped with ``allow_nan=False``, so the
+    file is strict JSON (RFC 8259) that any parser reads; the default, also for
+    the stage cache (``GateResult.value`` reads ``null`` back as NaN).
+    ``strict=False`` keeps Python's NaN/Infinity tokens.
+    Objects JSON does not know are written as ``str(obj)``.
+
+    Raises:
+        ValueError: a non-finite float the sanitiser cannot reach (a NaN dict
+            key); nothing is written.
+    """
+    if strict:
+        text = json.dumps(strict_jsonable(data), indent=2, default=str, allow_nan=False)
+    else:
+        text = json.dumps(data, indent=2, default=str)
+    write_text_atomic(path, text)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -104,10 +171,13 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_outputs(man: dict, run_dir: Path) -> Path:
-    """Write manifest.json, report.md and junit.xml into ``run_dir``."""
-    write_json_atomic(run_dir / "manifest.json", man)
-    write_text_atomic(run_dir / "report.md", report_markdown(man))
-    write_text_atomic(run_dir / "junit.xml", junit_xml(man))
+    """Write manifest.json (strict JSON), report.md and junit.xml into ``run_dir``;
+    all three from the same sanitised copy, so a value written as null shows as
+    ``n/a (reason)`` in the report."""
+    clean = strict_jsonable(man)
+    write_json_atomic(run_dir / "manifest.json", clean, strict=True)
+    write_text_atomic(run_dir / "report.md", report_markdown(clean))
+    write_text_atomic(run_dir / "junit.xml", junit_xml(clean))
     return run_dir / "manifest.json"
 
 
@@ -122,12 +192,29 @@ def report_markdown(man: dict) -> str:
         lines += ["", "## Gates", ""] + [f"- {g['message']}" for g in man["gates"]]
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in man["metrics"].items() if not isinstance(v, (dict, list))]
+        lines += _metric_rows(man["metrics"])
     lines += ["", "## Versions", ""] + [f"- {k}: {v}" for k, v in man["versions"].items()]
     return "\n".join(lines) + "\n"
 
 
-def _fmt(v) -> str:
+def _metric_rows(metrics: dict) -> list[str]:
+    """Table rows; a value written as null shows ``n/a (<its reason>)`` and its
+    reason gets no row of its own."""
+    rows = []
+    for k, v in metrics.items():
+        if isinstance(v, (dict, list)):
+            continue
+        if k.endswith(REASON_SUFFIX) and k[: -len(REASON_SUFFIX)] in metrics:
+            continue
+        rows.append(f"| {k} | {_fmt(v, metrics.get(f'{k}{REASON_SUFFIX}'))} |")
+    return rows
+
+
+def _fmt(v, reason: str | None = None) -> str:
+    """A metric value for report.md; a missing or non-finite one is ``n/a (reason)``."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        why = reason or (_nonfinite_reason(v) if isinstance(v, float) else "no value")
+        return f"n/a ({why})"
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import yaml
@@ -31,7 +32,8 @@ class ModelSource(Strict):
 
     kind: Literal["causal-lm", "encoder"]
     package: str | None = Field(
-        description="importable package that ships the weights; null: `path` is a local path"
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+        description="importable package that ships the weights; null: `path` is a local path",
     )
     path: str = Field(description="file (GGUF) or folder (HF layout) inside the package")
 
@@ -196,8 +198,40 @@ class DynamicBatching(Strict):
 
 
 class InstanceGroup(Strict):
+    """Triton instances of the compute model. ``KIND_AUTO`` (default) lets Triton pick the
+    device at load time, so one recipe serves a TensorRT engine (GPU) or ONNX Runtime (CPU)."""
+
     count: int = Field(1, ge=1)
-    kind: InstanceKind = "KIND_CPU"
+    kind: InstanceKind = "KIND_AUTO"
+
+
+class ServingRuntime(Strict):
+    """The Triton runtime an engine is built for (see pipeline.serving): a container
+    tag or a TensorRT version, plus the GPU model. Checked only when an engine is built."""
+
+    container: str | None = Field(None, pattern=r"^\d{2}\.\d{2}(-[a-z0-9\-]+)?$",
+                                  description="Triton tag, e.g. '25.01-trtllm-python-py3' or '25.01' (-py3)")
+    tensorrt: str | None = Field(None, pattern=r"^\d+\.\d+\.\d+(\.\d+)?$", description="e.g. '10.8.0.43'")
+    gpu: str = Field(min_length=1, description="GPU model, e.g. 'H100' or 'NVIDIA L40S'")
+    compute_capability: str | None = Field(None, pattern=r"^\d+\.\d+$", description="default: from the GPU model")
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> "ServingRuntime":
+        from pipeline import serving
+
+        if self.container is None and self.tensorrt is None:
+            raise ValueError("give a Triton container tag (container: '25.01-trtllm-python-py3') or a TensorRT "
+                             f"version (tensorrt: '10.8.0'); known containers: {', '.join(serving.TRITON_TENSORRT)}")
+        if self.tensorrt is None:
+            serving.container_tensorrt(self.container or "")  # raises for an unknown tag
+        elif self.container in serving.TRITON_TENSORRT and not serving.same_tensorrt(
+                self.tensorrt, serving.TRITON_TENSORRT[self.container]):
+            raise ValueError(f"tensorrt {self.tensorrt!r} contradicts container {self.container!r}, which ships "
+                             f"TensorRT {serving.TRITON_TENSORRT[self.container]}; drop one of them")
+        if self.compute_capability is None and serving.gpu_capability(self.gpu) is None:
+            raise ValueError(f"gpu {self.gpu!r}: compute capability unknown to this pipeline; add "
+                             f"compute_capability (e.g. '9.0'); known models: {', '.join(serving.GPU_CAPABILITY)}")
+        return self
 
 
 class TritonConfig(Strict):
@@ -208,6 +242,8 @@ class TritonConfig(Strict):
     dynamic_batching: DynamicBatching | None = None
     instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
     version: int = Field(1, ge=1)
+    serving: ServingRuntime | None = Field(
+        None, description="Triton runtime + GPU an engine is built for; required only when an engine is built")
 
 
 class ServeSLO(Strict):
@@ -265,28 +301,15 @@ class Recipe(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     @model_validator(mode="after")
-    def _splits_disjoint(self) -> "Recipe":
-        cal = self.quantize.calibration
-        if cal is not None and cal.split.overlaps(self.validate_.split):
-            raise ValueError(
-                "quantize.calibration.split "
-                f"[{cal.split.start}, {cal.split.stop}) overlaps validate.split "
-                f"[{self.validate_.split.start}, {self.validate_.split.stop}): "
-                "calibration and eval documents must not overlap"
-            )
-        return self
+    def _preflight(self) -> "Recipe":
+        """Every constraint between sections that the recipe alone decides, so that
+        ``check`` and the start of ``build`` catch it before any stage runs
+        (:func:`pipeline.recipe_checks.constraint_problems`)."""
+        from pipeline.recipe_checks import ConstraintErrors, constraint_problems
 
-    @model_validator(mode="after")
-    def _calibration_in_profile(self) -> "Recipe":
-        cal = self.quantize.calibration
-        dims = self.build.profiles[0].dims
-        for dim, value, field in (("batch", cal and cal.batch_size, "batch_size"), ("sequence", cal and cal.seq_len, "seq_len")):
-            r = dims.get(dim)
-            if value and r is not None and not r.min <= value <= r.max:
-                raise ValueError(
-                    f"quantize.calibration.{field}={value} lies outside build.profiles[0] {dim} range "
-                    f"[{r.min}, {r.max}]; calibrate on shapes the engine will serve"
-                )
+        problems = constraint_problems(self)
+        if problems:
+            raise ConstraintErrors(problems)
         return self
 
     def section_hash(self, *sections: str) -> str:
@@ -306,46 +329,179 @@ class Recipe(Strict):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def _format_errors(path: Path, err: ValidationError) -> str:
-    lines = [f"{path}: invalid recipe ({err.error_count()} error(s))"]
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        _refuse_duplicates(self, node, (), recurse=False)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _key_value(loader: yaml.SafeLoader, key_node: yaml.Node) -> object:
+    """The key as the mapping will hold it (``0`` and ``00`` are both int 0)."""
+    try:
+        value = loader.construct_object(key_node, deep=True)
+        hash(value)
+        return value
+    except (yaml.YAMLError, TypeError):
+        return (key_node.tag, str(key_node.value))
+
+
+def _refuse_duplicates(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, recurse: bool = True) -> None:
+    """Raise RecipeError for a key listed twice in one mapping (anywhere under ``node``
+    when ``recurse``); ``path`` is the key path of ``node``, for the message."""
+    if isinstance(node, yaml.SequenceNode) and recurse:
+        for i, item in enumerate(node.value):
+            _refuse_duplicates(loader, item, (*path, i))
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[object, int] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = _key_value(loader, key_node)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            where = ".".join(str(p) for p in (*path, key_node.value))
+            raise RecipeError(f"key {where!r} is given twice, at lines {seen[key]} and {line}; "
+                              "keep one (YAML would silently keep the last)")
+        seen[key] = line
+        if recurse:
+            _refuse_duplicates(loader, value_node, (*path, key_node.value))
+
+
+def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
+    """Parse one YAML document; returns (data, node tree for line lookups).
+
+    Raises:
+        RecipeError: not YAML, or a key given twice in one mapping (naming the
+            key path and both lines); the message starts with ``source``.
+    """
+    try:
+        loader = _RecipeLoader(text)  # the reader refuses control characters here
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{source}: not valid YAML: {e}") from None
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _refuse_duplicates(loader, node, ())
+        return loader.construct_document(node), node
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{source}: not valid YAML: {e}") from None
+    except RecipeError as e:
+        raise RecipeError(f"{source}: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def yaml_line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
+    """1-based line of the key at ``loc`` in the node tree (of its deepest existing
+    parent when the key itself is absent); None without a tree."""
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if str(k.value) == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _format_errors(path: Path, err: ValidationError, node: yaml.Node | None, overrides: Sequence[str]) -> str:
+    """One line per failing key: ``file:line: key.path: what is wrong (got ...)``."""
+    from pipeline.recipe_checks import ConstraintErrors, dotted
+
+    items: list[tuple[tuple, str]] = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ConstraintErrors):
+            items += cause.problems
+            continue
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key; remove it or check its spelling"
         got = e.get("input")
         shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  {loc}: {msg}{shown}")
+        items.append((tuple(e["loc"]), msg + shown))
+    lines = [f"{path}: invalid recipe ({len(items)} error(s))"]
+    for loc, msg in items:
+        key = dotted(loc)
+        setters = [o for o in overrides if key == o or key.startswith(o + ".") or o.startswith(key + ".")]
+        line = yaml_line(node, loc)
+        if setters:
+            lines.append(f"  {key}: {msg} [from --set {setters[-1]}]")
+        elif line is not None:
+            lines.append(f"  {path}:{line}: {key}: {msg}")
+        else:
+            lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
 
 
 def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
     """Read and validate a YAML recipe.
 
+    Args:
+        path: the recipe file.
+        overrides: dotted key path (list indices allowed, ``build.profiles.0.dims.batch.max``)
+            -> value, applied before validation (the CLI's ``--set``).
+
     Raises:
-        RecipeError: the file is missing, is not YAML, or breaks the schema; the
-            message names the file, each failing key path and what is valid.
+        RecipeError: the file is missing, is not YAML, gives a key twice in one
+            mapping, an override path does not fit the recipe, or the recipe breaks
+            the schema; the message names the file, each failing key path with its
+            YAML line (or the ``--set`` that set it) and what is valid.
     """
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from e
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read the recipe: {e}") from None
+    data, node = parse_yaml(text, str(path))
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: top level must be a mapping of sections")
-    for dotted, value in (overrides or {}).items():
-        _set_dotted(data, dotted, value)
+    for dotted_key, value in (overrides or {}).items():
+        set_dotted(data, dotted_key, value)
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(_format_errors(path, e)) from None
+        raise RecipeError(_format_errors(path, e, node, list(overrides or {}))) from None
 
 
-def _set_dotted(data: dict, dotted: str, value: object) -> None:
-    keys = dotted.split(".")
-    node = data
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-    node[keys[-1]] = value
+def set_dotted(data: dict, dotted_key: str, value: object) -> None:
+    """Set ``data[k1][k2]...`` = ``value`` for ``dotted_key`` "k1.k2...": a part that
+    indexes a list must be an index in range; missing mapping keys are created.
+
+    Raises:
+        RecipeError: an empty part, an index that is not an int or out of range, or a
+            path through a scalar; the message names ``--set KEY``.
+    """
+    parts = dotted_key.split(".")
+    if not all(parts):
+        raise RecipeError(f"--set {dotted_key}: empty key part; write a dotted path like validate.gates.min_mean_cosine")
+    node: object = data
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        here = ".".join(parts[:depth]) or "the recipe"
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"--set {dotted_key}: {here} is a list of {len(node)} item(s); "
+                                  f"{part!r} is not an index in 0..{len(node) - 1}")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise RecipeError(f"--set {dotted_key}: {here} is {node!r}, not a section or list, so it has no {part!r}")

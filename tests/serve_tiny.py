@@ -20,7 +20,15 @@ from pipeline.artifacts import (
 )
 from pipeline.recipe import Recipe, ServeConfig
 from pipeline.triton.config import graph_io
-from test_triton_repository import build_artifact, make_recipe, tiny_llm, tiny_tokenizer
+from test_triton_repository import (
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    build_artifact,
+    make_recipe,
+    tiny_llm,
+    tiny_tokenizer,
+)
 
 HIDDEN = 8
 ENC_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", ".",
@@ -131,15 +139,57 @@ def llm_recipe(ws: Path, serve: dict | None = None, **triton) -> Recipe:
                                      "serve": ServeConfig.model_validate(serve or {})})
 
 
-def llm_artifacts(ws: Path, prompts: list[list[int]] | None = None) -> dict:
-    """Stage artifacts of a finished tiny-LLM run: FP32 export, FP8 Q/DQ graph, greedy prompts."""
+def llm_artifacts(ws: Path, prompts: list[list[int]] | None = None, *, tokenizer_dir: Path | None = None,
+                  build: BuildArtifact | None = None, greedy_tokens: list[list[int]] | None = None) -> dict:
+    """Stage artifacts of a finished tiny-LLM run: FP32 export, FP8 Q/DQ graph, greedy prompts
+    (and the validate stage's fp8 greedy tokens for them, if given). ``tokenizer_dir``: default
+    test_triton_repository's WordLevel tokenizer; ``build``: default its 33-token context."""
     onnx_path = tiny_llm(ws / "work" / "model.onnx")
     inputs, outputs = graph_io(onnx.load(str(onnx_path)))
     qdq = tiny_llm(ws / "work" / "model.qdq.onnx", qdq=True)
-    greedy = {"prompt_ids": prompts or [[1, 2, 3], [4, 5, 6]]}
+    greedy: dict = {"prompt_ids": prompts or [[1, 2, 3], [4, 5, 6]]}
+    if greedy_tokens is not None:
+        greedy["fp8"] = greedy_tokens
+    tokenizer_dir = tokenizer_dir or tiny_tokenizer(ws / "work" / "tokenizer")
     return {
-        "export": ExportArtifact(str(onnx_path), inputs, outputs, str(tiny_tokenizer(ws / "work" / "tokenizer"))),
+        "export": ExportArtifact(str(onnx_path), inputs, outputs, str(tokenizer_dir)),
         "quantize": QuantizedArtifact(str(qdq), "fp8", ["lm_head"], []),
-        "build": build_artifact(),
+        "build": build or build_artifact(),
         "validate": ValidationArtifact({}, [], greedy),
     }
+
+
+#: Pieces of :func:`tiny_metaspace`; ids 0..10 are the tiny LM's vocabulary.
+METASPACE_PIECES = ["<eos>", "<unk>", "\u2581the", "at", "\u2581c", "\u2581s", "\u2581m", "\u2581on", ".",
+                    "\u2581", "t"]
+
+
+def tiny_metaspace(folder: Path, eos_ids: tuple[int, ...] = (0,)) -> Path:
+    """A SentencePiece-style tokenizer: Unigram over :data:`METASPACE_PIECES` (ids 0..10) and
+    the 256 byte-fallback tokens ``<0x00>``..``<0xFF>`` (ids 11..266), Metaspace pre-tokenizer,
+    ByteFallback + Metaspace decoder; ``<eos>`` special. generation_config.json names
+    ``eos_ids`` as the EOS ids."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = [(p, -1.0) for p in METASPACE_PIECES] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=1, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos_ids)}))
+    return folder
+
+
+def context_build(context: int, prompt_max: int = 16, batch_max: int = 4) -> BuildArtifact:
+    """A skipped build whose profile gives the tiny LM a ``context``-token limit
+    (attention_mask max ``context``, past max ``context - 1``) and ``prompt_max``-token prompts."""
+    kv = {"min": [1, HEADS, 0, HEAD_DIM], "opt": [1, HEADS, 8, HEAD_DIM],
+          "max": [batch_max, HEADS, context - 1, HEAD_DIM]}
+    shapes = {
+        "input_ids": {"min": [1, 1], "opt": [1, 8], "max": [batch_max, prompt_max]},
+        "attention_mask": {"min": [1, 1], "opt": [1, 16], "max": [batch_max, context]},
+        **{f"past_key_values.{i}.{k}": kv for i in range(LAYERS) for k in ("key", "value")},
+    }
+    return BuildArtifact("skipped", "tensorrt not installed", None, None, "trtexec.sh",
+                         [ResolvedProfile("default", shapes)])

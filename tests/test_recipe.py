@@ -34,8 +34,8 @@ def test_shipped_recipe_is_valid():
         (lambda d: d["quantize"]["calibration"].update(samples=2), "below min_samples"),
         (lambda d: d["triton"]["instance_group"][0].update(kind="GPU"), "triton.instance_group.0.kind"),
         (lambda d: d["build"].update(profiles=[]), "build.profiles"),
-        (lambda d: d["quantize"]["calibration"].update(seq_len=512), "outside build.profiles[0] sequence range"),
-        (lambda d: d["quantize"]["calibration"].update(batch_size=16), "outside build.profiles[0] batch range"),
+        (lambda d: d["quantize"]["calibration"].update(seq_len=512), "quantize.calibration.seq_len: seq_len=512 lies outside the sequence range of every build profile"),
+        (lambda d: d["quantize"]["calibration"].update(batch_size=16), "quantize.calibration.batch_size: batch_size=16 lies outside the batch range of every build profile"),
     ],
 )
 def test_bad_recipe_names_file_and_key(tmp_path, mutate, expect):
@@ -56,3 +56,162 @@ def test_missing_file_and_non_mapping(tmp_path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(RecipeError, match="mapping"):
         load_recipe(tmp_path / "list.yaml")
+
+
+# --- YAML: duplicate keys and line numbers ------------------------------------------------
+
+@pytest.mark.parametrize(
+    "old, new, where",
+    [
+        ('    nodes: ["*mlp.down_proj*"]', '    nodes: ["*mlp.down_proj*"]\n    nodes: []', "'quantize.exclude.nodes'"),
+        ("    max_relative_perplexity_increase: 0.015",
+         "    max_relative_perplexity_increase: 0.015\n    max_relative_perplexity_increase: 9", "'validate.gates.max_rel"),
+        ("name: fp8-llm", "name: fp8-llm\nname: other", "'name'"),
+        ("        batch:          {min: 1, opt: 4,   max: 8}",
+         "        batch:          {min: 1, opt: 4,   max: 8, max: 16}", "'build.profiles.0.dims.batch.max'"),
+    ],
+)
+def test_duplicate_key_is_refused_naming_path_and_both_lines(tmp_path, old, new, where):
+    text = RECIPE.read_text()
+    assert old in text
+    path = tmp_path / "dup.yaml"
+    path.write_text(text.replace(old, new, 1))
+    first = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(old))
+    second = first if "max: 16" in new else first + 1
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(path) in str(err.value) and where in str(err.value)
+    assert f"given twice, at lines {first} and {second}" in str(err.value)
+
+
+def test_schema_error_gives_the_yaml_line(tmp_path):
+    text = RECIPE.read_text().replace("    method: max", "    method: minmax", 1)
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    line = text.splitlines().index("    method: minmax") + 1
+    with pytest.raises(RecipeError, match=rf"{path}:{line}: quantize.calibration.method: Input should be"):
+        load_recipe(path)
+
+
+def test_constraint_error_gives_the_yaml_line(tmp_path):
+    text = RECIPE.read_text().replace("  max_batch_size: 8", "  max_batch_size: 16", 1)
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    line = text.splitlines().index("  max_batch_size: 16") + 1
+    with pytest.raises(RecipeError, match=rf"{path}:{line}: triton.max_batch_size: 16 is greater than the max "
+                                          r"batch 8 of build.profiles\[0\] \('default'\)"):
+        load_recipe(path)
+
+
+# --- --set overrides ------------------------------------------------------------------------
+
+def test_override_list_index_and_new_value():
+    r = load_recipe(RECIPE, {"build.profiles.0.dims.batch.max": 16, "triton.max_batch_size": 16})
+    assert r.build.profiles[0].dims["batch"].max == 16 and r.triton.max_batch_size == 16
+
+
+@pytest.mark.parametrize(
+    "key, expect",
+    [
+        ("build.profiles.1.dims.batch.max", "--set build.profiles.1.dims.batch.max: build.profiles is a list of 1 item"),
+        ("build.profiles.first.name", "'first' is not an index in 0..0"),
+        ("build.timing_cache.path", "--set build.timing_cache.path: build.timing_cache is '.cache/trt/fp8-llm"),
+        ("validate..gates", "empty key part"),
+    ],
+)
+def test_override_path_errors_name_the_set_key(key, expect):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(RECIPE, {key: 1})
+    assert expect in str(err.value)
+
+
+def test_override_schema_error_names_the_set():
+    with pytest.raises(RecipeError, match=r"quantize.exclude.nodes: Input should be a valid list \(got '\*mlp\*'\) "
+                                          r"\[from --set quantize.exclude.nodes\]"):
+        load_recipe(RECIPE, {"quantize.exclude.nodes": "*mlp*"})
+
+
+# --- pre-flight constraints: one per constraint ------------------------------------------------
+
+def _profile(name="default", batch=(1, 4, 8), sequence=(1, 64, 256), past=(0, 64, 512), total=(1, 128, 768)):
+    dims = {"batch": batch, "sequence": sequence, "past_sequence": past, "total_sequence": total}
+    return {"name": name, "dims": {k: dict(zip(("min", "opt", "max"), v)) for k, v in dims.items() if v}}
+
+
+@pytest.mark.parametrize(
+    "mutate, expect",
+    [
+        # max_batch_size against every profile, not only profiles[0]
+        (lambda d: d["build"].update(profiles=[_profile(), _profile("decode", batch=(1, 2, 4), sequence=(1, 1, 1))]),
+         "triton.max_batch_size: 8 is greater than the max batch 4 of build.profiles[1] ('decode')"),
+        (lambda d: d["build"]["profiles"][0].update(inputs={"input_ids": {"min": [1, 1], "opt": [2, 8], "max": [4, 16]}}),
+         "triton.max_batch_size: 8 is greater than the max batch 4 of build.profiles[0]"),
+        (lambda d: d["triton"].update(generate_model_name="smollm2_fp8"),
+         "triton.generate_model_name: 'smollm2_fp8' is also triton.model_name"),
+        # calibration shapes: in no profile at all, or in no single profile together
+        (lambda d: d["build"].update(profiles=[_profile("decode", sequence=(1, 1, 1), total=(1, 257, 513)),
+                                                _profile("prefill", batch=(1, 1, 2))]),
+         "quantize.calibration: batch_size=4, seq_len=128, past_sequence (empty past)=0, total_sequence (= seq_len)=128 "
+         "fit no single build profile together"),
+        (lambda d: d["build"].update(profiles=[_profile(past=(1, 64, 512))]),
+         "past_sequence (empty past)=0 lies outside the past_sequence range of every build profile ('default' [1, 512])"),
+        (lambda d: d["triton"].update(target="tensorrt", instance_group=[{"count": 1, "kind": "KIND_CPU"}]),
+         "triton.instance_group.0.kind: KIND_CPU cannot run a tensorrt_plan"),
+        (lambda d: d["triton"].update(target="python-onnxruntime", instance_group=[{"kind": "KIND_GPU"}]),
+         "triton.instance_group.0.kind: KIND_GPU on target 'python-onnxruntime'"),
+        (lambda d: d["triton"].update(dynamic_batching={"preferred_batch_size": [4, 16]}),
+         "triton.dynamic_batching.preferred_batch_size.1: 16 is outside 1..max_batch_size (8)"),
+        (lambda d: d["validate"]["gates"].update(min_mean_cosine=0.99),
+         "validate.gates.min_mean_cosine: measures a encoder metric; a causal-lm recipe can gate on"),
+        (lambda d: (d["validate"]["gates"].update(min_token_agreement=0.9), d["validate"].pop("generation")),
+         "validate.gates.min_token_agreement: token agreement is measured by greedy generation"),
+        (lambda d: d["export"]["check_points"][1].update(beam=2),
+         "export.check_points.1.beam: 'beam' is not a dynamic dim of the graph"),
+        (lambda d: d["export"]["check_points"][0].pop("past_sequence"),
+         "export.check_points.0: point {'batch': 1, 'sequence': 16} lacks ['past_sequence']"),
+        (lambda d: d["export"]["check_points"][2].update(total_sequence=99),
+         "export.check_points.2.total_sequence: total_sequence=99 must equal sequence + past_sequence (40 + 37)"),
+        (lambda d: d["export"]["check_points"][2].update(batch=0), "export.check_points.2.batch: size 0 is below 1"),
+        (lambda d: d["export"].update(check_points=d["export"]["check_points"][:2]),
+         "export.check_points: give at least 3 shape points"),
+        (lambda d: d["build"]["profiles"][0]["dims"].update(beams={"min": 1, "opt": 1, "max": 2}),
+         "build.profiles.0.dims.beams: no graph input has the dynamic dim 'beams'"),
+        (lambda d: d["build"].update(profiles=[_profile(), _profile()]),
+         "build.profiles.1.name: 'default' is also the name of profile 0"),
+        (lambda d: d["export"]["dynamic_axes"].update(token_type_ids={0: "batch", 1: "sequence"}),
+         "export.dynamic_axes.token_type_ids: a causal-lm graph has no input 'token_type_ids'"),
+        (lambda d: d["export"]["dynamic_axes"]["input_ids"].update({2: "x"}),
+         "export.dynamic_axes.input_ids.2: input_ids has rank 2: axis 2 does not exist"),
+        (lambda d: d["export"]["dynamic_axes"]["attention_mask"].update({0: "rows"}),
+         "export.dynamic_axes: axis 0 is one batch dim shared by every input; got the names ['batch', 'rows']"),
+        (lambda d: d["export"]["dynamic_axes"]["attention_mask"].pop(0),
+         "export.dynamic_axes.attention_mask: axis 0 of attention_mask is not dynamic"),
+        (lambda d: d["export"]["dynamic_axes"].pop("input_ids"),
+         "export.dynamic_axes: needs input_ids with a dynamic batch axis"),
+    ],
+)
+def test_preflight_constraint(tmp_path, mutate, expect):
+    path = _variant(tmp_path, mutate)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert expect in str(err.value)
+
+
+def test_encoder_constraints(tmp_path):
+    enc = ROOT / "recipes" / "int8-encoder.yaml"
+    data = yaml.safe_load(enc.read_text())
+    data["triton"].update(max_batch_size=0, dynamic_batching=None)
+    data["validate"]["gates"]["max_relative_perplexity_increase"] = 0.01
+    path = tmp_path / "enc.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert "validate.gates.max_relative_perplexity_increase: measures a causal-lm metric; a encoder recipe can gate " \
+           "on ['max_spearman_drop', 'min_mean_cosine']" in str(err.value)
+    assert "triton.max_batch_size: an encoder's tokenizer model and ensemble batch requests" in str(err.value)
+
+
+def test_all_constraint_problems_are_listed_at_once(tmp_path):
+    path = _variant(tmp_path, lambda d: d["triton"].update(max_batch_size=16, generate_model_name="smollm2_fp8"))
+    with pytest.raises(RecipeError, match=r"invalid recipe \(2 error\(s\)\)"):
+        load_recipe(path)

@@ -351,4 +351,21 @@ def _flatten(res: dict[str, dict], precision: str, n_sentences: int) -> dict:
         out.update({f"naive_ort_spearman_{n}": naive[f"spearman_{n}"] for n in WORD_SETS})
         out.update({f"naive_ort_{k}": val for k, val in drop_points(ref, naive).items()})
         out.update({f"naive_ort_{k}": naive[k] for k in ("mean_cosine", "min_cosine", "nonfinite_rows")})
+    return {**out, **nan_reasons(out, res, precision)}
+
+
+def nan_reasons(flat: dict, res: dict[str, dict], precision: str) -> dict[str, str]:
+    """``<metric>_reason`` for each NaN metric of :func:`_flatten`'s output: the model
+    whose embeddings were non-finite, else an undefined (constant-input) Spearman.
+    The JSON writer turns the NaN into ``null`` and keeps this reason."""
+    out = {}
+    for key, value in flat.items():
+        if not (isinstance(value, float) and math.isnan(value)):
+            continue
+        label = "naive_ort" if key.startswith("naive_ort_") else "candidate"
+        who = "ONNX Runtime's naive quantize_static model" if label == "naive_ort" else f"the {precision} model"
+        bad = res[label]["nonfinite_rows"]
+        out[f"{key}_reason"] = (
+            f"{who} gave {bad} non-finite embedding row(s), so the Spearman correlation is undefined" if bad
+            else f"the Spearman correlation of {who} is undefined (constant similarities)")
     return out

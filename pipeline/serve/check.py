@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ class PromptCheck:
     streamed: list[int]
     expected: list[int]  # validate tokens up to and including the first EOS
     reference: list[int] | None = None  # batch-1 greedy, only when streamed != expected
+    finish: str = ""  # the stream's finish_reason and detail, e.g. "length: max_tokens 32 reached"
 
     @property
     def first_difference(self) -> int | None:
@@ -57,7 +59,9 @@ class PromptCheck:
         if self.streamed == self.reference:
             return (f"MISMATCH with the validate tokens from position {self.first_difference}, but equal to a fresh "
                     f"batch-1 greedy run of the same graph: the recorded validate tokens are stale or were batched")
-        return f"MISMATCH from position {self.first_difference}: streamed {self.streamed} expected {self.expected}"
+        ended = f" (stream ended: {self.finish})" if self.finish else ""
+        return (f"MISMATCH from position {self.first_difference}: streamed {self.streamed} "
+                f"expected {self.expected}{ended}")
 
 
 def cut_at_eos(tokens: Sequence[int], eos: set[int]) -> list[int]:
@@ -90,7 +94,8 @@ def check_greedy(served: Served, grpc_url: str, prompts: Sequence[int] | None = 
             want = cut_at_eos(greedy[precision][i], eos)
             gen = client.generate(served.generate_model, input_ids=greedy["prompt_ids"][i],
                                   max_tokens=len(greedy[precision][i]))
-            check = PromptCheck(i, gen.tokens, want)
+            finish = f"{gen.finish_reason}: {gen.detail}" if gen.detail else gen.finish_reason
+            check = PromptCheck(i, gen.tokens, want, finish=finish)
             if gen.tokens != want:
                 check.reference = cut_at_eos(reference(greedy["prompt_ids"][i], len(greedy[precision][i])), eos)
             checks.append(check)
@@ -102,7 +107,7 @@ class _BatchOneReference:
 
     def __init__(self, served: Served):
         self.artifacts = served.artifacts
-        self.session = None
+        self.session: Any = None  # onnxruntime.InferenceSession once loaded
 
     def __call__(self, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
         from pipeline.models.llm import greedy_generate, layout_from_specs

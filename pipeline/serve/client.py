@@ -32,6 +32,12 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     text: str = ""
+    #: "stop" (EOS), "length" (max_tokens or the context limit; ``detail`` says which),
+    #: "cancelled" (:meth:`StreamClient.close` before the end); "" while it streams or
+    #: when the server's model sends no ``finish_reason``.
+    finish_reason: str = ""
+    detail: str = ""
+    model: str = ""
 
     @property
     def ttft_ms(self) -> float:
@@ -65,7 +71,14 @@ def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
 
 def generation_inputs(*, input_ids=None, text: str | None = None, max_tokens: int | None = None,
                       ignore_eos: bool = False) -> list[grpcclient.InferInput]:
-    """Inputs of the generation model: ``input_ids`` int64 [n] or ``text``, plus options."""
+    """Inputs of the generation model: ``input_ids`` int64 [n] or ``text``, plus options
+    (``max_tokens`` INT32 [1]: any integer; the server refuses one below 1).
+
+    Raises:
+        PipelineError: ``max_tokens`` is not an integer (it would be truncated to one).
+    """
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))):
+        raise PipelineError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
     inputs = []
     if input_ids is not None:
         inputs.append(tensor("input_ids", np.asarray(input_ids, np.int64).reshape(-1)))
@@ -83,39 +96,91 @@ class StreamClient:
 
         with StreamClient(server.grpc_url) as c:
             g = c.generate("smollm2_generate", input_ids=[...], max_tokens=32)
+
+    Or response by response: ``g = c.start(model, ...)``, then ``c.receive(g)`` until it
+    returns True; :meth:`close` in between cancels the request on the server.
     """
 
     def __init__(self, url: str, timeout_s: float = 300.0):
         self.timeout_s = timeout_s
         self._responses: queue.Queue = queue.Queue()
+        self._active: Generation | None = None
         self.client = grpcclient.InferenceServerClient(url)
-        self.client.start_stream(callback=lambda result, error: self._responses.put((time.perf_counter(), result, error)))
+        self.client.start_stream(
+            callback=lambda result, error: self._responses.put((time.perf_counter(), result, error)))
 
     def generate(self, model: str, **inputs: Any) -> Generation:
-        """Send one request (see :func:`generation_inputs`) and collect its stream.
+        """Send one request (see :func:`generation_inputs`) and collect its whole stream.
 
         Raises:
+            PipelineError: a ``max_tokens`` that is not an integer.
             ServeClientError: an error response, or no response for ``timeout_s``.
         """
-        gen = Generation(sent=time.perf_counter())
-        self.client.async_stream_infer(model, generation_inputs(**inputs), enable_empty_final_response=True)
-        while True:
-            try:
-                at, result, error = self._responses.get(timeout=self.timeout_s)
-            except queue.Empty:
-                raise ServeClientError(f"{model}: no response for {self.timeout_s:.0f}s") from None
-            if error is not None:
-                raise ServeClientError(f"{model}: {error}")
-            response = result.get_response()
-            if response.outputs:
-                gen.tokens.append(int(result.as_numpy("token_ids")[0]))
-                gen.text += result.as_numpy("text_output")[0].decode("utf-8", "replace")
-                gen.times.append(at)
-            if response.parameters["triton_final_response"].bool_param:
-                return gen
+        gen = self.start(model, **inputs)
+        while not self.receive(gen):
+            pass
+        return gen
+
+    def start(self, model: str, **inputs: Any) -> Generation:
+        """Send one request (see :func:`generation_inputs`); read its responses with :meth:`receive`.
+
+        Raises:
+            PipelineError: a request is still in flight on this stream, or a bad ``max_tokens``.
+        """
+        if self._active is not None:
+            raise PipelineError(f"{model}: a request to {self._active.model} is still streaming on this client; "
+                                "receive it to the end or close() the client first")
+        request = generation_inputs(**inputs)
+        gen = Generation(sent=time.perf_counter(), model=model)
+        self.client.async_stream_infer(model, request, enable_empty_final_response=True)
+        self._active = gen
+        return gen
+
+    def receive(self, gen: Generation) -> bool:
+        """Wait for ``gen``'s next response and add its token, text and (final) finish reason.
+
+        Returns True once that was the final response. A response without ``token_ids``
+        adds no token.
+
+        Raises:
+            ServeClientError: an error response (the request is then over), or no
+                response for ``timeout_s``.
+        """
+        try:
+            at, result, error = self._responses.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise ServeClientError(f"{gen.model}: no response for {self.timeout_s:.0f}s") from None
+        if error is not None:
+            self._active = None
+            raise ServeClientError(f"{gen.model}: {error}")
+        response = result.get_response()
+        names = {o.name for o in response.outputs}
+        if "token_ids" in names:
+            gen.tokens.append(int(result.as_numpy("token_ids")[0]))
+            gen.times.append(at)
+        if "text_output" in names:
+            gen.text += result.as_numpy("text_output")[0].decode("utf-8", "replace")
+        if "finish_reason" in names:
+            gen.finish_reason = result.as_numpy("finish_reason")[0].decode()
+            gen.detail = result.as_numpy("detail")[0].decode() if "detail" in names else ""
+        if not response.parameters["triton_final_response"].bool_param:
+            return False
+        self._active = None
+        return True
 
     def close(self) -> None:
-        self.client.stop_stream()
+        """Cancel the request in flight, if any (its :class:`Generation` gets finish_reason
+        "cancelled"; the server ends it with the CANCELLED error at its next step), and
+        close the stream, without waiting for the generation to end.
+
+        With nothing in flight the stream is closed without a cancel: tritonserver 2.51 then
+        cannot unload a model whose request it had rejected on that stream (e.g. a wrong
+        input type), and its shutdown runs into the exit timeout.
+        """
+        active, self._active = self._active, None
+        if active is not None:
+            active.finish_reason = "cancelled"
+        self.client.stop_stream(cancel_requests=active is not None)
         self.client.close()
 
     def __enter__(self) -> "StreamClient":

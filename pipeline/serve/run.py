@@ -121,7 +121,7 @@ def bench(served: Served, *, log: Log = print) -> dict:
 
 def _write(folder: Path, result: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(folder / "bench.json", {k: v for k, v in result.items() if k != "markdown"})
+    write_json_atomic(folder / "bench.json", {k: v for k, v in result.items() if k != "markdown"}, strict=True)
     (folder / "bench.md").write_text(result["markdown"])
 
 

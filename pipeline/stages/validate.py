@@ -13,7 +13,7 @@ from pipeline import data
 from pipeline.artifacts import ExportArtifact, GateResult, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import AccuracyError, RecipeError
-from pipeline.manifest import code_hash, sha256_file, write_json_atomic
+from pipeline.manifest import code_hash, sha256_file, strict_jsonable, write_json_atomic
 from pipeline.models import registry
 from pipeline.models.llm import greedy_generate, layout_from_specs, prefill_feeds
 from pipeline.recipe import Gates
@@ -42,7 +42,8 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> Validat
         metrics, tokens = cached["metrics"], cached["tokens"]
     else:
         metrics, tokens = measure(ctx, exp, q)
-        write_json_atomic(memo, {"key": key, "metrics": metrics, "tokens": tokens})
+        metrics = strict_jsonable(metrics)  # NaN/inf -> null + <metric>_reason, as the cache holds them
+        write_json_atomic(memo, {"key": key, "metrics": metrics, "tokens": tokens}, strict=True)
     return ValidationArtifact(metrics, evaluate_gates(ctx.recipe.validate_.gates, metrics), tokens)
 
 
@@ -66,7 +67,8 @@ def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -
 
 
 def evaluate_gates(gates: Gates, metrics: dict) -> list[GateResult]:
-    """One GateResult per gate the recipe sets.
+    """One GateResult per gate the recipe sets; a metric with no finite value
+    (``null`` with a ``<metric>_reason``) fails its gate with value NaN.
 
     Raises:
         RecipeError: the gate's metric was not measured.
@@ -78,30 +80,38 @@ def evaluate_gates(gates: Gates, metrics: dict) -> list[GateResult]:
         metric, op = GATE_METRICS[field]
         if metric not in metrics:
             raise RecipeError(f"validate.gates.{field}: needs metric {metric!r}, which this model kind does not produce")
-        value = float(metrics[metric])
+        value = math.nan if metrics[metric] is None else float(metrics[metric])
         passed = value <= bound if op == "<=" else value >= bound
         out.append(GateResult(field, metric, value, float(bound), op, bool(passed and math.isfinite(value))))
     return out
 
 
-def mean_nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
+def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and token count.
 
     Args:
         logits: float32 ``[batch, seq, vocab]``.
         ids: int64 ``[batch, seq]``; position t predicts token t+1.
+        context: leading tokens of each row that are never scored (at least 1:
+            the first token has no prediction; a BOS prefix is context only).
+
+    Raises:
+        ValueError: ``context`` is below 1 or leaves nothing to score.
     """
+    if not 1 <= context < ids.shape[1]:
+        raise ValueError(f"context={context} must be in [1, {ids.shape[1]}) for windows of {ids.shape[1]} tokens")
     total, count = 0.0, 0
     for row, tokens in zip(logits, ids):  # one row at a time keeps float64 copies small
-        lg = row[:-1].astype(np.float64)
-        picked = np.take_along_axis(lg, tokens[1:, None], axis=-1)[:, 0]
+        lg = row[context - 1 : -1].astype(np.float64)
+        picked = np.take_along_axis(lg, tokens[context:, None], axis=-1)[:, 0]
         nll = logsumexp(lg, axis=-1) - picked
         total, count = total + float(nll.sum()), count + int(nll.size)
     return total, count
 
 
-def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str) -> float:
-    """``exp(mean NLL)`` over all windows (Jelinek et al., 1977; the usual LM metric).
+def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str, context: int = 1) -> float:
+    """``exp(mean NLL)`` over all windows (Jelinek et al., 1977; the usual LM metric);
+    ``context`` as in :func:`mean_nll`.
 
     Raises:
         AccuracyError: NaN logits from the reference model.
@@ -112,7 +122,7 @@ def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str
         logits = run_logits(windows[i : i + batch])
         if label == "fp32" and np.isnan(logits).any():
             raise AccuracyError("validate: the FP32 reference produced NaN logits")
-        s, n = mean_nll(logits, windows[i : i + batch])
+        s, n = mean_nll(logits, windows[i : i + batch], context)
         total, count = total + s, count + n
     return math.exp(total / count) if math.isfinite(total) else math.inf
 
@@ -126,16 +136,27 @@ def llm_metrics(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) ->
         raise AccuracyError(f"validate.split gives no window of {v.seq_len} tokens; nothing would be compared")
     layout = layout_from_specs(exp.inputs, exp.outputs)
     sessions = {"fp32": ort_session(exp.onnx_path), q.precision: ort_session(q.onnx_path)}
-    metrics: dict = {"eval_windows": len(windows), "eval_tokens": int(windows.shape[0] * (windows.shape[1] - 1))}
+    conv = data.window_convention(tok, v.seq_len)
+    context = v.seq_len - conv["scored_per_window"]
+    metrics: dict = {"eval_windows": len(windows), "eval_tokens": len(windows) * conv["scored_per_window"],
+                     "perplexity_convention": convention_text(conv)}
     for label, sess in sessions.items():
         logits_of = lambda ids, s=sess: s.run(["logits"], prefill_feeds(exp, ids))[0]  # noqa: E731
-        metrics[f"perplexity_{label}"] = perplexity(logits_of, windows, v.batch_size, ctx.progress, label)
+        metrics[f"perplexity_{label}"] = perplexity(logits_of, windows, v.batch_size, ctx.progress, label, context)
     ref, cand = metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"]
     metrics["relative_perplexity_increase"] = (cand - ref) / ref
     tokens: dict = {}
     if v.generation is not None:
         metrics.update(_greedy(ctx, tok, docs, layout, sessions, tokens))
     return metrics, tokens
+
+
+def convention_text(conv: dict) -> str:
+    """One line naming the perplexity convention of :func:`pipeline.data.window_convention`."""
+    bos = "yes (prepended to each window, context only)" if conv["bos"] else "no (the tokenizer adds none)"
+    return (f"token-level exp(mean next-token NLL); non-overlapping windows of {conv['window_tokens']} tokens, "
+            f"stride {conv['stride_tokens']} text tokens, documents joined by EOS; "
+            f"{conv['scored_per_window']} scored tokens per window; BOS: {bos}")
 
 
 def _greedy(ctx, tok, docs, layout, sessions, tokens: dict) -> dict:

@@ -79,7 +79,8 @@ GENERATE_INPUTS = [
     TensorSpec("input_ids", "int64", ["prompt_tokens"]),
     TensorSpec("ignore_eos", "bool", [1]),
 ]
-GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_ids", "int64", [1])]
+GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_ids", "int64", [1]),
+                    TensorSpec("finish_reason", "object", [1]), TensorSpec("detail", "object", [1])]
 
 
 #: ONNX element type -> numpy dtype name (the float8 types have no Triton type).
@@ -243,7 +244,8 @@ def generate_config(
     tokenizer round trip), ``max_tokens`` TYPE_INT32 [1], ``ignore_eos``
     TYPE_BOOL [1] (generate exactly ``max_tokens``, for benchmarks) ->
     ``text_output`` TYPE_STRING [1] and ``token_ids`` TYPE_INT64 [1], one
-    token per streamed response. Every number
+    token per streamed response; the final one adds ``finish_reason``
+    TYPE_STRING [1] (``stop`` / ``length``) and ``detail`` TYPE_STRING [1]. Every number
     model.py needs travels in ``parameters`` as strings; ``max_context`` /
     ``max_prompt_tokens`` of 0 mean unlimited; ``max_concurrent_generations``
     requests generate at once (threads), later ones wait.
@@ -253,8 +255,8 @@ def generate_config(
     for spec in GENERATE_INPUTS:
         cfg.input.add(name=spec.name, data_type=triton_dtype(spec.dtype), dims=config_dims(spec.shape, False),
                       optional=True)
-    cfg.output.add(name="text_output", data_type=mc.TYPE_STRING, dims=[1])
-    cfg.output.add(name="token_ids", data_type=mc.TYPE_INT64, dims=[1])
+    for spec in GENERATE_OUTPUTS:
+        cfg.output.add(name=spec.name, data_type=triton_dtype(spec.dtype), dims=config_dims(spec.shape, False))
     cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
     params = {
         "compute_model": compute_model,

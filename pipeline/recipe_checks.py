@@ -1,0 +1,236 @@
+"""Recipe constraints between sections, checked by the schema before any stage runs.
+
+Everything here is decided by the recipe alone (no graph, no weights, no GPU):
+the export's dynamic axes, the profiles, calibration shapes, gates for the model
+kind, the Triton section. Checks that need the exported graph (every dynamic
+axis of every input covered by a profile, KV-cache geometry, dtypes) stay in the
+export and triton stages. Each problem carries the key path (``loc``) it is
+about, so :func:`pipeline.recipe.load_recipe` can print the YAML line.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.recipe import Profile, Recipe
+
+Loc = tuple[str | int, ...]
+Problem = tuple[Loc, str]
+
+#: Inputs of the encoder graph (pipeline.models.encoder.INPUTS), all int64 [batch, sequence].
+ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+#: Inputs of the causal-LM graph besides the KV cache (pipeline.models.llm), rank 2.
+LLM_INPUTS = ("input_ids", "attention_mask")
+_PAST = re.compile(r"^past_key_values\.\d+\.(key|value)$")
+PAST_DIM = "past_sequence"  # the adapter's dim name for axis 2 of every past input
+#: gate field -> the model kind whose validate stage measures its metric.
+GATE_KIND = {
+    "max_relative_perplexity_increase": "causal-lm",
+    "min_token_agreement": "causal-lm",
+    "max_spearman_drop": "encoder",
+    "min_mean_cosine": "encoder",
+}
+
+
+class ConstraintErrors(ValueError):
+    """Cross-section constraint violations of one recipe; ``problems`` holds (loc, message)."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(f"{dotted(loc)}: {msg}" for loc, msg in problems))
+
+
+def dotted(loc: Loc) -> str:
+    """``("build", "profiles", 0, "name")`` -> ``"build.profiles.0.name"``."""
+    return ".".join(str(p) for p in loc) or "<root>"
+
+
+def constraint_problems(r: Recipe) -> list[Problem]:
+    """Every cross-section problem of ``r``, in recipe order (empty when consistent)."""
+    return [
+        *_export_problems(r),
+        *_check_point_problems(r),
+        *_profile_problems(r),
+        *_calibration_problems(r),
+        *_gate_problems(r),
+        *_triton_problems(r),
+    ]
+
+
+def _batch_dim(r: Recipe) -> str:
+    return r.export.dynamic_axes.get("input_ids", {}).get(0, "batch")
+
+
+def _sequence_dim(r: Recipe) -> str:
+    return r.export.dynamic_axes.get("input_ids", {}).get(1, "sequence")
+
+
+def _known_dims(r: Recipe) -> set[str]:
+    """Symbolic dim names the exported graph will have."""
+    names = {d for axes in r.export.dynamic_axes.values() for d in axes.values()}
+    return names | ({PAST_DIM} if r.model.kind == "causal-lm" else set())
+
+
+def _export_problems(r: Recipe) -> list[Problem]:
+    axes = r.export.dynamic_axes
+    at: Loc = ("export", "dynamic_axes")
+    out: list[Problem] = []
+    if 0 not in axes.get("input_ids", {}):
+        out.append((at, "needs input_ids with a dynamic batch axis, e.g. input_ids: {0: batch, 1: sequence}"))
+    allowed = ENCODER_INPUTS if r.model.kind == "encoder" else LLM_INPUTS
+    for name, dims in axes.items():
+        if name not in allowed and not (r.model.kind == "causal-lm" and _PAST.match(name)):
+            out.append(((*at, name), f"a {r.model.kind} graph has no input {name!r}; its inputs are "
+                        f"{list(allowed)}" + (" and past_key_values.N.key/value" if r.model.kind == "causal-lm" else "")))
+            continue
+        rank = 4 if _PAST.match(name) else 2
+        for axis in dims:
+            if not 0 <= axis < rank:
+                out.append(((*at, name, axis), f"{name} has rank {rank}: axis {axis} does not exist "
+                            f"(valid: 0..{rank - 1})"))
+    batch_names = sorted({dims[0] for dims in axes.values() if 0 in dims})
+    if len(batch_names) > 1:
+        out.append((at, f"axis 0 is one batch dim shared by every input; got the names {batch_names}"))
+    return out
+
+
+def _check_point_problems(r: Recipe) -> list[Problem]:
+    points = r.export.check_points
+    at: Loc = ("export", "check_points")
+    if not points:
+        return []
+    out: list[Problem] = []
+    if len(points) < 3:
+        out.append((at, f"give at least 3 shape points (min, a middle one, max), got {len(points)}"))
+    known = _known_dims(r)
+    required = {"batch", "sequence"} | ({PAST_DIM} if r.model.kind == "causal-lm" else set())
+    for i, point in enumerate(points):
+        for dim, size in point.items():
+            if dim not in known:
+                out.append(((*at, i, dim), f"{dim!r} is not a dynamic dim of the graph; "
+                            f"export.dynamic_axes gives {sorted(known)}"))
+            elif size < (0 if dim == PAST_DIM else 1):
+                out.append(((*at, i, dim), f"size {size} is below {0 if dim == PAST_DIM else 1}"))
+        missing = sorted(required - point.keys())
+        if missing:
+            out.append(((*at, i), f"point {point} lacks {missing}; a {r.model.kind} point needs {sorted(required)}"))
+        total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
+        if r.model.kind == "causal-lm" and total in point and {"sequence", PAST_DIM} <= point.keys():
+            if point[total] != point["sequence"] + point[PAST_DIM]:
+                out.append(((*at, i, total), f"{total}={point[total]} must equal sequence + {PAST_DIM} "
+                            f"({point['sequence']} + {point[PAST_DIM]}); omit it to have it computed"))
+    return out
+
+
+def _profile_problems(r: Recipe) -> list[Problem]:
+    out: list[Problem] = []
+    known = _known_dims(r)
+    seen: dict[str, int] = {}
+    for i, p in enumerate(r.build.profiles):
+        if p.name in seen:
+            out.append((("build", "profiles", i, "name"), f"{p.name!r} is also the name of profile {seen[p.name]}; "
+                        "profile names must be unique"))
+        seen.setdefault(p.name, i)
+        for dim in p.dims:
+            if dim not in known:
+                out.append((("build", "profiles", i, "dims", dim), f"no graph input has the dynamic dim {dim!r}; "
+                            f"export.dynamic_axes gives {sorted(known)}"))
+    return out
+
+
+def profile_batch_max(r: Recipe, p: Profile) -> int | None:
+    """Largest batch profile ``p`` serves for every input: its batch dim max, lowered by
+    any explicit input shape's axis-0 max; None when it states neither."""
+    maxes = [p.dims[_batch_dim(r)].max] if _batch_dim(r) in p.dims else []
+    maxes += [s.max[0] for s in p.inputs.values() if s.max]
+    return min(maxes, default=None)
+
+
+def _calibration_problems(r: Recipe) -> list[Problem]:
+    cal = r.quantize.calibration
+    if cal is None:
+        return []
+    at: Loc = ("quantize", "calibration")
+    out: list[Problem] = []
+    val = r.validate_.split
+    if cal.split.overlaps(val):
+        out.append(((*at, "split"), f"[{cal.split.start}, {cal.split.stop}) overlaps validate.split "
+                    f"[{val.start}, {val.stop}): calibration and eval documents must not overlap"))
+    # Calibration runs prefills: batch_size rows of seq_len tokens (an empty past for an LLM).
+    shape = {"batch_size": (_batch_dim(r), cal.batch_size), "seq_len": (_sequence_dim(r), cal.seq_len)}
+    total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
+    if r.model.kind == "causal-lm":
+        shape[f"{PAST_DIM} (empty past)"] = (PAST_DIM, 0)
+        if total:
+            shape[f"{total} (= seq_len)"] = (total, cal.seq_len)
+
+    def fits(p: Profile, dim: str, value: int) -> bool:
+        rng = p.dims.get(dim)
+        return rng is None or rng.min <= value <= rng.max
+
+    profiles = r.build.profiles
+    if any(all(fits(p, d, v) for d, v in shape.values()) for p in profiles):
+        return out
+    for field, (dim, value) in shape.items():
+        if not any(fits(p, dim, value) for p in profiles):
+            ranges = ", ".join(f"{p.name!r} [{p.dims[dim].min}, {p.dims[dim].max}]" for p in profiles if dim in p.dims)
+            loc = (*at, field) if field in ("batch_size", "seq_len") else at
+            out.append((loc, f"{field}={value} lies outside the {dim} range of every build profile ({ranges}); "
+                        "calibrate on shapes the engine will serve"))
+            return out
+    shown = ", ".join(f"{f}={v}" for f, (_, v) in shape.items())
+    out.append((at, f"{shown} fit no single build profile together; calibrate on shapes the engine will serve"))
+    return out
+
+
+def _gate_problems(r: Recipe) -> list[Problem]:
+    out: list[Problem] = []
+    for field, bound in r.validate_.gates.model_dump().items():
+        if bound is None:
+            continue
+        loc: Loc = ("validate", "gates", field)
+        if GATE_KIND[field] != r.model.kind:
+            usable = sorted(f for f, k in GATE_KIND.items() if k == r.model.kind)
+            out.append((loc, f"measures a {GATE_KIND[field]} metric; a {r.model.kind} recipe can gate on {usable}"))
+        elif field == "min_token_agreement" and r.validate_.generation is None:
+            out.append((loc, "token agreement is measured by greedy generation: add validate.generation "
+                        "(e.g. {prompts: 8, new_tokens: 32})"))
+    return out
+
+
+def _triton_problems(r: Recipe) -> list[Problem]:
+    t = r.triton
+    at: Loc = ("triton",)
+    out: list[Problem] = []
+    if t.generate_model_name is not None and t.generate_model_name == t.model_name:
+        out.append(((*at, "generate_model_name"), f"{t.model_name!r} is also triton.model_name; "
+                    "the two models need different names"))
+    for i, p in enumerate(r.build.profiles):
+        batch_max = profile_batch_max(r, p)
+        if batch_max is not None and t.max_batch_size > batch_max:
+            out.append(((*at, "max_batch_size"), f"{t.max_batch_size} is greater than the max batch {batch_max} of "
+                        f"build.profiles[{i}] ({p.name!r}); lower it or raise that profile's batch max"))
+    if t.max_batch_size > 0 or t.dynamic_batching is not None:
+        for name, dims in r.export.dynamic_axes.items():
+            if 0 not in dims:
+                out.append((("export", "dynamic_axes", name), f"axis 0 of {name} is not dynamic, but "
+                            "triton.max_batch_size > 0 / dynamic_batching batches it; add 0: batch "
+                            "or set triton.max_batch_size: 0 without dynamic_batching"))
+    if r.model.kind == "encoder" and t.max_batch_size < 1:
+        out.append(((*at, "max_batch_size"), "an encoder's tokenizer model and ensemble batch requests: "
+                    "max_batch_size must be >= 1"))
+    if t.dynamic_batching is not None:
+        for j, size in enumerate(t.dynamic_batching.preferred_batch_size or []):
+            if not 1 <= size <= max(t.max_batch_size, 1):
+                out.append(((*at, "dynamic_batching", "preferred_batch_size", j),
+                            f"{size} is outside 1..max_batch_size ({t.max_batch_size})"))
+    for i, group in enumerate(t.instance_group):
+        loc = (*at, "instance_group", i, "kind")
+        if t.target == "tensorrt" and group.kind == "KIND_CPU":
+            out.append((loc, "KIND_CPU cannot run a tensorrt_plan (TensorRT engines run only on GPU); "
+                        "use KIND_GPU or KIND_AUTO"))
+        if t.target == "python-onnxruntime" and group.kind == "KIND_GPU":
+            out.append((loc, "KIND_GPU on target 'python-onnxruntime', which runs ONNX Runtime's CPU "
+                        "provider; use KIND_CPU or KIND_AUTO"))
+    return out

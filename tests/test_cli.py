@@ -1,0 +1,135 @@
+"""CLI exit codes (issue 8 §2), --set values (§3) and verify-repo, driven in-process."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from pipeline import cli
+from pipeline.cli import main, parse_set_value
+from pipeline.errors import GateFailed, LockHeld
+
+RECIPE = str(ROOT / "recipes" / "fp8-llm.yaml")
+
+
+def recipe_in(tmp_path) -> str:
+    """fp8-llm with work_dir / output_dir under ``tmp_path``."""
+    data = yaml.safe_load(open(RECIPE).read())
+    data["work_dir"], data["output_dir"] = str(tmp_path / "artifacts"), str(tmp_path / "repo")
+    path = tmp_path / "fp8-llm.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("*mlp*", "*mlp*"),
+        ("[*mlp*]", ["*mlp*"]),
+        ('["*mlp*"]', ["*mlp*"]),
+        ("[*mlp*, 'a b', \"c\"]", ["*mlp*", "a b", "c"]),
+        ("[1, 8]", [1, 8]),
+        ("0.5", 0.5),
+        ("{min: 1, max: 2}", {"min": 1, "max": 2}),
+        ("a: 1\na: 2", "a: 1\na: 2"),  # duplicate keys: not taken as a mapping
+    ],
+)
+def test_set_value_is_yaml_else_plain_string(text, value):
+    assert parse_set_value(text) == value
+
+
+def test_check_valid_recipe_exits_0(capsys):
+    code, out, err = run(capsys, "check", RECIPE)
+    assert code == 0 and "valid recipe 'fp8-llm'" in out and err == ""
+
+
+@pytest.mark.parametrize("value", ["[*mlp*]", '["*mlp*"]'])
+def test_glob_list_override_is_accepted(capsys, value):
+    assert run(capsys, "check", RECIPE, f"--set=quantize.exclude.nodes={value}")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--set=quantize.exclude.nodes=*mlp*"], "quantize.exclude.nodes: Input should be a valid list (got '*mlp*') "
+                                                 "[from --set quantize.exclude.nodes]"),
+        (["--set=build.profiles.2.dims.batch.max=16"], "error: --set build.profiles.2.dims.batch.max: build.profiles "
+                                                       "is a list of 1 item(s)"),
+        (["--set", "nothing"], "error: --set 'nothing': expected KEY=VALUE"),
+        (["--set=triton.max_batch_size=64"], "triton.max_batch_size: 64 is greater than the max batch 8"),
+    ],
+)
+def test_bad_input_exits_2_with_one_error_and_no_traceback(capsys, args, expect):
+    code, out, err = run(capsys, "check", RECIPE, *args)
+    assert code == 2 and expect in err and "Traceback" not in out + err and err.startswith("error: ")
+
+
+def test_missing_recipe_and_usage_errors_exit_2(capsys, tmp_path):
+    assert run(capsys, "check", str(tmp_path / "nope.yaml"))[0] == 2
+    assert run(capsys, "frobnicate")[0] == 2
+    assert run(capsys, "verify-repo", "x", "--set", "a=1")[0] == 2  # verify-repo takes no --set
+
+
+def _fake_run(exc):
+    def run_pipeline(*args, **kwargs):
+        raise exc
+    return run_pipeline
+
+
+@pytest.mark.parametrize("exc, code", [(GateFailed("gate"), 1), (LockHeld("held by pid 1"), 4),
+                                       (KeyboardInterrupt(), 130)])
+def test_exit_codes_of_build(capsys, monkeypatch, tmp_path, exc, code):
+    monkeypatch.setattr("pipeline.runner.run_pipeline", _fake_run(exc))
+    got, out, err = run(capsys, "build", recipe_in(tmp_path))
+    assert got == code and "Traceback" not in out + err
+
+
+def test_internal_error_saves_traceback_next_to_the_recipe(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("pipeline.runner.run_pipeline", _fake_run(ZeroDivisionError("division by zero")))
+    code, out, err = run(capsys, "build", recipe_in(tmp_path))
+    log = tmp_path / "artifacts" / "fp8-llm" / "error.log"
+    assert code == 3 and "Traceback" not in out + err
+    assert err.strip().count("\n") == 0
+    assert err.startswith("internal error: ZeroDivisionError: division by zero") and str(log) in err
+    assert "Traceback (most recent call last)" in log.read_text() and "ZeroDivisionError" in log.read_text()
+
+
+def test_internal_error_before_the_recipe_is_read_goes_to_the_cwd(capsys, monkeypatch, tmp_path):
+    def broken(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'x'")
+    monkeypatch.setattr("pipeline.recipe.load_recipe", broken)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "check", RECIPE)
+    assert code == 3 and str(cli.FALLBACK_LOG) in err and "Traceback" not in out + err
+    assert "AttributeError" in (tmp_path / "pipeline-error.log").read_text()
+
+
+HAS_PUBLISH = importlib.util.find_spec("pipeline.triton.publish") is not None
+
+
+@pytest.mark.skipif(not HAS_PUBLISH, reason="pipeline.triton.publish not written yet")
+def test_verify_repo(capsys, tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "m" / "1").mkdir(parents=True)
+    files = {"config.pbtxt": b'name: "m"\n', "1/model.onnx": b"onnx bytes"}
+    for rel, data in files.items():
+        (repo / "m" / rel).write_bytes(data)
+    index = {"models": {"m": {"recipe": "r", "files": {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}}}}
+    (repo / "repository.json").write_text(json.dumps(index))
+    code, out, err = run(capsys, "verify-repo", str(repo))
+    assert code == 0 and out.strip() == f"verified: {repo} (1 models)"
+    (repo / "m" / "1" / "model.onnx").write_bytes(b"changed")
+    (repo / "m" / "extra.txt").write_text("x")
+    code, out, err = run(capsys, "verify-repo", str(repo))
+    assert code == 4 and "2 problem(s)" in err
+    assert f"{repo / 'm' / '1' / 'model.onnx'}: sha256" in err and "extra.txt: not part of the published model" in err

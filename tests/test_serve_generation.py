@@ -1,0 +1,318 @@
+"""The generation model's limits, finish reasons, cancellation and streamed text (issue 8, sections
+6 and 7): the template against a stand-in triton_python_backend_utils (seconds), then one real
+tritonserver on the tiny LM with a SentencePiece-style (Metaspace) tokenizer."""
+from __future__ import annotations
+
+import importlib.util
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+import pipeline.triton
+from pipeline.errors import PipelineError
+from pipeline.serve.client import ServeClientError, StreamClient, generation_inputs
+from pipeline.triton.repository import write_repository
+from serve_tiny import context_build, llm_artifacts, llm_recipe, tiny_metaspace
+from test_triton_repository import FakeRequest, fake_pb_utils, load_template, ort_session, reference_generate
+
+TEMPLATE = Path(pipeline.triton.__file__).parent / "templates" / "generate_model.py"
+EOS_IDS = (0, 8)  # '<eos>' and '.': the tiny LM greedily says [10, 2, 8] = "t the." after [4]
+CONTEXT = 20
+
+
+class FakeTritonError(str):
+    """pb_utils.TritonError: a message and a code."""
+
+    CANCELLED = "CANCELLED"
+
+    def __new__(cls, message, code=None):
+        error = super().__new__(cls, message)
+        error.code = code
+        return error
+
+
+class CancellingRequest(FakeRequest):
+    """A request whose client cancels once the model has asked ``after`` times."""
+
+    def __init__(self, after: int, **arrays):
+        super().__init__(**arrays)
+        self.after, self.asked = after, 0
+
+    def is_cancelled(self) -> bool:
+        self.asked += 1
+        return self.asked > self.after
+
+
+def fake_backend(monkeypatch, session=None) -> list[str]:
+    """fake_pb_utils plus TritonError codes and a Logger; returns the list info logs go to."""
+    pb = fake_pb_utils(monkeypatch, session)
+    logged: list[str] = []
+    pb.TritonError = FakeTritonError
+    pb.Logger = type("Logger", (), {"log_info": staticmethod(logged.append)})
+    return logged
+
+
+def template_module(monkeypatch):
+    """The generation template imported from its path, as the python backend does."""
+    fake_backend(monkeypatch)
+    spec = importlib.util.spec_from_file_location("generate_template", TEMPLATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def metaspace(folder: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_metaspace(folder, EOS_IDS) / "tokenizer.json"))
+
+
+# --- IncrementalDecoder ----------------------------------------------------------------------------------
+
+
+def stream_text(decoder_cls, tok: Tokenizer, ids: list[int]) -> list[str]:
+    decoder = decoder_cls(tok)
+    pieces = [decoder.add(i) for i in ids]
+    return pieces + [decoder.flush()]
+
+
+def test_decoding_ids_one_by_one_drops_metaspace_spaces(tmp_path):
+    tok = metaspace(tmp_path)
+    ids = tok.encode("the cat sat").ids
+    assert tok.decode(ids) == "the cat sat"
+    assert "".join(tok.decode([i]) for i in ids) == "thecatsat"  # what streaming each id alone gave
+
+
+@pytest.mark.parametrize("text", ["the cat sat on the mat.", "the \u20acuro cat", "\u00e9 at.", "tt  at the",
+                                  "the\u00e9t \u20ac"])
+def test_incremental_decoder_joins_to_the_whole_decode(tmp_path, monkeypatch, text):
+    module = template_module(monkeypatch)
+    tok = metaspace(tmp_path)
+    ids = tok.encode(text).ids
+    pieces = stream_text(module.IncrementalDecoder, tok, ids)
+    assert "".join(pieces) == tok.decode(ids)
+    assert not [p for p in pieces if "\ufffd" in p]  # a character appears whole, once its last byte is in
+
+
+def test_incremental_decoder_pieces(tmp_path, monkeypatch):
+    module = template_module(monkeypatch)
+    tok = metaspace(tmp_path)
+    pieces = stream_text(module.IncrementalDecoder, tok, tok.encode("the cat sat").ids)
+    assert pieces == ["the", " c", "at", " s", "at", ""]
+    euro = tok.encode("the \u20acuro").ids  # the, \u2581, 3 byte tokens, u, r, o
+    assert len(euro) == 8
+    assert stream_text(module.IncrementalDecoder, tok, euro) == ["the", " ", "", "", "\u20ac", "u", "r", "o", ""]
+    cut = tok.encode("the \u20ac").ids[:-1]  # a stream that ends inside a character: flush gives what is there
+    assert "".join(stream_text(module.IncrementalDecoder, tok, cut)) == tok.decode(cut)
+    assert "".join(stream_text(module.IncrementalDecoder, tok, [2, 0, 5, 3])) == "the sat"  # special skipped
+
+
+# --- the template with a stand-in backend ----------------------------------------------------------------
+
+
+@pytest.fixture
+def generate_model(tmp_path, monkeypatch):
+    """The tiny LM's generation model (Metaspace tokenizer, EOS ids 0 and 8, 20-token context,
+    24-token prompts) loaded like the python backend does; BLS runs the Q/DQ graph."""
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=tiny_metaspace(tmp_path / "tok", EOS_IDS),
+                              build=context_build(CONTEXT, prompt_max=24))
+    recipe = llm_recipe(tmp_path)
+    write_repository(recipe, export=artifacts["export"], quantized=artifacts["quantize"], build=artifacts["build"],
+                     out_dir=Path(recipe.output_dir))
+    logged = fake_backend(monkeypatch, ort_session(artifacts["quantize"].onnx_path))
+    model = load_template(Path(recipe.output_dir) / "tiny_generate")
+    model.logged = logged
+    model.tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    model.onnx_path = artifacts["quantize"].onnx_path
+    return model
+
+
+def run(model, *requests):
+    assert model.execute(list(requests)) is None
+    model.drain(timeout=60)
+    assert not model.inflight
+    return requests
+
+
+def ids_request(ids, max_tokens=None, ignore_eos=False, cls=FakeRequest, **extra):
+    arrays = {"input_ids": np.array(ids, np.int64)}
+    if max_tokens is not None:
+        arrays["max_tokens"] = np.asarray(max_tokens)
+    if ignore_eos:
+        arrays["ignore_eos"] = np.array([True])
+    return cls(**extra, **arrays)
+
+
+def outputs(request, name):
+    return [r.outputs[name][0] for r, _ in request.sent if name in r.outputs]
+
+
+@pytest.mark.parametrize("value", [np.array([0], np.int32), np.array([-3], np.int32), np.array([1.5], np.float32),
+                                   np.array([2, 3], np.int32)])
+def test_template_refuses_max_tokens_that_is_not_a_positive_integer(generate_model, value):
+    request, = run(generate_model, ids_request([4], value))
+    (response, flags), = request.sent
+    assert flags == 1
+    assert response.error.startswith("max_tokens must be one integer >= 1 (INT32 [1]); got "
+                                     f"{value.tolist()} of type {value.dtype}")
+
+
+def test_template_final_response_says_why_it_stopped(generate_model):
+    tok = generate_model.tok
+    eos, by_max, by_context = run(
+        generate_model,
+        ids_request([4]),  # default_max_tokens 6; greedy [10, 2, 8] ends at EOS 8
+        ids_request([4], np.array([5], np.int32), ignore_eos=True),
+        ids_request([1, 2, 3], np.array([1000], np.int32), ignore_eos=True),
+    )
+    reference = reference_generate(Path(generate_model.onnx_path), [4], 5)
+    cases = [(eos, reference[:3], "stop", "EOS token 8"),
+             (by_max, reference, "length", "max_tokens 5 reached"),
+             (by_context, reference_generate(Path(generate_model.onnx_path), [1, 2, 3], CONTEXT - 2), "length",
+              f"context limit {CONTEXT} tokens reached (prompt 3 tokens, {CONTEXT - 2} generated)")]
+    for request, tokens, reason, detail in cases:
+        assert [int(t) for t in outputs(request, "token_ids")] == tokens
+        assert [flags for _, flags in request.sent] == [0] * (len(tokens) - 1) + [1]
+        assert outputs(request, "finish_reason") == [reason.encode()]  # on the final response only
+        assert "finish_reason" in request.sent[-1][0].outputs
+        assert outputs(request, "detail") == [detail.encode()]
+        assert b"".join(outputs(request, "text_output")).decode() == tok.decode(tokens)
+    assert tok.decode(cases[0][1]) == "t the."
+
+
+def test_template_refuses_a_prompt_longer_than_the_context(generate_model):
+    request, = run(generate_model, ids_request([4] * (CONTEXT + 1)))
+    (response, flags), = request.sent
+    assert flags == 1 and response.error == f"prompt has {CONTEXT + 1} tokens; the context limit is {CONTEXT} tokens"
+
+
+def test_template_ends_a_cancelled_request_with_the_cancelled_error(generate_model):
+    request, = run(generate_model, ids_request([1, 2, 3], np.array([10], np.int32), ignore_eos=True,
+                                               cls=CancellingRequest, after=3))
+    *tokens, (final, flags) = request.sent
+    assert len(tokens) == 3 and [f for _, f in tokens] == [0, 0, 0]
+    assert flags == 1 and final.error.code == FakeTritonError.CANCELLED
+    assert final.error == "request cancelled by the client after 3 generated tokens"
+    assert generate_model.logged == ["tiny_generate: request cancelled by the client after 3 generated tokens"]
+
+
+def test_client_refuses_a_max_tokens_that_is_not_an_integer():
+    for bad in (1.5, "3", True):
+        with pytest.raises(PipelineError, match=r"max_tokens must be an integer >= 1; got"):
+            generation_inputs(input_ids=[1], max_tokens=bad)
+    assert [i.name() for i in generation_inputs(input_ids=[1], max_tokens=np.int64(2))] == ["input_ids", "max_tokens"]
+
+
+# --- a real tritonserver -----------------------------------------------------------------------------------
+
+SERVER_CONTEXT = 512
+PROMPTS = [[4], [1, 2, 3]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One tritonserver for the module: the tiny LM with the Metaspace tokenizer (EOS 0 and 8),
+    a 512-token context and the validate stage's greedy tokens for PROMPTS."""
+    pytest.importorskip("pytriton")
+    from pipeline.serve.prepare import prepare
+    from pipeline.serve.run import launch
+
+    ws = tmp_path_factory.mktemp("serve_generation")
+    artifacts = llm_artifacts(ws, PROMPTS, tokenizer_dir=tiny_metaspace(ws / "tok", EOS_IDS),
+                              build=context_build(SERVER_CONTEXT))
+    onnx_path = Path(artifacts["quantize"].onnx_path)
+    artifacts["validate"].greedy_tokens["fp8"] = [reference_generate(onnx_path, p, 8) for p in PROMPTS]
+    served = prepare(llm_recipe(ws), artifacts, backends=["python"])
+    srv = launch(served)
+    srv.served, srv.onnx_path = served, onnx_path
+    srv.tok = Tokenizer.from_file(str(ws / "tok" / "tokenizer.json"))
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.logs()[-3000:]
+
+
+def raw_stream(url: str, inputs) -> tuple[object, object]:
+    """Send ``inputs`` to tiny_generate on a bare tritonclient stream; the first (result, error).
+    The stream is closed without a cancel (see StreamClient.close)."""
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("tiny_generate", inputs, enable_empty_final_response=True)
+        return results.get(timeout=120)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.server
+def test_served_max_tokens_must_be_a_positive_integer(server):
+    from pipeline.serve.client import tensor
+
+    with StreamClient(server.grpc_url, timeout_s=120) as client:
+        for bad in (0, -3):
+            message = rf"max_tokens must be one integer >= 1 \(INT32 \[1\]\); got \[{bad}\]"
+            with pytest.raises(ServeClientError, match=message):
+                client.generate("tiny_generate", input_ids=[4], max_tokens=bad)
+        assert client.generate("tiny_generate", input_ids=[4], max_tokens=2).tokens == [10, 2]  # the stream goes on
+    result, error = raw_stream(server.grpc_url, [tensor("input_ids", np.array([4], np.int64)),
+                                                 tensor("max_tokens", np.array([1.5], np.float32))])
+    assert result is None and "max_tokens" in str(error) and "INT32" in str(error)
+
+
+@pytest.mark.server
+def test_served_final_responses_carry_finish_reason_and_metaspace_text(server):
+    with StreamClient(server.grpc_url, timeout_s=120) as client:
+        eos = client.generate("tiny_generate", input_ids=[4])
+        long = client.generate("tiny_generate", input_ids=[1, 2, 3], max_tokens=1000, ignore_eos=True)
+        short = client.generate("tiny_generate", input_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
+    assert (eos.tokens, eos.finish_reason, eos.detail, eos.text) == ([10, 2, 8], "stop", "EOS token 8", "t the.")
+    generated = SERVER_CONTEXT - 3 + 1
+    assert len(long.tokens) == generated == len(long.times)
+    assert long.tokens == reference_generate(server.onnx_path, [1, 2, 3], generated)
+    assert (long.finish_reason, long.detail) == (
+        "length", f"context limit {SERVER_CONTEXT} tokens reached (prompt 3 tokens, {generated} generated)")
+    assert long.text == server.tok.decode(long.tokens) and " the" in long.text  # word-initial spaces kept
+    assert (short.tokens, short.finish_reason, short.detail) == (long.tokens[:4], "length", "max_tokens 4 reached")
+
+
+@pytest.mark.server
+def test_served_close_cancels_the_request_and_the_server_serves_on(server):
+    client = StreamClient(server.grpc_url, timeout_s=120)
+    gen = client.start("tiny_generate", input_ids=[1, 2, 3], max_tokens=500, ignore_eos=True)
+    while len(gen.tokens) < 2:
+        assert not client.receive(gen)
+    client.close()
+    assert gen.finish_reason == "cancelled" and 2 <= len(gen.tokens) < 500
+    deadline = time.monotonic() + 120  # a wait for the log line, not a speed bound
+    while "request cancelled by the client after" not in server.logs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(x for x in server.logs().splitlines() if "request cancelled by the client after" in x)
+    produced = int(line.split("after ")[1].split()[0])
+    assert "tiny_generate: " in line and produced < 500
+    with StreamClient(server.grpc_url, timeout_s=120) as again:
+        assert again.generate("tiny_generate", input_ids=[4]).finish_reason == "stop"
+
+
+@pytest.mark.server
+def test_serve_check_passes_on_the_new_final_responses(server):
+    from pipeline.serve.check import check_greedy
+
+    checks = check_greedy(server.served, server.grpc_url)
+    assert [(c.index, c.ok, c.streamed) for c in checks] == [(0, True, [10, 2, 8]), (1, True, [2, 8])]  # cut at EOS 8
+    assert [c.finish for c in checks] == ["stop: EOS token 8"] * 2
+
+
+def test_check_verdict_says_why_a_short_stream_ended():
+    from pipeline.serve.check import PromptCheck
+
+    short = PromptCheck(0, [5], [5, 6],
+                        finish="length: context limit 33 tokens reached (prompt 32 tokens, 1 generated)")
+    assert short.verdict == ("MISMATCH from position 1: streamed [5] expected [5, 6] (stream ended: length: context "
+                             "limit 33 tokens reached (prompt 32 tokens, 1 generated))")
