@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv build check test typecheck bench bench-build serve clean
+.PHONY: venv build check test typecheck bench bench-build serve publish deploy verify clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,18 @@ bench: $(STAMP)
 
 bench-build: $(STAMP)
 	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml
+
+# Upload the recipe's validated models to S3-compatible storage as a new Triton version
+# (TO=s3://bucket/prefix; credentials and AWS_ENDPOINT_URL from the standard AWS configuration).
+publish: $(STAMP)
+	@test -n "$(TO)" || { echo "usage: make publish RECIPE=$(RECIPE) TO=s3://bucket/prefix"; exit 2; }
+	$(PY) -m pipeline publish recipes/$(RECIPE).yaml --to $(TO)
+
+deploy: $(STAMP)
+	$(PY) -m pipeline deploy k8s recipes/$(RECIPE).yaml
+
+verify: $(STAMP)
+	$(PY) -m pipeline verify-repo model_repository
 
 clean:
 	rm -rf artifacts model_repository

@@ -169,14 +169,26 @@ def cmd_verify_repo(args) -> int:
     return 0
 
 
-#: name, function, help, positional argument (``recipe`` commands also take --set / --quiet).
+#: name, function, help, arguments: "recipe" (recipe + --set / --quiet), "dir", or
+#: "module:function" that adds the command's own arguments (the command lives in that module).
 COMMANDS = (
     ("build", "cmd_build", "run the pipeline for a recipe", "recipe"),
     ("check", "cmd_check", "the build's pre-flight only: recipe schema and constraints, weights", "recipe"),
     ("serve", "cmd_serve", "serve the recipe's repository on a local tritonserver until Ctrl-C", "recipe"),
     ("bench", "cmd_bench", "start tritonserver, measure latency / throughput / batching, stop", "recipe"),
     ("verify-repo", "cmd_verify_repo", "re-hash a published model repository against its repository.json", "dir"),
+    ("publish", "cmd_publish", "upload the recipe's validated models to S3 as a new Triton version, then make it live",
+     "pipeline.remote.s3:add_publish_arguments"),
+    ("deploy", "cmd_deploy", "write Kubernetes manifests (KServe InferenceService, or Deployment + Service + HPA)",
+     "pipeline.remote.k8s:add_deploy_arguments"),
 )
+
+
+def _external(spec: str, name: str):
+    """The function ``name`` of the module in ``spec`` ("module:function")."""
+    import importlib
+
+    return getattr(importlib.import_module(spec.partition(":")[0]), name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, help_, positional in COMMANDS:
         sp = sub.add_parser(name, help=help_)
+        if ":" in positional:
+            _external(positional, positional.partition(":")[2])(sp)
+            sp.set_defaults(fn=_external(positional, fn))
+            continue
         sp.set_defaults(fn=globals()[fn])
         if positional == "dir":
             sp.add_argument("dir", help="a published Triton model repository, e.g. model_repository")

@@ -222,8 +222,8 @@ def start_server(
     """Start tritonserver on ``repository`` (all its models load) and wait until ready.
 
     Args:
-        repository: model repository folder, or several (Triton merges them;
-            model names must be unique across them).
+        repository: model repository folder or URL (``s3://host:port/bucket/prefix``),
+            or several (Triton merges them; model names must be unique across them).
         models: models that must report ready (besides server readiness).
         explicit: ``--model-control-mode=explicit``: only ``models`` load at
             start; the others are loaded and unloaded by the client
@@ -250,7 +250,7 @@ def start_server(
     repositories = [repository] if isinstance(repository, (str, Path)) else list(repository)
     control = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)] if explicit else []
     cmd = [
-        str(dist.binary), *(f"--model-repository={Path(r).resolve()}" for r in repositories), *control,
+        str(dist.binary), *(f"--model-repository={_repository_arg(r)}" for r in repositories), *control,
         f"--backend-directory={backends}", "--http-address=127.0.0.1", f"--http-port={http}",
         "--grpc-address=127.0.0.1", f"--grpc-port={grpc}", "--metrics-address=127.0.0.1",
         f"--metrics-port={metrics}", f"--exit-timeout-secs={exit_timeout_s}", f"--log-verbose={log_verbose}",
@@ -273,6 +273,14 @@ def start_server(
         server.stop()
         raise
     return server
+
+
+def _repository_arg(repository: str | Path) -> str:
+    """A local folder as an absolute path; a URL (``s3://host:port/bucket/prefix``, ``gs://``,
+    ``as://``) as given. Triton reads S3 credentials from ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION`` in this process's environment."""
+    text = str(repository)
+    return text if "://" in text else str(Path(text).resolve())
 
 
 def _backend_dir(dist: ServerDist, work: Path) -> Path:

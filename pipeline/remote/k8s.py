@@ -1,0 +1,411 @@
+"""Kubernetes manifests that serve a recipe's published models with Triton.
+
+    python -m pipeline deploy k8s RECIPE [--storage-uri s3://bucket/prefix] [--target T] [--image IMG]
+
+Writes two alternatives into ``<work_dir>/<recipe>/deploy/`` (apply one of them):
+
+* ``kserve/``: ``s3-credentials.yaml`` (Secret + ServiceAccount) and
+  ``inferenceservice.yaml``, a KServe ``InferenceService`` with the Triton
+  model format; KServe's storage initializer copies ``storageUri`` to
+  ``/mnt/models`` and its Triton runtime serves it (HTTP on 8080).
+* ``plain/``: ``s3-credentials.yaml``, ``deployment.yaml`` (tritonserver reading
+  the ``s3://`` repository itself), ``service.yaml`` (8000 HTTP, 8001 gRPC, 8002
+  metrics), ``hpa.yaml`` (autoscaling/v2 on the average queue time per request)
+  and ``prometheus-adapter-rules.yaml``: that HPA metric is not built into
+  Kubernetes; prometheus-adapter makes it from Triton's
+  ``nv_inference_queue_duration_us`` and ``nv_inference_request_success``
+  counters, with the rule in that file (merge it into the adapter's rules).
+
+No cluster is needed to write them (and there is none here): the tests
+validate the plain objects against the Kubernetes schemas (kubernetes-validate)
+and the InferenceService against a minimal schema of its CRD.
+
+Inputs, in order of precedence:
+
+* storage: ``--storage-uri``, else the last ``published`` entry of
+  ``<work_dir>/<recipe>/manifest.json`` (``python -m pipeline publish``).
+* target (compute model runtime): ``--target``, else ``triton.target`` when not
+  ``auto``, else the published entry's target, else ``tensorrt`` when the
+  recipe declares ``triton.serving`` (an engine for a GPU) and ``onnxruntime``
+  otherwise. ``tensorrt`` requests one ``nvidia.com/gpu``.
+* image: ``--image``, else ``triton.serving.container``
+  (``nvcr.io/nvidia/tritonserver:<tag>``), else a container whose TensorRT equals
+  ``triton.serving.tensorrt``, else :data:`DEFAULT_RELEASE` (24.10, Triton 2.51.0:
+  the release of the tritonserver in the pytriton wheel these repositories are
+  tested with). The python-backend models (LLM generation, encoder tokenizer,
+  ``python-onnxruntime``) import ``tokenizers`` (and ``onnxruntime``), which the
+  stock image lacks: build a derived image (``FROM <image>`` + ``pip install``)
+  and pass it with ``--image``.
+* ``/dev/shm`` (an emptyDir in memory; Docker's ``--shm-size``): for an LLM, every
+  decode step of a request moves its KV cache through the python backend's
+  shared memory, in and out: ``max_batch_size`` x 2 x KV bytes per sequence at
+  the context limit (2 x layers x KV heads x head dim x 4 bytes x tokens; FP32
+  as exported) + 256 MiB; 256 MiB for encoders, or when the geometry is unreadable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import PipelineError
+from pipeline.recipe_checks import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
+
+DEFAULT_RELEASE = "24.10"  # Triton 2.51.0, the pytriton wheel's tritonserver
+BASE_SHM_MIB = 256
+HTTP, GRPC, METRICS = 8000, 8001, 8002
+KSERVE_HTTP = 8080  # KServe's Triton runtime starts tritonserver with --http-port=8080
+QUEUE_METRIC = "triton_queue_time_us_per_request"
+
+
+def dns_name(text: str) -> str:
+    """``text`` as a DNS-1123 label (lower case, ``-`` for other characters, at most 63)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return name[:63].rstrip("-") or "triton"
+
+
+def resolve_image(recipe, image: str | None = None) -> str:
+    """The Triton image for ``recipe`` (see the module docstring)."""
+    from pipeline import serving
+
+    if image:
+        return image
+    declared = recipe.triton.serving
+    if declared is not None and declared.container:
+        return serving.container_image(declared.container)
+    if declared is not None and declared.tensorrt and serving.containers_with(declared.tensorrt):
+        return serving.container_image(serving.containers_with(declared.tensorrt)[0])
+    return serving.container_image(DEFAULT_RELEASE)
+
+
+def resolve_target(recipe, published: dict | None, target: str | None = None) -> str:
+    """The compute model's runtime (see the module docstring)."""
+    if target:
+        return target
+    if recipe.triton.target != "auto":
+        return recipe.triton.target
+    if published and published.get("target"):
+        return published["target"]
+    return "tensorrt" if recipe.triton.serving is not None else "onnxruntime"
+
+
+def last_published(run_dir: Path) -> dict | None:
+    """The last ``published`` entry of ``run_dir/manifest.json``, or None."""
+    try:
+        entries = json.loads((run_dir / "manifest.json").read_text()).get("published", [])
+    except (OSError, json.JSONDecodeError):
+        return None
+    return entries[-1] if entries else None
+
+
+def kv_geometry(recipe) -> tuple[int, int, int] | None:
+    """(layers, KV heads, head dim) of a causal LM from its HF ``config.json`` or GGUF
+    metadata; None for encoders or when the weights cannot be read."""
+    from pipeline.models.llm import package_file
+
+    if recipe.model.kind != "causal-lm":
+        return None
+    try:
+        path = package_file(recipe.model)
+        if path.is_dir():
+            cfg = json.loads((path / "config.json").read_text())
+            heads = cfg["num_attention_heads"]
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+            return cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim
+        from gguf import GGUFReader
+
+        fields = GGUFReader(str(path)).fields
+        arch = bytes(fields["general.architecture"].parts[-1]).decode()
+
+        def value(key: str) -> int:
+            return int(fields[f"{arch}.{key}"].parts[-1][0])
+
+        heads = value("attention.head_count")
+        kv_heads = value("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in fields else heads
+        return value("block_count"), kv_heads, value("embedding_length") // heads
+    except Exception:  # any unreadable weights: fall back to the base size, said in the manifest comment
+        return None
+
+
+def max_context(recipe) -> int | None:
+    """Context limit of profile 0: min(attention_mask length max, past length max + 1)."""
+    axes = recipe.export.dynamic_axes
+    dims = recipe.build.profiles[0].dims
+    limits = []
+    mask = axes.get("attention_mask", {}).get(1)
+    if mask in dims:
+        limits.append(dims[mask].max)
+    past = next((a.get(2) for n, a in axes.items() if n.startswith("past_key_values")), PAST_DIM)
+    if recipe.model.kind == "causal-lm" and past in dims:
+        limits.append(dims[past].max + 1)
+    return min(limits) if limits else None
+
+
+def shm_mib(recipe) -> tuple[int, str]:
+    """``/dev/shm`` size in MiB and how it was sized (a comment for the manifest)."""
+    geometry, context = kv_geometry(recipe), max_context(recipe)
+    if geometry is None or context is None:
+        return BASE_SHM_MIB, f"{BASE_SHM_MIB} MiB base (no KV cache geometry)"
+    layers, kv_heads, head_dim = geometry
+    per_seq = 2 * layers * kv_heads * head_dim * 4 * context
+    batch = max(recipe.triton.max_batch_size, 1)
+    total = BASE_SHM_MIB + math.ceil(batch * 2 * per_seq / 2**20)
+    size = 64 * math.ceil(total / 64)
+    return size, (f"{batch} requests x 2 (in + out) x KV {per_seq / 2**20:.1f} MiB per sequence "
+                  f"(2 x {layers} layers x {kv_heads} KV heads x {head_dim} head dim x 4 B x {context} tokens) "
+                  f"+ {BASE_SHM_MIB} MiB, rounded up to 64 MiB")
+
+
+def model_names(recipe) -> list[str]:
+    """The recipe's Triton models, the front model (generation / ensemble) last."""
+    from pipeline.triton.repository import ensemble_model_name, tokenizer_model_name
+
+    name = recipe.triton.model_name
+    if recipe.model.kind == "causal-lm":
+        return [name, *([recipe.triton.generate_model_name] if recipe.triton.generate_model_name else [])]
+    return [name, tokenizer_model_name(name), ensemble_model_name(name)]
+
+
+def queue_target_us(recipe) -> int:
+    """HPA target: average queue time per request, 10 % of the recipe's latency SLO
+    (LLM: TTFT), in microseconds."""
+    slo = recipe.serve.slo
+    budget_ms = slo.ttft_ms if recipe.model.kind == "causal-lm" else slo.latency_ms
+    return int(budget_ms * 1000 * 0.1)
+
+
+# --- objects -----------------------------------------------------------------------------------------
+
+
+def _labels(name: str, recipe) -> dict[str, str]:
+    return {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "trt-pipeline",
+            "trt-pipeline/recipe": dns_name(recipe.name)}
+
+
+def _scrape_annotations() -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS), "prometheus.io/path": "/metrics"}
+
+
+def _resources(gpu: bool) -> dict:
+    res: dict[str, dict] = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
+    if gpu:
+        res["requests"]["nvidia.com/gpu"] = 1
+        res["limits"]["nvidia.com/gpu"] = 1
+    return res
+
+
+def _probes(port: int) -> dict:
+    """Readiness / liveness on Triton's health endpoints; a startup probe gives model loading 10 minutes."""
+    def probe(path: str, **extra) -> dict:
+        return {"httpGet": {"path": path, "port": port}, "periodSeconds": 10, **extra}
+
+    return {"startupProbe": probe("/v2/health/live", failureThreshold=60),
+            "readinessProbe": probe("/v2/health/ready", failureThreshold=3),
+            "livenessProbe": probe("/v2/health/live", failureThreshold=3)}
+
+
+def _shm_volume(mib: int) -> tuple[dict, dict]:
+    return ({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{mib}Mi"}},
+            {"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _s3_env(secret: str) -> list[dict]:
+    return [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}}
+            for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")]
+
+
+def credentials(name: str, recipe, endpoint: str | None) -> list[dict]:
+    """Secret (placeholders: fill in before applying) + ServiceAccount KServe's storage
+    initializer reads it through (endpoint annotations when the store is not AWS)."""
+    annotations = {}
+    if endpoint:
+        scheme, _, host = endpoint.partition("://")
+        annotations = {"serving.kserve.io/s3-endpoint": host, "serving.kserve.io/s3-usehttps": "1" if scheme == "https" else "0"}
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": f"{name}-s3", "labels": _labels(name, recipe), "annotations": annotations},
+              "stringData": {"AWS_ACCESS_KEY_ID": "REPLACE-ME", "AWS_SECRET_ACCESS_KEY": "REPLACE-ME",
+                             "AWS_DEFAULT_REGION": "us-east-1"}}
+    account = {"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": f"{name}-s3", "labels": _labels(name, recipe)}, "secrets": [{"name": f"{name}-s3"}]}
+    return [secret, account]
+
+
+def inference_service(name: str, recipe, *, storage_uri: str, image: str, gpu: bool, shm: int,
+                      max_replicas: int) -> dict:
+    """KServe ``InferenceService`` (serving.kserve.io/v1beta1), Triton model format."""
+    volume, mount = _shm_volume(shm)
+    container = {
+        "modelFormat": {"name": "triton"}, "protocolVersion": "v2",
+        "runtimeVersion": image.rsplit(":", 1)[-1], "storageUri": storage_uri,
+        "args": ["--model-control-mode=explicit", *(f"--load-model={m}" for m in model_names(recipe))],
+        "resources": _resources(gpu), "volumeMounts": [mount], **_probes(KSERVE_HTTP),
+    }
+    annotations = {"serving.kserve.io/enable-prometheus-scraping": "true", **_scrape_annotations()}
+    return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+            "metadata": {"name": name, "labels": _labels(name, recipe), "annotations": annotations},
+            "spec": {"predictor": {"serviceAccountName": f"{name}-s3", "minReplicas": 1, "maxReplicas": max_replicas,
+                                   "volumes": [volume], "model": container}}}
+
+
+def deployment(name: str, recipe, *, repository: str, image: str, gpu: bool, shm: int) -> dict:
+    """apps/v1 Deployment: tritonserver on the ``s3://`` repository, explicit model control."""
+    volume, mount = _shm_volume(shm)
+    args = [f"--model-repository={repository}", "--model-control-mode=explicit",
+            *(f"--load-model={m}" for m in model_names(recipe)),
+            f"--http-port={HTTP}", f"--grpc-port={GRPC}", f"--metrics-port={METRICS}"]
+    container = {"name": "tritonserver", "image": image, "command": ["tritonserver"], "args": args,
+                 "ports": [{"name": "http", "containerPort": HTTP}, {"name": "grpc", "containerPort": GRPC},
+                           {"name": "metrics", "containerPort": METRICS}],
+                 "env": _s3_env(f"{name}-s3"), "resources": _resources(gpu), "volumeMounts": [mount], **_probes(HTTP)}
+    labels = _labels(name, recipe)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
+                     "template": {"metadata": {"labels": labels, "annotations": _scrape_annotations()},
+                                  "spec": {"containers": [container], "volumes": [volume]}}}}
+
+
+def service(name: str, recipe) -> dict:
+    """v1 Service on the Deployment's HTTP, gRPC and metrics ports."""
+    ports = [{"name": n, "port": p, "targetPort": n} for n, p in (("http", HTTP), ("grpc", GRPC), ("metrics", METRICS))]
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "labels": _labels(name, recipe), "annotations": _scrape_annotations()},
+            "spec": {"selector": {"app.kubernetes.io/name": name}, "ports": ports}}
+
+
+def hpa(name: str, recipe, *, max_replicas: int) -> dict:
+    """autoscaling/v2 HPA on :data:`QUEUE_METRIC` (a Pods metric from prometheus-adapter)."""
+    metric = {"type": "Pods", "pods": {"metric": {"name": QUEUE_METRIC},
+                                       "target": {"type": "AverageValue", "averageValue": str(queue_target_us(recipe))}}}
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": name, "labels": _labels(name, recipe)},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                     "minReplicas": 1, "maxReplicas": max_replicas, "metrics": [metric]}}
+
+
+def adapter_rules(name: str, recipe) -> dict:
+    """ConfigMap with the prometheus-adapter rule behind :data:`QUEUE_METRIC`: per pod,
+    rate(queue time) / rate(successful requests) of the compute model, over 1 minute."""
+    match = f'model="{recipe.triton.model_name}"'
+    rule = {
+        "seriesQuery": f'nv_inference_queue_duration_us{{namespace!="",pod!="",{match}}}',
+        "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+        "name": {"matches": "^nv_inference_queue_duration_us$", "as": QUEUE_METRIC},
+        "metricsQuery": (f"sum(rate(nv_inference_queue_duration_us{{<<.LabelMatchers>>,{match}}}[1m])) by (<<.GroupBy>>)"
+                         f" / clamp_min(sum(rate(nv_inference_request_success{{<<.LabelMatchers>>,{match}}}[1m]))"
+                         " by (<<.GroupBy>>), 1e-9)"),
+    }
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-prometheus-adapter-rules", "labels": _labels(name, recipe)},
+            "data": {"config.yaml": yaml.safe_dump({"rules": [rule]}, sort_keys=False, width=1000)}}
+
+
+# --- files -------------------------------------------------------------------------------------------
+
+
+def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None,
+              max_replicas: int = 4) -> dict[str, tuple[str, list[dict]]]:
+    """relative file name -> (header comment, objects) for both alternatives.
+
+    Raises:
+        PipelineError: ``storage_uri`` is not an s3:// URL.
+    """
+    from pipeline.remote.s3 import S3Location
+
+    loc = S3Location.parse(storage_uri)
+    name = dns_name(f"triton-{recipe.name}")
+    img, gpu = resolve_image(recipe, image), target == "tensorrt"
+    shm, shm_why = shm_mib(recipe)
+    about = (f"recipe {recipe.name}, target {target} ({'1 GPU' if gpu else 'CPU'}), image {img}\n"
+             f"models (explicit model control, front model last): {', '.join(model_names(recipe))}\n"
+             f"/dev/shm {shm} MiB: {shm_why}\n"
+             "python-backend models need `tokenizers` (and `onnxruntime`) in the image: see pipeline/remote/k8s.py")
+    creds = credentials(name, recipe, loc.endpoint)
+    creds_note = "S3 credentials: replace the REPLACE-ME values (or create the Secret yourself) before applying"
+    adapter_note = (f"The HPA in hpa.yaml scales on {QUEUE_METRIC}, a custom metric Kubernetes does not have:\n"
+                    "prometheus-adapter must serve it. Merge this rule into the adapter's configuration\n"
+                    "(helm chart value rules.custom, or its config.yaml) and restart the adapter.")
+    return {
+        "kserve/s3-credentials.yaml": (creds_note, creds),
+        "kserve/inferenceservice.yaml": (about, [inference_service(
+            name, recipe, storage_uri=loc.url, image=img, gpu=gpu, shm=shm, max_replicas=max_replicas)]),
+        "plain/s3-credentials.yaml": (creds_note, creds),
+        "plain/deployment.yaml": (about, [deployment(name, recipe, repository=loc.triton_url if loc.endpoint else loc.url,
+                                                     image=img, gpu=gpu, shm=shm)]),
+        "plain/service.yaml": ("HTTP 8000, gRPC 8001, metrics 8002 (Prometheus scrapes /metrics)", [service(name, recipe)]),
+        "plain/hpa.yaml": (f"scales on {QUEUE_METRIC} (average queue time per request, µs; target "
+                           f"{queue_target_us(recipe)} = 10 % of the recipe's latency SLO): needs "
+                           "prometheus-adapter with the rule in prometheus-adapter-rules.yaml",
+                           [hpa(name, recipe, max_replicas=max_replicas)]),
+        "plain/prometheus-adapter-rules.yaml": (adapter_note, [adapter_rules(name, recipe)]),
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """No anchors / aliases (kubectl reads them, people do not); multi-line strings as ``|`` blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
+def render(comment: str, objects: list[dict]) -> str:
+    """YAML documents with a ``#`` comment header (keys in the order written)."""
+    head = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines())
+    return head + "---\n".join(yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=1000) for o in objects)
+
+
+def write_manifests(recipe, out_dir: Path, **kwargs: Any) -> list[Path]:
+    """Write :func:`manifests` under ``out_dir``; returns the files written."""
+    written = []
+    for rel, (comment, objects) in manifests(recipe, **kwargs).items():
+        path = out_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(comment, objects))
+        written.append(path)
+    return written
+
+
+def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
+    """``k8s RECIPE [--storage-uri URI] [--target T] [--image IMG] [--out DIR] [--max-replicas N]``."""
+    parser.add_argument("platform", choices=["k8s"], help="k8s: Kubernetes manifests (KServe and plain)")
+    parser.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
+    parser.add_argument("--storage-uri", metavar="s3://BUCKET/PREFIX",
+                        help="the published repository (default: the manifest's last `published` entry)")
+    parser.add_argument("--target", choices=["tensorrt", "onnxruntime", "python-onnxruntime"],
+                        help="compute model runtime (default: triton.target, the published target, ...)")
+    parser.add_argument("--image", help="Triton image (default: from triton.serving, else tritonserver:24.10-py3)")
+    parser.add_argument("--out", help="output folder (default: <work_dir>/<recipe>/deploy)")
+    parser.add_argument("--max-replicas", type=int, default=4, help="HPA / KServe maxReplicas (default 4)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override, as for build")
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """``python -m pipeline deploy k8s RECIPE``: write the manifests, print the kubectl commands.
+
+    Raises:
+        PipelineError: no ``--storage-uri`` and nothing published (exit 2).
+    """
+    from pipeline.cli import load
+
+    recipe = load(args)
+    run_dir = Path(recipe.work_dir) / recipe.name
+    published = last_published(run_dir)
+    uri = args.storage_uri or (published or {}).get("triton_url") or (published or {}).get("to")
+    if not uri:
+        raise PipelineError(f"{run_dir / 'manifest.json'}: no `published` entry; publish first "
+                            f"(python -m pipeline publish {args.recipe} --to s3://bucket/prefix) or pass --storage-uri")
+    if args.max_replicas < 1:
+        raise PipelineError(f"--max-replicas {args.max_replicas}: must be >= 1")
+    out = Path(args.out) if args.out else run_dir / "deploy"
+    target = resolve_target(recipe, published if not args.storage_uri else None, args.target)
+    files = write_manifests(recipe, out, storage_uri=uri, target=target, image=args.image, max_replicas=args.max_replicas)
+    print("\n".join(str(f) for f in files))
+    print(f"KServe:  kubectl apply -f {out / 'kserve'}/\nplain:   kubectl apply -f {out / 'plain'}/")
+    return 0

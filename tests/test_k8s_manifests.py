@@ -1,0 +1,156 @@
+"""``pipeline deploy k8s`` manifests (issue 13, section 2), generated from the recipe files alone
+(no build) with a fixed storage URI. There is no cluster here: validation is offline.
+
+* Plain objects (Deployment, Service, HPA, ConfigMap, Secret, ServiceAccount): the Kubernetes
+  schemas of kubernetes-validate, strict (unknown fields refused).
+* InferenceService: the KServe SDK was not installed (kserve 0.21 resolves next to numpy<2 but
+  pins psutil<6, a downgrade of a main dependency of this venv, and pulls ~30 packages). Instead
+  it is checked against tests/data/kserve-inferenceservice-v1beta1.schema.json, a minimal
+  JSON Schema written by hand for the fields we use (the CRD could not be downloaded here), and
+  its PodSpec / Container parts (volumes, resources, probes, mounts) with kubernetes-validate
+  as a Pod.
+* Golden files under tests/golden/deploy/ for fp8-llm (target tensorrt: GPU) and int8-encoder
+  (target resolved from the recipe: onnxruntime, CPU). Regenerate: UPDATE_GOLDEN=1.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import ROOT
+from pipeline.errors import PipelineError
+from pipeline.recipe import load_recipe
+from pipeline.remote import k8s
+
+K8S_VERSION = "1.33.0"
+GOLDEN = ROOT / "tests" / "golden" / "deploy"
+ISVC_SCHEMA = json.loads((ROOT / "tests" / "data" / "kserve-inferenceservice-v1beta1.schema.json").read_text())
+KSERVE_MODEL_FIELDS = {"modelFormat", "runtime", "runtimeVersion", "protocolVersion", "storageUri"}
+CASES = {"fp8-llm": "tensorrt", "int8-encoder": None}
+
+
+@pytest.fixture(autouse=True)
+def no_endpoint_env(monkeypatch):
+    for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def generate(name: str, tmp_path: Path) -> dict[str, str]:
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    target = k8s.resolve_target(recipe, None, CASES[name])
+    k8s.write_manifests(recipe, tmp_path, storage_uri=f"s3://models/trt-pipeline/{name}", target=target)
+    return {p.relative_to(tmp_path).as_posix(): p.read_text() for p in sorted(tmp_path.rglob("*.yaml"))}
+
+
+def validate_isvc(isvc: dict) -> None:
+    """The minimal CRD schema, then the predictor's pod and container fields as a Pod."""
+    jsonschema.validate(isvc, ISVC_SCHEMA)
+    predictor = isvc["spec"]["predictor"]
+    container = {k: v for k, v in predictor["model"].items() if k not in KSERVE_MODEL_FIELDS}
+    pod_spec = {k: v for k, v in predictor.items() if k not in ("model", "minReplicas", "maxReplicas", "scaleMetric", "scaleTarget")}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "predictor"},
+           "spec": {**pod_spec, "containers": [{"name": "kserve-container", "image": "kserve-runtime", **container}]}}
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_manifests_match_golden_files_and_validate(name, tmp_path):
+    files = generate(name, tmp_path)
+    assert sorted(files) == ["kserve/inferenceservice.yaml", "kserve/s3-credentials.yaml", "plain/deployment.yaml",
+                             "plain/hpa.yaml", "plain/prometheus-adapter-rules.yaml", "plain/s3-credentials.yaml",
+                             "plain/service.yaml"]
+    for rel, text in files.items():
+        golden = GOLDEN / name / rel
+        if os.environ.get("UPDATE_GOLDEN"):
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(text)
+        assert text == golden.read_text(), f"{rel} differs from {golden} (UPDATE_GOLDEN=1 rewrites it)"
+        for obj in yaml.safe_load_all(text):
+            if obj["kind"] == "InferenceService":
+                validate_isvc(obj)
+            else:
+                kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_llm_manifests_carry_gpu_shm_probes_metrics_and_model_control(tmp_path):
+    files = generate("fp8-llm", tmp_path)
+    dep = yaml.safe_load(files["plain/deployment.yaml"])
+    pod = dep["spec"]["template"]
+    c, = pod["spec"]["containers"]
+    assert c["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"  # no triton.serving: the documented default
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["args"][:4] == ["--model-repository=s3://models/trt-pipeline/fp8-llm", "--model-control-mode=explicit",
+                             "--load-model=smollm2_fp8", "--load-model=smollm2_generate"]
+    assert (c["readinessProbe"]["httpGet"], c["livenessProbe"]["httpGet"]) == (
+        {"path": "/v2/health/ready", "port": 8000}, {"path": "/v2/health/live", "port": 8000})
+    assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8002",
+                                              "prometheus.io/path": "/metrics"}
+    # KV cache: 2 x 30 layers x 3 KV heads x 64 x 4 B x 513 tokens = 22.5 MiB per sequence; 8 requests,
+    # in and out: 360.7 MiB + 256 MiB base = 616.7 MiB, rounded up to 640 MiB
+    assert 2 * 30 * 3 * 64 * 4 * 513 * 8 * 2 / 2**20 + 256 == pytest.approx(616.7, abs=0.1)
+    assert pod["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "640Mi"}}]
+    assert c["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    isvc = yaml.safe_load(files["kserve/inferenceservice.yaml"])["spec"]["predictor"]
+    assert (isvc["model"]["storageUri"], isvc["model"]["runtimeVersion"]) == ("s3://models/trt-pipeline/fp8-llm", "24.10-py3")
+    assert isvc["model"]["readinessProbe"]["httpGet"]["port"] == 8080  # KServe's Triton runtime listens there
+    hpa = yaml.safe_load(files["plain/hpa.yaml"])["spec"]["metrics"][0]["pods"]
+    assert hpa == {"metric": {"name": "triton_queue_time_us_per_request"},
+                   "target": {"type": "AverageValue", "averageValue": "100000"}}  # 10 % of ttft_ms 1000
+    rules = yaml.safe_load(yaml.safe_load(files["plain/prometheus-adapter-rules.yaml"])["data"]["config.yaml"])
+    assert rules["rules"][0]["name"]["as"] == "triton_queue_time_us_per_request"
+    assert "prometheus-adapter must serve it" in files["plain/prometheus-adapter-rules.yaml"]
+
+
+def test_encoder_manifests_run_on_cpu_and_load_the_ensemble_last(tmp_path):
+    c, = yaml.safe_load(generate("int8-encoder", tmp_path)["plain/deployment.yaml"])["spec"]["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert [a for a in c["args"] if a.startswith("--load-model")] == [
+        "--load-model=minilm_int8", "--load-model=minilm_int8_tokenizer", "--load-model=minilm_int8_ensemble"]
+
+
+def test_validators_refuse_what_a_cluster_would(tmp_path):
+    files = generate("int8-encoder", tmp_path)
+    isvc = yaml.safe_load(files["kserve/inferenceservice.yaml"])
+    misspelt = json.loads(json.dumps(isvc))
+    misspelt["spec"]["predictor"]["model"]["storageURI"] = misspelt["spec"]["predictor"]["model"].pop("storageUri")
+    with pytest.raises(kubernetes_validate.ValidationError, match="storageURI"):
+        validate_isvc(misspelt)
+    bad_uri = json.loads(json.dumps(isvc))
+    bad_uri["spec"]["predictor"]["model"]["storageUri"] = "models/x"
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        validate_isvc(bad_uri)
+    dep = yaml.safe_load(files["plain/deployment.yaml"])
+    dep["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = [8000]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch):
+    import argparse
+
+    recipe_path = tmp_path / "enc.yaml"
+    data = yaml.safe_load((ROOT / "recipes" / "int8-encoder.yaml").read_text())
+    data["work_dir"] = str(tmp_path / "artifacts")
+    recipe_path.write_text(yaml.safe_dump(data))
+    parser = argparse.ArgumentParser()
+    k8s.add_deploy_arguments(parser)
+    with pytest.raises(PipelineError, match="no `published` entry; publish first"):
+        k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path)]))
+    run_dir = tmp_path / "artifacts" / "int8-encoder"
+    run_dir.mkdir(parents=True)
+    published = {"to": "s3://models/p", "triton_url": "s3://minio.svc:9000/models/p", "target": "python-onnxruntime"}
+    (run_dir / "manifest.json").write_text(json.dumps({"verdict": "pass", "published": [published]}))
+    assert k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path)])) == 0
+    c, = yaml.safe_load((run_dir / "deploy" / "plain" / "deployment.yaml").read_text())["spec"]["template"]["spec"]["containers"]
+    assert c["args"][0] == "--model-repository=s3://minio.svc:9000/models/p"
+    secret, _account = yaml.safe_load_all((run_dir / "deploy" / "kserve" / "s3-credentials.yaml").read_text())
+    assert secret["metadata"]["annotations"] == {"serving.kserve.io/s3-endpoint": "minio.svc:9000", "serving.kserve.io/s3-usehttps": "0"}
+    isvc = yaml.safe_load((run_dir / "deploy" / "kserve" / "inferenceservice.yaml").read_text())
+    assert isvc["spec"]["predictor"]["model"]["storageUri"] == "s3://models/p"
+    assert "target python-onnxruntime (CPU)" in (run_dir / "deploy" / "plain" / "deployment.yaml").read_text()
