@@ -1,9 +1,16 @@
-"""Cold build, then warm no-change rebuild, of one recipe, side by side.
+"""Cold build, then warm no-change rebuild, of one recipe, side by side; then
+the quantize stage's memory on a Llama over 2 GiB.
 
 Prints each stage's wall time (s) and peak RSS (MiB) from the cold run's
 manifest, the whole-process wall time and peak RSS of both runs, and their
 ratio. Each run is a fresh `python -m pipeline build` process with its own
 empty work and output folders, so nothing is shared with earlier builds.
+
+Then (unless ``--skip-large``) a random-weight Llama a little over 2 GiB in
+FP32 (one layer, tied 49152 x 11008 embedding, built with transformers into a
+temp folder) goes through the same recipe shrunk to mechanics-test sizes: it
+takes the external-data path in every stage. For both models the quantize
+stage's peak RSS is printed next to the FP32 model size (target: <= 3x).
 
     .venv/bin/python benchmarks/build_times.py --recipe recipes/fp8-llm.yaml
 """
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -35,13 +43,87 @@ def build(recipe: str, ws: Path) -> tuple[float, int, dict]:
     return wall, max(peak_kib, before) // 1024 if peak_kib > before else -1, man
 
 
+def make_large_llama(folder: Path) -> int:
+    """Random one-layer Llama with a tied 49152 x 11008 embedding (~2.2 GB FP32),
+    saved with the SmolLM2 tokenizer. Returns its FP32 parameter bytes."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.models.llm import package_file
+    from pipeline.recipe import load_recipe
+
+    src = package_file(load_recipe(Path("recipes/fp8-llm.yaml")).model)
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=11008, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg).eval()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return nbytes
+
+
+def large_recipe(ws: Path, model_dir: Path) -> Path:
+    """recipes/fp8-llm.yaml with the large model and mechanics-test sizes."""
+    import yaml
+
+    data = yaml.safe_load(Path("recipes/fp8-llm.yaml").read_text())
+    data["name"] = "large-llm"
+    data["model"] = {"kind": "causal-lm", "package": None, "path": str(model_dir)}
+    data["export"]["check_points"] = [{"batch": 1, "sequence": 4, "past_sequence": 0},
+                                      {"batch": 3, "sequence": 1, "past_sequence": 5},
+                                      {"batch": 2, "sequence": 7, "past_sequence": 9}]
+    data["export"]["tolerances"] = {"logits": {"rtol": 0.05, "atol": 0.5}, "present.*": {"rtol": 0.01, "atol": 0.01}}
+    data["quantize"]["calibration"].update(samples=8, seq_len=32, batch_size=4)
+    data["quantize"]["exclude"] = {"nodes": []}
+    data["validate"].update(seq_len=64, max_windows=4, generation={"prompts": 2, "new_tokens": 4})
+    data["validate"]["gates"] = {"max_relative_perplexity_increase": 10.0}
+    path = ws / "large-llm.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def fp32_bytes(man: dict) -> int:
+    """Bytes of the exported FP32 graph and its data files."""
+    from pipeline.onnx_io import files_on_disk_bytes
+
+    return files_on_disk_bytes(man["artifacts"]["export"]["onnx_path"])
+
+
+def quantize_line(label: str, man: dict, fp32: int) -> str:
+    rss = man["stages"]["quantize"].get("peak_rss_mib") or 0
+    ratio = rss * 2**20 / fp32
+    return (f"{label:<10} FP32 model {fp32 / 2**30:5.2f} GiB, quantize peak RSS {rss / 1024:5.2f} GiB = "
+            f"{ratio:.1f}x the model (target <= 3x: {'met' if ratio <= 3 else 'MISSED'})")
+
+
+def large_model_run() -> tuple[dict, int]:
+    """Build the > 2 GiB model once; returns its manifest and FP32 parameter bytes."""
+    with tempfile.TemporaryDirectory(prefix="trtpipe-bench-large-") as tmp:
+        ws = Path(tmp)
+        nbytes = make_large_llama(ws / "model")
+        _, _, man = build(str(large_recipe(ws, ws / "model")), ws)
+        man["fp32_bytes"] = fp32_bytes(man)
+    return man, nbytes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="recipes/fp8-llm.yaml")
+    ap.add_argument("--skip-large", action="store_true", help="do not build the > 2 GiB model (~5 GB of disk)")
+    ap.add_argument("--only-large", action="store_true", help="build only the > 2 GiB model")
     args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.only_large:
+        large, _ = large_model_run()
+        print(quantize_line("large-llm", large, large["fp32_bytes"]))
+        return
     with tempfile.TemporaryDirectory(prefix="trtpipe-bench-") as tmp:
         ws = Path(tmp)
         cold_wall, cold_rss, man = build(args.recipe, ws)
+        fp32 = fp32_bytes(man)
         warm_wall, warm_rss, warm = build(args.recipe, ws)
     print(f"{'stage':<10} {'status':<8} {'wall (s)':>9} {'peak RSS (MiB)':>15}")
     for name, st in man["stages"].items():
@@ -53,6 +135,11 @@ def main() -> None:
     print(f"targets: cold < 480 s -> {'met' if cold_wall < 480 else 'MISSED'}; "
           f"peak RSS < 6144 MiB -> {'met' if 0 < cold_rss < 6144 else 'MISSED'}; "
           f"warm < 5 s -> {'met' if warm_wall < 5 else 'MISSED'}")
+    print("\nquantize stage memory (peak RSS of the build process during the stage):")
+    print(quantize_line(Path(args.recipe).stem, man, fp32))
+    if not args.skip_large:
+        large, _ = large_model_run()
+        print(quantize_line("large-llm", large, large["fp32_bytes"]))
 
 
 if __name__ == "__main__":

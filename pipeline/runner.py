@@ -64,7 +64,8 @@ def _stages() -> list[StageDef]:
         StageDef("export", (), A.ExportArtifact, export.run),
         StageDef("quantize", ("export",), A.QuantizedArtifact, quantize.run),
         StageDef("build", ("export", "quantize"), A.BuildArtifact, _build),
-        StageDef("validate", ("export", "quantize"), A.ValidationArtifact, validate.run),
+        # validate measures the engine when one was built: the gate is on what ships
+        StageDef("validate", ("export", "quantize", "build"), A.ValidationArtifact, validate.run),
         StageDef("triton", ("export", "quantize", "build"), A.TritonArtifact, triton.run),
     ]
 
@@ -219,6 +220,9 @@ def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: di
         ctx.progress.print(f"[bold]{stage.name}[/bold]: cached ({prev['status']})")
         return cached
     ctx.progress.print(f"[bold]{stage.name}[/bold] ...")
+    # The old record goes first: a crash while the stage rewrites its files must not leave a
+    # record that a later run with the old key would trust.
+    (ctx.run_dir / stage.name / "stage.json").unlink(missing_ok=True)
     start = time.perf_counter()
     try:
         with PeakRSS() as mem:

@@ -42,4 +42,17 @@ def ort_session(path: str) -> ort.InferenceSession:
     opts.log_severity_level = 3
     if has_qdq(path):
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(path, sess_options=opts, providers=providers())
+    return ort.InferenceSession(path, sess_options=opts, providers=providers(),
+                                disabled_optimizers=_large_model_optimizers(path))
+
+
+# Above 2 GiB, ORT's transpose optimizer and constant folding fold a Transpose of
+# a large weight (a tied lm_head reading the embedding) into a new initializer
+# that ORT then refuses to embed (its 2 GiB limit for in-memory initializers).
+_LARGE_MODEL_DISABLED = ["TransposeOptimizer", "ConstantFolding"]
+
+
+def _large_model_optimizers(path: str) -> list[str]:
+    from pipeline.onnx_io import PROTOBUF_LIMIT, files_on_disk_bytes
+
+    return _LARGE_MODEL_DISABLED if files_on_disk_bytes(path) >= PROTOBUF_LIMIT else []

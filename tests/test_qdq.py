@@ -91,3 +91,31 @@ def test_mse_amax_clips_outliers():
     hist[-1] = 1  # one outlier at the edge
     amax = calibrate.mse_amax(hist, edges, qdq.FORMATS["int8"])
     assert amax < 100
+
+
+def test_lazily_loaded_external_weights_give_the_same_qdq_graph(mlp_onnx, tmp_path):
+    """Q/DQ insertion reading each weight from external data (the > 2 GiB path)
+    matches the in-memory path bit for bit, and drops the replaced FP32 weights."""
+    from onnx.external_data_helper import uses_external_data
+
+    from pipeline import onnx_io
+
+    src = onnx_io.save_model_atomic(onnx.load(str(mlp_onnx)), tmp_path / "src" / "model.onnx", external_data=True)
+    fmt = qdq.FORMATS["fp8"]
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.standard_normal((8, 16)).astype(np.float32)} for _ in range(2)]
+    lazy = onnx.load(str(src), load_external_data=False)
+    targets = qdq.find_targets(lazy, ["MatMul", "Gemm"])
+    amax = calibrate.collect_amax(src, sorted({t.act for t in targets}), batches, "max", fmt, scratch_dir=tmp_path)
+    assert amax == calibrate.collect_amax(mlp_onnx, sorted({t.act for t in targets}), batches, "max", fmt)
+    out_lazy = onnx_io.save_model_atomic(
+        qdq.insert_qdq(lazy, targets, amax, fmt, True, base_dir=str(src.parent), inplace=True),
+        tmp_path / "lazy" / "model.onnx", external_data=True, base_dir=src.parent)
+    assert not any(i.name in {t.weight for t in targets} for i in lazy.graph.initializer)
+    assert not any(uses_external_data(t) and t.HasField("raw_data")
+                   for t in onnx_io.tensors(lazy))
+    ref = tmp_path / "ref.onnx"
+    onnx.save(qdq.insert_qdq(onnx.load(str(mlp_onnx)), targets, amax, fmt, True), str(ref))
+    assert onnx_io.check_loadable(out_lazy) is None
+    got = ort_session(str(out_lazy)).run(None, batches[0])[0]
+    np.testing.assert_array_equal(got, ort_session(str(ref)).run(None, batches[0])[0])

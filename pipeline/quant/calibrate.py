@@ -5,6 +5,12 @@ histogram calibrators (entropy = KL-divergence threshold, Migacz, "8-bit
 Inference with TensorRT", GTC 2017). ``mse`` picks, from the same histogram,
 the amax that minimises the expected squared quantization error of the
 target format (clipping plus rounding), computed here.
+
+ORT reads the graph from its path (it writes a transient shape-inferred copy
+of the graph beside it; the weights stay where they are: onnx refuses
+hard-linked data files, and a copy would cost the model's size in disk and
+time), and the augmented graph goes to a scratch folder, with external data
+when the model is large: a graph over 2 GiB cannot be serialized to bytes.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from onnxruntime.quantization.calibrate import (
     create_calibrator,
 )
 
+from pipeline import onnx_io
 from pipeline.errors import QuantizationError
 from pipeline.quant.qdq import QFormat
 
@@ -39,13 +46,17 @@ class _Reader(CalibrationDataReader):
 
 
 def collect_amax(onnx_path: str | Path, tensors: list[str], batches: list[dict[str, np.ndarray]],
-                 method: str, fmt: QFormat, percentile: float = 99.99) -> dict[str, float]:
+                 method: str, fmt: QFormat, percentile: float = 99.99,
+                 scratch_dir: str | Path | None = None) -> dict[str, float]:
     """amax per tensor name, over all calibration batches.
 
     Args:
+        onnx_path: FP32 graph, inline or with external data beside it (any size).
         tensors: activation names to report (inputs of the GEMMs to quantize).
         batches: feed dicts for the graph.
         method: ``max``, ``percentile``, ``entropy`` or ``mse``.
+        scratch_dir: where the temporary folder for the augmented graph goes
+            (None: the system temp folder).
 
     Raises:
         QuantizationError: a requested tensor got no statistics.
@@ -55,12 +66,13 @@ def collect_amax(onnx_path: str | Path, tensors: list[str], batches: list[dict[s
         extra.update(percentile=percentile, num_bins=2048)
     elif method == "entropy":  # ORT's default 128 bins leave one threshold candidate: the max
         extra.update(num_bins=2048, num_quantized_bins=128)
-    with tempfile.TemporaryDirectory() as tmp:
+    large = onnx_io.files_on_disk_bytes(onnx_path) >= onnx_io.external_data_threshold()
+    with tempfile.TemporaryDirectory(dir=scratch_dir, prefix="calibrate-") as tmp:
         cal = create_calibrator(
             Path(onnx_path), op_types_to_calibrate=["MatMul", "Gemm"],
             augmented_model_path=str(Path(tmp) / "augmented.onnx"),
             calibrate_method=_ORT_METHOD[method], extra_options=extra,
-            providers=["CPUExecutionProvider"],
+            use_external_data_format=large, providers=["CPUExecutionProvider"],
         )
         cal.collect_data(_Reader(batches))
         if method == "mse":

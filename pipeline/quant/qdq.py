@@ -14,13 +14,14 @@ follows NVIDIA's "Explicit Quantization" section of the TensorRT developer guide
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from pipeline.errors import QuantizationError
 from pipeline.recipe import ExcludeConfig
@@ -145,13 +146,19 @@ def _zero_point(fmt: QFormat, name: str, shape: tuple[int, ...] = ()) -> onnx.Te
 
 
 def insert_qdq(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str, float],
-               fmt: QFormat, per_channel: bool) -> onnx.ModelProto:
-    """Return a copy of ``model`` with Q/DQ around every target's inputs.
+               fmt: QFormat, per_channel: bool, *, base_dir: str = "", inplace: bool = False) -> onnx.ModelProto:
+    """Return ``model`` (a copy unless ``inplace``) with Q/DQ around every target's inputs.
+
+    The model may be loaded lazily (``load_external_data=False``): each FP32
+    weight is then read from ``base_dir`` on its own and only its quantized form
+    is kept in memory; the FP32 initializers a target replaced are dropped.
+    Works above 2 GiB (nothing is serialized).
 
     Raises:
         QuantizationError: an activation has no calibrated amax, or an invalid one.
     """
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    if not inplace:
+        model = copy.deepcopy(model)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     new_inits, done_act, done_w = [], {}, {}
@@ -163,14 +170,16 @@ def insert_qdq(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str
             if t.act not in done_act:
                 done_act[t.act] = _act_qdq(t.act, act_amax, fmt, nodes, new_inits)
             if t.weight not in done_w:
-                done_w[t.weight] = _weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits)
+                done_w[t.weight] = _weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, base_dir)
             node.input[0], node.input[1] = done_act[t.act], done_w[t.weight]
         nodes.append(node)
     used = {i for n in nodes for i in n.input}
-    keep = [i for i in g.initializer if i.name in used]
-    del g.node[:], g.initializer[:]
+    for i in reversed(range(len(g.initializer))):  # in place: kept weights are not copied
+        if g.initializer[i].name not in used:
+            del g.initializer[i]
+    del g.node[:]
     g.node.extend(nodes)
-    g.initializer.extend(keep + new_inits)
+    g.initializer.extend(new_inits)
     return model
 
 
@@ -186,9 +195,10 @@ def _act_qdq(name: str, amax: dict[str, float], fmt: QFormat, nodes: list, inits
     return dq
 
 
-def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, nodes: list, inits: list) -> str:
+def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, nodes: list, inits: list,
+               base_dir: str) -> str:
     axis = t.weight_axis if per_channel else None
-    q, scale = quantize_weight(numpy_helper.to_array(w), fmt, axis)
+    q, scale = quantize_weight(_weight_array(w, base_dir), fmt, axis)
     zp_shape = () if axis is None else scale.shape
     qi = numpy_helper.from_array(q, f"{w.name}_quantized")
     si = numpy_helper.from_array(scale, f"{w.name}_scale")
@@ -198,3 +208,13 @@ def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, 
     out = f"{w.name}_dequantized"
     nodes.append(helper.make_node("DequantizeLinear", [qi.name, si.name, zi.name], [out], name=f"{w.name}_DequantizeLinear", **attrs))
     return out
+
+
+def _weight_array(w: onnx.TensorProto, base_dir: str) -> np.ndarray:
+    """The weight as float32, read from disk through a copy when external, so
+    the model's own TensorProto never holds the FP32 bytes."""
+    if not external_data_helper.uses_external_data(w) or w.HasField("raw_data"):
+        return numpy_helper.to_array(w)
+    probe = onnx.TensorProto()
+    probe.CopyFrom(w)
+    return numpy_helper.to_array(probe, base_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from pipeline import compare, profiles
+from pipeline import compare, onnx_io, profiles
 from pipeline.artifacts import ExportArtifact, TensorSpec
 from pipeline.context import StageContext
 from pipeline.errors import ExportError
@@ -68,12 +68,15 @@ def run(ctx: StageContext) -> ExportArtifact:
 
     Raises:
         ExportError: export failed, an axis is static, or ORT disagrees with torch.
+        EnvironmentFault: the written ONNX file cannot be loaded back.
     """
     adapter = registry.adapter(ctx.recipe.model)
     module, tokenizer = adapter.load(ctx)
     out = ctx.stage_dir / "model.onnx"
     with ctx.progress.step("export: torch.onnx.export(dynamo=True)"):
-        adapter.export(module, ctx.recipe.export, out)
+        with onnx_io.replacing(out) as tmp:  # new files renamed into place, never rewritten
+            adapter.export(module, ctx.recipe.export, tmp)
+    onnx_io.require_loadable(out, "export")
     model = onnx.load(str(out), load_external_data=False)
     inputs, outputs = graph_specs(model)
     check_dynamic(inputs, adapter.dynamic_axes(ctx.recipe.export))

@@ -1,10 +1,13 @@
 """Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, or FP16."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
+from onnx.external_data_helper import load_external_data_for_model
 
-from pipeline import data, graph_checks
+from pipeline import data, graph_checks, onnx_io
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.context import StageContext
 from pipeline.errors import QuantizationError
@@ -15,35 +18,51 @@ from pipeline.quant import calibrate, qdq
 def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     """Write ``quantize/model.onnx`` in the recipe's precision.
 
+    The FP32 graph is read lazily (weights stay on disk until used), the
+    result replaces any earlier ``model.onnx`` by rename (never in place) and
+    goes to ``model.onnx.data`` when it reaches the external-data threshold
+    (protobuf's 2 GiB by default).
+
     Raises:
         QuantizationError: bad exclusions, too little or out-of-profile
             calibration data, FP8 below opset 19, or an invalid scale.
         GraphCheckError: the result breaks a TensorRT Q/DQ rule.
+        EnvironmentFault: the written file cannot be loaded back.
     """
     q = ctx.recipe.quantize
     out = ctx.stage_dir / "model.onnx"
-    model = onnx.load(exp.onnx_path)  # with its external weights, saved back as one file
+    src = Path(exp.onnx_path)
+    model = onnx.load(str(src), load_external_data=False)  # graph only: weights are read when needed
     if q.precision == "fp32":
-        onnx.save(model, str(out))
-        return QuantizedArtifact(str(out), "fp32", [], [])
+        return _save(QuantizedArtifact(str(out), "fp32", [], []), model, src)
     if q.precision == "fp16":
-        return _fp16(model, out)
+        return _fp16(model, src, out)
     _check_opset(model, q.precision)
     targets = qdq.find_targets(model, list(q.quantize_op_types))
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     if not kept:
         raise QuantizationError("quantize: no weight GEMM is left to quantize after exclusions")
     fmt = qdq.FORMATS[q.precision]
-    batches = calibration_batches(ctx, exp)
+    batches, shortfall = calibration_data(ctx, exp)
+    if shortfall:
+        ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
     acts = sorted({t.act for t in kept})
     with ctx.progress.step(f"calibrate: {q.calibration.method} over {len(batches)} batches, {len(acts)} tensors"):
-        amax = calibrate.collect_amax(exp.onnx_path, acts, batches, q.calibration.method, fmt, q.calibration.percentile)
-    qmodel = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights)
-    graph_checks.check_qdq_graph(qmodel)
-    onnx.save(qmodel, str(out))
+        amax = calibrate.collect_amax(src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
+                                      scratch_dir=ctx.stage_dir)
+    model = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights, base_dir=str(src.parent), inplace=True)
+    graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
     info = {"method": q.calibration.method, "samples": int(sum(b["input_ids"].shape[0] for b in batches)),
-            "seq_len": q.calibration.seq_len, "amax": {k: round(v, 6) for k, v in amax.items()}}
-    return QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info)
+            "seq_len": q.calibration.seq_len, **shortfall, "amax": {k: round(v, 6) for k, v in amax.items()}}
+    art = QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info)
+    return _save(art, model, src)
+
+
+def _save(art: QuantizedArtifact, model: onnx.ModelProto, src: Path) -> QuantizedArtifact:
+    """Write the graph (tensors still on disk are read from ``src``'s folder) and prove it loads."""
+    onnx_io.save_model_atomic(model, art.onnx_path, base_dir=src.parent)
+    onnx_io.require_loadable(art.onnx_path, "quantize")
+    return art
 
 
 def _check_opset(model: onnx.ModelProto, precision: str) -> None:
@@ -52,16 +71,31 @@ def _check_opset(model: onnx.ModelProto, precision: str) -> None:
         raise QuantizationError(f"export.opset: FP8 Q/DQ needs opset >= 19, the graph has opset {opset}")
 
 
-def _fp16(model: onnx.ModelProto, out) -> QuantizedArtifact:
+def _fp16(model: onnx.ModelProto, src: Path, out: Path) -> QuantizedArtifact:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    load_external_data_for_model(model, str(src.parent))  # the converter needs the values
     half = convert_float_to_float16(model, keep_io_types=True)
-    onnx.save(half, str(out))
-    return QuantizedArtifact(str(out), "fp16", [], [], {"method": "cast", "keep_io_types": True})
+    del model
+    art = QuantizedArtifact(str(out), "fp16", [], [], {"method": "cast", "keep_io_types": True})
+    return _save(art, half, src)
 
 
 def calibration_batches(ctx: StageContext, exp: ExportArtifact) -> list[dict[str, np.ndarray]]:
-    """Feed dicts of real text windows from the calibration split.
+    """Feed dicts of real text windows from the calibration split (see :func:`calibration_data`).
+
+    Raises:
+        QuantizationError: fewer windows than ``min_samples``.
+    """
+    return calibration_data(ctx, exp)[0]
+
+
+def calibration_data(ctx: StageContext, exp: ExportArtifact) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """Feed dicts of real text windows from the calibration split, and the shortfall.
+
+    Returns ``(batches, shortfall)``: ``shortfall`` is empty when ``samples``
+    windows were found, else ``{"samples_requested": n, "shortfall": text}``
+    for the console, the stage summary and the report.
 
     Raises:
         QuantizationError: fewer windows than ``min_samples`` (the recipe schema
@@ -71,11 +105,18 @@ def calibration_batches(ctx: StageContext, exp: ExportArtifact) -> list[dict[str
     tok = registry.load_tokenizer(exp.tokenizer_dir)
     docs = data.load_documents(cal.dataset, cal.split)
     windows = data.token_windows(tok, docs, cal.seq_len, cal.samples)
+    where = f"split [{cal.split.start}, {cal.split.stop}) of {cal.dataset}"
     if len(windows) < cal.min_samples:
         raise QuantizationError(
-            f"quantize.calibration: split [{cal.split.start}, {cal.split.stop}) gives {len(windows)} windows of "
+            f"quantize.calibration: {where} gives {len(windows)} windows of "
             f"{cal.seq_len} tokens, below min_samples={cal.min_samples}; widen the split or shorten seq_len"
         )
+    shortfall: dict = {}
+    if len(windows) < cal.samples:
+        text = (f"calibrated on {len(windows)} of the {cal.samples} requested samples: {where} holds only "
+                f"{len(windows)} windows of {cal.seq_len} tokens (min_samples={cal.min_samples})")
+        shortfall = {"samples_requested": cal.samples, "shortfall": text}
     adapter = registry.adapter(ctx.recipe.model)
-    return [adapter.feeds_for_ids(exp, windows[i : i + cal.batch_size]) for i in range(0, len(windows), cal.batch_size)]
-
+    batches = [adapter.feeds_for_ids(exp, windows[i : i + cal.batch_size])
+               for i in range(0, len(windows), cal.batch_size)]
+    return batches, shortfall

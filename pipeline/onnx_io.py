@@ -1,0 +1,270 @@
+"""The one place ONNX files are written and checked.
+
+* :func:`save_model_atomic` and :func:`replacing` write into a fresh temporary
+  folder beside the target and ``os.replace`` the files into place, so a file
+  already at the target (which the triton stage may have hard-linked into a
+  published repository) is never rewritten: the new file gets a new inode.
+* Models at or above the protobuf limit (2 GiB) are saved with their tensors in
+  ``<name>.data`` beside the graph (ONNX external data). The limit can be
+  lowered with ``PIPELINE_EXTERNAL_DATA_THRESHOLD`` (bytes), so tests take that
+  path with a tiny model.
+* A model may be loaded lazily (``onnx.load(..., load_external_data=False)``):
+  tensors still on disk are read one at a time while saving (``base_dir``), so
+  a large model is never held in memory twice.
+* :func:`check_loadable` says whether a file on disk can be loaded: it parses,
+  and every external-data file exists inside its folder and is long enough.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, external_data_helper as edh
+
+from pipeline.errors import EnvironmentFault, PipelineError
+
+PROTOBUF_LIMIT = 2**31  # bytes; protobuf cannot serialize a message this large
+THRESHOLD_ENV = "PIPELINE_EXTERNAL_DATA_THRESHOLD"
+DATA_SUFFIX = ".data"
+MIN_EXTERNAL_TENSOR = 1024  # bytes; smaller tensors stay inline (onnx's own default)
+_FOUR_BIT = {TensorProto.INT4, TensorProto.UINT4, getattr(TensorProto, "FLOAT4E2M1", -1)}
+
+
+def external_data_threshold() -> int:
+    """Model size (bytes) from which tensors go to an external data file.
+
+    ``PIPELINE_EXTERNAL_DATA_THRESHOLD`` when set, else :data:`PROTOBUF_LIMIT`.
+
+    Raises:
+        PipelineError: the variable is not a non-negative integer.
+    """
+    raw = os.environ.get(THRESHOLD_ENV, "").strip()
+    if not raw:
+        return PROTOBUF_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise PipelineError(f"environment variable {THRESHOLD_ENV}={raw!r}: expected a number of bytes >= 0")
+    return min(value, PROTOBUF_LIMIT)
+
+
+def data_file_name(path: str | Path) -> str:
+    """Name of the external data file saved beside ``path``: ``<name>.data``."""
+    return Path(path).name + DATA_SUFFIX
+
+
+def tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
+    """Initializers and attribute tensors of the model, subgraphs included."""
+    yield from _graph_tensors(model.graph)
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _graph_tensors(sub)
+
+
+def _on_disk(t: TensorProto) -> bool:
+    """The tensor's bytes are in an external file, not in memory."""
+    return edh.uses_external_data(t) and not t.HasField("raw_data")
+
+
+def tensor_nbytes(t: TensorProto) -> int | None:
+    """Bytes of the tensor's data from its dims and element type (None if unknown)."""
+    n = math.prod(t.dims)
+    if t.data_type in _FOUR_BIT:
+        return (n + 1) // 2
+    try:
+        return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def model_nbytes(model: onnx.ModelProto) -> int:
+    """Approximate serialized size: tensor payloads in memory or on disk, plus the graph."""
+    total = 0
+    for t in tensors(model):
+        if t.HasField("raw_data"):
+            total += len(t.raw_data)
+        elif edh.uses_external_data(t):
+            info = edh.ExternalDataInfo(t)
+            total += info.length if info.length is not None else (tensor_nbytes(t) or 0)
+        else:
+            total += t.ByteSize()
+    return total + 64 * len(model.graph.node)
+
+
+def save_model_atomic(model: onnx.ModelProto, path: str | Path, *, external_data: bool | None = None,
+                      base_dir: str | Path | None = None) -> Path:
+    """Save ``model`` to ``path`` by writing new files and renaming them into place.
+
+    Args:
+        model: the graph. Tensors still on disk (lazy load) are read from
+            ``base_dir`` one at a time. With external data, the model's large
+            tensors afterwards refer to the saved ``<name>.data`` (their bytes
+            are dropped from memory): do not save the same object elsewhere.
+        path: the ``.onnx`` file; its data file is ``<path>.data``.
+        external_data: force (True) or refuse (False) external data; None picks
+            it when :func:`model_nbytes` reaches :func:`external_data_threshold`.
+        base_dir: folder that on-disk tensors' relative locations refer to.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        ValueError: the model has tensors on disk but no ``base_dir`` is given.
+        PipelineError: a bad ``PIPELINE_EXTERNAL_DATA_THRESHOLD``.
+        OSError: writing or renaming failed (the previous file is left as it was).
+    """
+    path = Path(path)
+    lazy = any(_on_disk(t) for t in tensors(model))
+    if lazy and base_dir is None:
+        raise ValueError(f"saving {path}: the model has tensors on disk; pass base_dir (the folder they refer to)")
+    use_external = external_data if external_data is not None else model_nbytes(model) >= external_data_threshold()
+    with replacing(path) as tmp:
+        if use_external:
+            _write_external(model, tmp, base_dir)
+        else:
+            if lazy:
+                edh.load_external_data_for_model(model, str(base_dir))
+            onnx.save_model(model, str(tmp))
+    return path
+
+
+def _write_external(model: onnx.ModelProto, tmp: Path, base_dir: str | Path | None) -> None:
+    """Stream every large tensor into ``tmp``'s data file, then write the graph."""
+    location = data_file_name(tmp)
+    for t in tensors(model):
+        if _on_disk(t):
+            edh.load_external_data_for_tensor(t, str(base_dir))  # this tensor only
+        if t.HasField("raw_data") and len(t.raw_data) >= MIN_EXTERNAL_TENSOR:
+            edh.set_external_data(t, location)
+            edh.save_external_data(t, str(tmp.parent))  # appends, records offset and length
+            t.ClearField("raw_data")
+    onnx.save_model(model, str(tmp))
+
+
+@contextlib.contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """``with replacing(p) as tmp: write(tmp)``: the files then replace ``p`` and its data.
+
+    ``tmp`` has ``p``'s name, in a new folder beside ``p``; every file written
+    there (the graph and any external data files it names) is renamed into
+    ``p``'s folder, data files first and the graph last. A stale ``<p>.data``
+    that the new graph no longer uses is removed. If the block raises, nothing
+    at ``p`` changes.
+
+    Raises:
+        EnvironmentFault: the block wrote no file named ``tmp``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        tmp = scratch / path.name
+        yield tmp
+        if not tmp.is_file():
+            raise EnvironmentFault(f"{path}: the writer produced no file at {tmp}")
+        files = sorted(p for p in scratch.rglob("*") if p.is_file() and p != tmp)
+        for f in [*files, tmp]:
+            _fsync(f)
+        for f in files:
+            dest = path.parent / f.relative_to(scratch)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(f, dest)
+        os.replace(tmp, path)
+        stale = path.parent / data_file_name(path)
+        if stale.exists() and not any(f.name == stale.name and f.parent == scratch for f in files):
+            stale.unlink()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def external_files(model: onnx.ModelProto) -> set[str]:
+    """Relative locations of the external data files the graph refers to."""
+    return {edh.ExternalDataInfo(t).location for t in tensors(model) if edh.uses_external_data(t)}
+
+
+def files_on_disk_bytes(path: str | Path) -> int:
+    """Bytes of the ``.onnx`` file plus the external data files it names."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in external_files(model))
+
+
+def check_loadable(path: str | Path) -> str | None:
+    """None when the ONNX file at ``path`` can be loaded, else the reason.
+
+    Checks that the graph parses and that each external-data location is a
+    relative path inside the file's folder naming an existing file that holds
+    ``offset + length`` bytes for every tensor. Not ``onnx.checker``: it
+    rejects graphs ONNX Runtime and TensorRT load (e.g. ORT's FP16 converter
+    leaves nodes out of topological order).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return f"{path}: no such file"
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError and others
+        return f"{path}: does not parse as ONNX ({type(e).__name__}: {e})"
+    return _check_external(model, path)
+
+
+def _check_external(model: onnx.ModelProto, path: Path) -> str | None:
+    folder = path.parent.resolve()
+    sizes: dict[Path, int] = {}
+    for t in tensors(model):
+        if not edh.uses_external_data(t):
+            continue
+        try:
+            info = edh.ExternalDataInfo(t)
+        except ValueError as e:
+            return f"{path}: tensor {t.name!r}: {e}"
+        file = (folder / info.location).resolve()
+        if not info.location or Path(info.location).is_absolute() or folder not in file.parents:
+            return f"{path}: tensor {t.name!r} has external data location {info.location!r} outside {folder}"
+        if file not in sizes:
+            if not file.is_file():
+                return f"{path}: tensor {t.name!r} needs external data file {file}, which does not exist"
+            sizes[file] = file.stat().st_size
+        length = info.length if info.length is not None else tensor_nbytes(t) or 0
+        end = (info.offset or 0) + length
+        if sizes[file] < end:
+            return (f"{path}: external data file {file.name} has {sizes[file]} bytes but tensor {t.name!r} "
+                    f"needs bytes up to {end} (truncated or replaced)")
+    return None
+
+
+def require_loadable(path: str | Path, stage: str) -> None:
+    """Fail the stage when the file it just wrote cannot be loaded.
+
+    Raises:
+        EnvironmentFault: names the file and why (a storage fault: disk full, truncation).
+    """
+    reason = check_loadable(path)
+    if reason:
+        raise EnvironmentFault(f"{stage}: the ONNX file it wrote cannot be loaded: {reason}")
