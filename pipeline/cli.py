@@ -132,9 +132,11 @@ def _served(args):
 
 
 def cmd_serve(args) -> int:
+    from pipeline.serve.openai_api import resolve_api_key
     from pipeline.serve.run import serve_forever
 
-    code = serve_forever(_served(args), check=args.check)
+    api_key = resolve_api_key(args.host, args.api_key)  # refused before any build when off loopback without a key
+    code = serve_forever(_served(args), check=args.check, host=args.host, openai_port=args.openai_port, api_key=api_key)
     print(f"tritonserver stopped (exit status {code})")
     return 0 if code == 0 else 2
 
@@ -143,7 +145,7 @@ def cmd_bench(args) -> int:
     from pipeline.serve.run import bench
 
     served = _served(args)
-    result = bench(served)
+    result = bench(served, aiperf=not args.no_aiperf)
     print(result["markdown"])
     print(f"bench: {served.run_dir / 'bench' / 'bench.json'}\n       {served.run_dir / 'bench' / 'bench.md'}")
     return 0
@@ -210,8 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "serve.concurrency=[1,2] or build.profiles.0.dims.batch.max=16 (repeatable)")
         sp.add_argument("--quiet", action="store_true", help="no build progress output")
         if name == "serve":
+            from pipeline.serve.run import add_serve_arguments
+
             sp.add_argument("--check", action="store_true",
                             help="stream every validate prompt and compare with the validate stage's greedy tokens")
+            add_serve_arguments(sp)
+        if name == "bench":
+            sp.add_argument("--no-aiperf", action="store_true", help="skip the AIPerf run against the OpenAI endpoint")
     return p
 
 

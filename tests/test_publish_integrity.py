@@ -107,7 +107,8 @@ def test_verify_repository_names_every_differing_file(tmp_path, tiny_model):
 #: (fault point, overrides that make the run reach it, the stage it kills in or None for publish steps)
 POINTS = [
     ("stage:export:end", {"export.check_points": [{"batch": 1, "sequence": 4, "past_sequence": 0},
-                                                   {"batch": 2, "sequence": 3, "past_sequence": 2}]}, "export"),
+                                                   {"batch": 2, "sequence": 3, "past_sequence": 2},
+                                                   {"batch": 3, "sequence": 1, "past_sequence": 5}]}, "export"),
     ("stage:quantize:start", {"quantize.calibration.samples": 9}, "quantize"),
     ("stage:quantize:end", {"quantize.calibration.samples": 10}, "quantize"),
     ("stage:build:end", {"build.workspace_mib": 2048}, "build"),

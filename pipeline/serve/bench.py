@@ -24,11 +24,14 @@ A level's duration runs from the first send to the last answer.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,14 @@ import tritonclient.grpc as grpcclient
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import PipelineError
-from pipeline.serve.client import StreamClient, infer_ms, model_statistics, settled_statistics
+from pipeline.serve.client import (
+    ServeClientError,
+    StreamClient,
+    infer_ms,
+    model_statistics,
+    scheduler_statistics,
+    settled_statistics,
+)
 from pipeline.serve.prepare import Served, Variant
 from pipeline.serve.stats import batch_summary, latency_level, llm_level, ratio, stats_delta, tpot_at
 from pipeline.triton.config import is_dynamic
@@ -123,8 +133,11 @@ def _bucket_dim(axis: int, dim: int | str, tokens: int) -> int:
     return 0 if "past" in str(dim) else tokens
 
 
-def bench_llm(served: Served, server: TritonServer, log: Log) -> dict:
-    """Concurrency sweep and TPOT by output position for a causal LM.
+def bench_llm(served: Served, server: TritonServer, log: Log, static: StaticVariant | None = None) -> dict:
+    """Concurrency sweep and TPOT by output position for a causal LM; with ``static`` (the
+    generation model with the other ``triton.continuous_batching`` setting, in a repository
+    the server was started with) the same sweep on it: ``levels`` = continuous batching on,
+    ``levels_static`` = off.
 
     Raises:
         PipelineError: the long request stopped before ``tpot_positions[1] + 4``
@@ -132,13 +145,17 @@ def bench_llm(served: Served, server: TritonServer, log: Log) -> dict:
     """
     cfg, url = served.recipe.serve, server.grpc_url
     prompts = llm_prompts(served)
-    with grpcclient.InferenceServerClient(url) as stats_client, StreamClient(url) as warm:
-        counted = model_statistics(stats_client, served.compute_model)["inference_count"]
-        counted += len(warm.generate(served.generate_model, input_ids=prompts[0], max_tokens=2).tokens)
-        levels = []
-        for c in cfg.concurrency:
-            levels.append(llm_sweep_level(served, server, stats_client, counted, prompts, c, log))
-            counted += levels[-1]["compute_batches"]["inferences"]
+    batching_on = getattr(served.recipe.triton, "continuous_batching", None)
+    with grpcclient.InferenceServerClient(url) as stats_client:
+        served_levels = llm_sweep(served, server, stats_client, served.generate_model, prompts, log)
+        other = None
+        if static is not None:
+            stats_client.load_model(static.name)
+            try:
+                other = llm_sweep(served, server, stats_client, static.name, prompts, log)
+            finally:
+                stats_client.unload_model(static.name)
+                wait_unloaded(stats_client, static.name)
     log(f"TPOT by position: one request of {cfg.long_max_tokens} tokens at concurrency 1")
     with StreamClient(url) as client:
         long = client.generate(served.generate_model, input_ids=prompts[0], max_tokens=cfg.long_max_tokens,
@@ -151,26 +168,127 @@ def bench_llm(served: Served, server: TritonServer, log: Log) -> dict:
                             f"(prompt {len(prompts[0])} tokens); lower serve.long_max_tokens / tpot_positions") from e
     positions = {"tokens": len(long.tokens), "tpot_ms": tpot, "ratio": ratio(tpot[str(second)], tpot[str(first)]),
                  "ttft_ms": long.ttft_ms, "gaps_ms": [round(g, 2) for g in long.gaps_ms]}
-    return {"kind": "llm", "prompt_tokens": len(prompts[0]), "levels": levels, "tpot_by_position": positions}
+    out = {"kind": "llm", "prompt_tokens": len(prompts[0]), "continuous_batching": batching_on,
+           "levels": served_levels, "tpot_by_position": positions}
+    if other is not None:  # levels: continuous batching on; levels_static: off
+        out["levels"], out["levels_static"] = (served_levels, other) if batching_on else (other, served_levels)
+        out["continuous_batching"] = True
+        out["static_model"] = static.name if batching_on else served.generate_model
+        out["batching_speedup"] = {str(a["concurrency"]): ratio(a["output_tokens_per_s"], b["output_tokens_per_s"])
+                                   for a, b in zip(out["levels"], out["levels_static"])}
+    else:
+        out["levels_static_skipped"] = ("the recipe has no triton.continuous_batching field" if batching_on is None
+                                        else "the generation model's config has no continuous_batching parameter")
+    return out
+
+
+def llm_sweep(served: Served, server: TritonServer, stats_client: grpcclient.InferenceServerClient, model: str,
+              prompts: list[list[int]], log: Log) -> list[dict]:
+    """One warm-up request, then :func:`llm_sweep_level` at each ``serve.concurrency`` on ``model``."""
+    counted = model_statistics(stats_client, served.compute_model)["inference_count"]
+    with StreamClient(server.grpc_url) as warm:
+        counted += len(warm.generate(model, input_ids=prompts[0], max_tokens=2).tokens)
+    levels = []
+    for c in served.recipe.serve.concurrency:
+        levels.append(llm_sweep_level(served, server, stats_client, counted, prompts, c, log, model=model))
+        counted = levels[-1]["compute_batches"].pop("_counted")
+    return levels
 
 
 def llm_sweep_level(served: Served, server: TritonServer, stats_client: grpcclient.InferenceServerClient,
-                    counted: int, prompts: list[list[int]], concurrency: int, log: Log) -> dict:
-    """One level: ``serve.requests_per_level`` generations at ``concurrency``. ``counted``:
-    compute-model inferences made before it; statistics are read once they include those,
-    and after, once they include one compute call per generated token."""
-    cfg, model = served.recipe.serve, served.compute_model
-    log(f"concurrency {concurrency}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
-    before = settled_statistics(stats_client, model, counted)
+                    counted: int, prompts: list[list[int]], concurrency: int, log: Log,
+                    model: str | None = None) -> dict:
+    """One level: ``serve.requests_per_level`` generations at ``concurrency`` on ``model``
+    (default the generation model). ``counted``: compute-model inferences made before it;
+    statistics are read once they include those, and after, once they include one compute
+    call per generated token (or after a short wait: a scheduler that batches or keeps the
+    graph in-process counts differently). ``compute_batches["_counted"]``: the count read after."""
+    cfg, compute, model = served.recipe.serve, served.compute_model, model or served.generate_model
+    log(f"{model}: concurrency {concurrency}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
+    before = _statistics_at_least(stats_client, compute, counted)
+    has_stats = "scheduler_stats" in {i.name for i in stats_client.get_model_metadata(model).inputs}
+    sched_before = scheduler_statistics(server.grpc_url, model) if has_stats else None
     gens, duration = closed_loop(
         cfg.requests_per_level, concurrency, lambda: StreamClient(server.grpc_url),
-        lambda client, i: client.generate(served.generate_model, input_ids=prompts[i % len(prompts)],
+        lambda client, i: client.generate(model, input_ids=prompts[i % len(prompts)],
                                           max_tokens=cfg.max_tokens, ignore_eos=True),
     )
     calls = sum(len(g.tokens) for g in gens)  # the prefill makes token 1, each decode step one more
-    delta = stats_delta(before, settled_statistics(stats_client, model, before["inference_count"] + calls))
-    return {"concurrency": concurrency, **llm_level(gens, duration, cfg.slo),
-            "compute_batches": batch_summary(delta, duration)}
+    after = _statistics_at_least(stats_client, compute, before["inference_count"] + calls)
+    batches = batch_summary(stats_delta(before, after), duration)
+    batches["_counted"] = after["inference_count"]
+    level = {"concurrency": concurrency, "model": model, **llm_level(gens, duration, cfg.slo),
+             "compute_batches": batches}
+    if sched_before is not None:
+        sched_after = scheduler_statistics(server.grpc_url, model)
+        if sched_after is not None:
+            level["scheduler_batches"] = scheduler_delta(sched_before, sched_after)
+    return level
+
+
+def scheduler_delta(before: dict, after: dict) -> dict:
+    """Steps of the generation model's scheduler between two ``scheduler_stats`` readings:
+    ``executions_by_batch_size`` {size (str): steps}, ``steps``, ``mean_batch`` (sequences per step)."""
+    sizes = {k: n - int(before["executions_by_batch_size"].get(k, 0))
+             for k, n in after["executions_by_batch_size"].items()}
+    sizes = {k: n for k, n in sorted(sizes.items(), key=lambda kv: int(kv[0])) if n > 0}
+    steps = sum(sizes.values())
+    return {"executions_by_batch_size": sizes, "steps": steps,
+            "mean_batch": sum(int(k) * n for k, n in sizes.items()) / steps if steps else 0.0}
+
+
+def _statistics_at_least(client: grpcclient.InferenceServerClient, model: str, count: int,
+                         timeout_s: float = 5.0) -> dict:
+    """:func:`settled_statistics`, or the current reading when the count is not reached in ``timeout_s``."""
+    try:
+        return settled_statistics(client, model, count, timeout_s=timeout_s)
+    except ServeClientError:
+        return model_statistics(client, model)
+
+
+@dataclass(frozen=True)
+class StaticVariant:
+    """The generation model with the other continuous-batching setting, in its own repository."""
+
+    name: str
+    repository: Path
+    continuous_batching: bool
+
+
+def write_static_variant(served: Served) -> StaticVariant | None:
+    """Copy the served generation model to ``<run dir>/bench_repository/<model>__cb_off`` (or
+    ``__cb_on``) with the config parameter ``continuous_batching`` flipped and the model renamed;
+    it calls the same compute model. None when the recipe or the config has no such setting.
+
+    Raises:
+        PipelineError: the served generation model's config.pbtxt cannot be parsed.
+    """
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    batching_on = getattr(served.recipe.triton, "continuous_batching", None)
+    if not served.generate_model or batching_on is None:
+        return None
+    source = served.repository / served.generate_model
+    config = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse((source / "config.pbtxt").read_text(), config)
+    except (OSError, text_format.ParseError) as e:
+        raise PipelineError(f"{source / 'config.pbtxt'}: cannot read the generation model's config ({e})") from e
+    if "continuous_batching" not in config.parameters:
+        return None
+    name = f"{served.generate_model}__cb_{'off' if batching_on else 'on'}"
+    root = served.run_dir / "bench_repository" / name
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(source, root / name, ignore=shutil.ignore_patterns("config.pbtxt", "__pycache__"))
+    config.name = name
+    config.parameters["continuous_batching"].string_value = "0" if batching_on else "1"
+    for key in ("compute_onnx",):  # a path relative to the repository: the variant lives elsewhere
+        if key in config.parameters and not Path(config.parameters[key].string_value).is_absolute():
+            config.parameters[key].string_value = str((served.repository / config.parameters[key].string_value)
+                                                      .resolve())
+    (root / name / "config.pbtxt").write_text(text_format.MessageToString(config))
+    return StaticVariant(name, root, not batching_on)
 
 
 def llm_prompts(served: Served) -> list[list[int]]:
@@ -282,3 +400,58 @@ def environment(server: TritonServer) -> dict:
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         version = client.get_server_metadata(as_json=True).get("version", "?")
     return {"tritonserver": version, "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]}
+
+
+#: AIPerf metrics put next to ours (its profile_export_aiperf.json keys), ms.
+AIPERF_METRICS = ("time_to_first_token", "inter_token_latency", "output_token_throughput", "request_latency")
+
+
+def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, timeout_s: float = 1800.0) -> dict:
+    """Drive the OpenAI endpoint with AIPerf's CLI (streaming completions, offline: the tokenizer
+    is the served generation model's folder) at each ``serve.concurrency``: synthetic prompts of
+    the bench's prompt length, ``serve.max_tokens`` output tokens, EOS ignored. Returns
+    ``{"levels": [{"concurrency", "time_to_first_token": {"avg","p50","p90","p99"} ms,
+    "inter_token_latency": ..., ...}], "command": [...]}`` or ``{"skipped": reason}``."""
+    import shutil as _shutil
+    import subprocess
+    import sys
+
+    from pipeline.serve.openai_api import find_model_folder
+
+    exe = _shutil.which("aiperf") or str(Path(sys.executable).with_name("aiperf"))
+    if not Path(exe).is_file():
+        return {"skipped": "the aiperf CLI is not installed (pip install aiperf)"}
+    cfg = served.recipe.serve
+    tokenizer = find_model_folder(served.repository, str(served.generate_model))
+    isl = len(llm_prompts(served)[0])
+    levels, command = [], []
+    for c in cfg.concurrency:
+        folder = out_dir / f"c{c}"
+        shutil.rmtree(folder, ignore_errors=True)
+        command = [exe, "profile", "--model", str(served.generate_model), "--url", endpoint_url.removesuffix("/v1"),
+                   "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tokenizer),
+                   "--concurrency", str(c), "--request-count", str(cfg.requests_per_level),
+                   "--isl", str(isl), "--isl-stddev", "0", "--osl", str(cfg.max_tokens), "--osl-stddev", "0",
+                   "--extra-inputs", "ignore_eos:true", "--random-seed", "0", "--ui-type", "none",
+                   "--output-artifact-dir", str(folder)]
+        log(f"aiperf: concurrency {c}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+        export = next(iter(sorted(folder.rglob("profile_export_aiperf.json"))), None)
+        if done.returncode != 0 or export is None:
+            tail = (done.stdout + done.stderr)[-1500:]
+            return {"skipped": f"aiperf exited with status {done.returncode} at concurrency {c}: {tail}",
+                    "command": command, "levels": levels}
+        levels.append({"concurrency": c, **aiperf_metrics(json.loads(export.read_text()))})
+    return {"levels": levels, "command": command}
+
+
+def aiperf_metrics(export: dict) -> dict:
+    """The :data:`AIPERF_METRICS` of an AIPerf ``profile_export_aiperf.json`` (avg, p50, p90, p99, unit)."""
+    found = export.get("records", export)
+    out = {}
+    for name in AIPERF_METRICS:
+        m = found.get(name)
+        if isinstance(m, dict):
+            out[name] = {k: m.get(k) for k in ("avg", "p50", "p90", "p99", "unit")}
+    return out

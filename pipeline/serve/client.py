@@ -5,6 +5,7 @@ time is when its response reached the client callback.
 """
 from __future__ import annotations
 
+import json
 import queue
 import time
 from dataclasses import dataclass, field
@@ -70,9 +71,13 @@ def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
 
 
 def generation_inputs(*, input_ids=None, text: str | None = None, max_tokens: int | None = None,
-                      ignore_eos: bool = False) -> list[grpcclient.InferInput]:
+                      ignore_eos: bool = False, **optional: Any) -> list[grpcclient.InferInput]:
     """Inputs of the generation model: ``input_ids`` int64 [n] or ``text``, plus options
-    (``max_tokens`` INT32 [1]: any integer; the server refuses one below 1).
+    (``max_tokens`` INT32 [1]: any integer; the server refuses one below 1). ``optional``:
+    inputs sent only when given and not None (notes/genapi.md): ``messages`` (a list of
+    {"role", "content"} dicts, sent as JSON), ``temperature`` / ``top_p`` (FP32 [1]),
+    ``top_k`` (INT32 [1]), ``seed`` (INT64 [1]), ``stop`` (list of strings, BYTES [k]),
+    ``scheduler_stats`` (BOOL [1]).
 
     Raises:
         PipelineError: ``max_tokens`` is not an integer (it would be truncated to one).
@@ -88,7 +93,37 @@ def generation_inputs(*, input_ids=None, text: str | None = None, max_tokens: in
         inputs.append(tensor("max_tokens", np.array([max_tokens], np.int32)))
     if ignore_eos:
         inputs.append(tensor("ignore_eos", np.array([True])))
+    for name, value in optional.items():
+        if value is None:
+            continue
+        if name not in OPTIONAL_INPUTS:
+            raise PipelineError(f"{name}: not an input of the generation model; known: {', '.join(OPTIONAL_INPUTS)}")
+        inputs.append(tensor(name, OPTIONAL_INPUTS[name](value)))
     return inputs
+
+
+#: Optional generation inputs -> their array (see :func:`generation_inputs`).
+OPTIONAL_INPUTS = {
+    "messages": lambda v: np.array([json.dumps(v).encode()], dtype=np.object_),
+    "temperature": lambda v: np.array([v], np.float32),
+    "top_p": lambda v: np.array([v], np.float32),
+    "top_k": lambda v: np.array([v], np.int32),
+    "seed": lambda v: np.array([v], np.int64),
+    "stop": lambda v: np.array([x.encode() for x in ([v] if isinstance(v, str) else v)], dtype=np.object_),
+    "scheduler_stats": lambda v: np.array([bool(v)]),
+}
+
+
+def scheduler_statistics(url: str, model: str, timeout_s: float = 60.0) -> dict | None:
+    """The generation model's own scheduler statistics (``scheduler_stats`` request: JSON with
+    ``executions_by_batch_size`` {size (str): compute calls}, ``steps``, ``mean_batch``, ...);
+    None when the model has no such input or answers with an error."""
+    try:
+        with StreamClient(url, timeout_s=timeout_s) as client:
+            gen = client.generate(model, scheduler_stats=True)
+        return json.loads(gen.text)
+    except (ServeClientError, ValueError):
+        return None
 
 
 class StreamClient:

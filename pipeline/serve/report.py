@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+#: The latency-vs-throughput plot, next to bench.md.
+PLOT_FILE = "latency_throughput.png"
 
 
 def _n(value: float, digits: int = 1) -> str:
@@ -53,6 +57,33 @@ def llm_tables(llm: dict, serve: dict) -> list[str]:
         out.append(f"| {lv['concurrency']} | {_pcts(lv['ttft_ms'])} | {_pcts(lv['tpot_ms'])} | {_n(lv['itl_ms']['p99'])} "
                    f"| {_n(lv['output_tokens_per_s'])} | {_n(lv['requests_per_s'], 2)} | {_n(lv['goodput_rps'], 2)} "
                    f"| {_n(100 * lv['slo_met'], 0)}% |")
+    if llm.get("levels_static"):
+        out += ["", f"Continuous batching off ({llm.get('static_model', '')}: each request decodes alone):", "",
+                "| concurrency | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | ITL p99 "
+                "| output tok/s | req/s | goodput req/s | SLO met |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for lv in llm["levels_static"]:
+            out.append(f"| {lv['concurrency']} | {_pcts(lv['ttft_ms'])} | {_pcts(lv['tpot_ms'])} "
+                       f"| {_n(lv['itl_ms']['p99'])} | {_n(lv['output_tokens_per_s'])} | {_n(lv['requests_per_s'], 2)} "
+                       f"| {_n(lv['goodput_rps'], 2)} | {_n(100 * lv['slo_met'], 0)}% |")
+        speedup = "; ".join(f"{c}: **{_n(r, 2)}x**" for c, r in llm.get("batching_speedup", {}).items())
+        out += ["", f"Output tokens/s, continuous batching on over off, by concurrency: {speedup}"]
+    elif llm.get("levels_static_skipped"):
+        out += ["", f"Continuous batching off: not measured ({llm['levels_static_skipped']})."]
+    levels = llm["levels"]
+    if len(levels) > 1 and levels[0]["output_tokens_per_s"]:
+        top = max(levels, key=lambda lv: lv["concurrency"])
+        out += ["", f"Output tokens/s at concurrency {top['concurrency']} over concurrency {levels[0]['concurrency']}: "
+                    f"**{_n(top['output_tokens_per_s'] / levels[0]['output_tokens_per_s'], 2)}x**"]
+    sched = [lv for lv in levels if lv.get("scheduler_batches")]
+    if sched:
+        out += ["", "Scheduler steps by batch size (the generation model's own statistics):", "",
+                "| concurrency | steps by batch size | mean batch |", "|---:|---|---:|"]
+        out += [f"| {lv['concurrency']} | {_batches(lv['scheduler_batches'])} "
+                f"| {_n(lv['scheduler_batches']['mean_batch'], 2)} |" for lv in sched]
+    if llm.get("plot"):
+        out += ["", f"![latency vs throughput]({llm['plot']})"]
+    out += aiperf_table(llm.get("aiperf"), levels)
     out += [
         "",
         f"TPOT by output position (one request, {pos['tokens']} tokens, concurrency 1; median gap of 8 positions): "
@@ -115,3 +146,56 @@ def batching_tables(batching: dict | None) -> list[str]:
     ratios = batching["ratios"]
     out += ["", "Throughput ratios: " + "; ".join(f"{k.replace('_', ' ')} = **{_n(v, 2)}x**" for k, v in ratios.items()), ""]
     return out
+
+
+def aiperf_table(aiperf: dict | None, levels: list[dict]) -> list[str]:
+    """AIPerf's TTFT and ITL (p50 / p99) next to ours, by concurrency."""
+    if not aiperf:
+        return []
+    if not aiperf.get("levels"):
+        return ["", f"AIPerf: not run ({aiperf.get('skipped', 'no result')})."]
+    ours = {lv["concurrency"]: lv for lv in levels}
+    out = ["", "AIPerf (streaming /v1/completions through the OpenAI endpoint, same prompt and output lengths) "
+               "next to ours (gRPC straight to Triton). Times in ms.", "",
+           "| concurrency | TTFT p50 ours | TTFT p50 AIPerf | TTFT p99 ours | TTFT p99 AIPerf | ITL p50 ours "
+           "| ITL p50 AIPerf | ITL p99 ours | ITL p99 AIPerf |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for a in aiperf["levels"]:
+        o = ours.get(a["concurrency"], {})
+        t, i = a.get("time_to_first_token", {}), a.get("inter_token_latency", {})
+        out.append(f"| {a['concurrency']} | {_n(o.get('ttft_ms', {}).get('p50'))} | {_n(t.get('p50'))} "
+                   f"| {_n(o.get('ttft_ms', {}).get('p99'))} | {_n(t.get('p99'))} | {_n(o.get('itl_ms', {}).get('p50'))} "
+                   f"| {_n(i.get('p50'))} | {_n(o.get('itl_ms', {}).get('p99'))} | {_n(i.get('p99'))} |")
+    if aiperf.get("skipped"):
+        out += ["", f"AIPerf stopped early: {aiperf['skipped']}"]
+    return out
+
+
+def write_plot(llm: dict, path: Path) -> str:
+    """Latency (TTFT p50 and TPOT p50, ms) against output tokens/s, one point per concurrency,
+    continuous batching on and (if measured) off; PNG at ``path``. Returns the file name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    series = [("continuous batching on", llm["levels"], "o-")]
+    if llm.get("levels_static"):
+        series.append(("continuous batching off", llm["levels_static"], "s--"))
+    for ax, key, title in zip(axes, ("ttft_ms", "tpot_ms"), ("TTFT p50", "TPOT p50")):
+        for label, levels, style in series:
+            x = [lv["output_tokens_per_s"] for lv in levels]
+            y = [lv[key]["p50"] for lv in levels]
+            ax.plot(x, y, style, label=label)
+            for xi, yi, lv in zip(x, y, levels):
+                ax.annotate(f"c={lv['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(f"{title} vs throughput")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name

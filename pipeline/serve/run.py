@@ -22,11 +22,20 @@ from pipeline.manifest import write_json_atomic
 from pipeline.recipe import Recipe
 from pipeline.serve import bench as B
 from pipeline.serve.check import PromptCheck, check_greedy
+from pipeline.serve.openai_api import (
+    API_KEY_ENV,
+    EndpointConfig,
+    EndpointServer,
+    find_model_folder,
+    resolve_api_key,
+)
 from pipeline.serve.prepare import Served, prepare, write_variants
-from pipeline.serve.report import render
+from pipeline.serve.report import PLOT_FILE, render, write_plot
 from pipeline.triton.server import TritonServer, TritonServerError, find_server, start_server
 
 Log = Callable[[str], None]
+#: Default port of the OpenAI-compatible endpoint (``serve --openai-port``).
+DEFAULT_OPENAI_PORT = 8000
 
 
 def prepare_for_server(recipe: Recipe, artifacts: dict) -> Served:
@@ -47,19 +56,45 @@ def launch(served: Served, *, extra_repositories: list[Path] | None = None) -> T
                         workdir=served.run_dir / "server" / str(os.getpid()))
 
 
-def serve_forever(served: Served, *, check: bool = False, log: Log = print) -> int:
+def add_serve_arguments(parser) -> None:
+    """``serve``'s OpenAI-endpoint flags: ``--host``, ``--openai-port``, ``--api-key``."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the OpenAI-compatible endpoint binds (default 127.0.0.1); any non-loopback "
+                             f"address needs an API key (--api-key or env {API_KEY_ENV})")
+    parser.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
+                        help=f"port of the OpenAI-compatible endpoint (default {DEFAULT_OPENAI_PORT}; 0: a free port)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every request (default: env {API_KEY_ENV})")
+
+
+def serve_forever(served: Served, *, check: bool = False, log: Log = print, host: str = "127.0.0.1",
+                  openai_port: int | None = None, api_key: str | None = None) -> int:
     """Serve in the foreground until Ctrl-C / SIGTERM; returns the server's exit code.
 
+    For a generation model the OpenAI-compatible endpoint (:mod:`pipeline.serve.openai_api`)
+    runs in front of Triton on ``host``:``openai_port`` (default
+    :data:`DEFAULT_OPENAI_PORT`; 0 = a free port). ``api_key`` (else env ``PIPELINE_API_KEY``)
+    is checked as ``Authorization: Bearer``; it is required for a non-loopback ``host``.
+
     Raises:
+        PipelineError: (exit 2) non-loopback ``host`` without an API key, checked before
+            anything starts.
         TritonServerError: it did not start, or exited on its own (log tail included).
+        EnvironmentFault: the endpoint's port cannot be bound.
     """
+    key = resolve_api_key(host, api_key)
     log(served.note)
     server = launch(served)
+    endpoint: EndpointServer | None = None
     # Installed explicitly: a SIGINT disposition inherited as "ignored" (some
     # launchers and test runners pass that on) would otherwise make Ctrl-C a no-op.
     old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         _print_endpoints(served, server, log)
+        if served.generate_model:
+            endpoint = start_endpoint(served, server, host=host, port=openai_port, api_key=key)
+            log(f"OpenAI-compatible endpoint: {endpoint.url} (model {served.generate_model}; "
+                f"{'API key required' if key else 'no API key'})")
         if check and not served.generate_model:
             log("check: this recipe has no generation model; nothing to compare")
         elif check:
@@ -74,8 +109,26 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print) -> i
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        if endpoint is not None:
+            endpoint.stop()
         code = server.stop()
     return code
+
+
+def start_endpoint(served: Served, server: TritonServer, *, host: str = "127.0.0.1", port: int | None = None,
+                   api_key: str | None = None) -> EndpointServer:
+    """Start the OpenAI-compatible endpoint for ``served``'s generation model on a running server.
+
+    Raises:
+        PipelineError: no generation model, or non-loopback ``host`` without ``api_key``.
+        EnvironmentFault: the port cannot be bound, or uvicorn did not start.
+    """
+    if not served.generate_model:
+        raise PipelineError(f"{served.recipe.name}: no generation model; the OpenAI endpoint serves causal LMs only")
+    cfg = EndpointConfig(grpc_url=server.grpc_url, model=served.generate_model,
+                         model_folder=find_model_folder(served.repository, served.generate_model),
+                         api_key=resolve_api_key(host, api_key))
+    return EndpointServer(cfg, host=host, port=DEFAULT_OPENAI_PORT if port is None else port).start()
 
 
 def _interrupt(signum, frame):
@@ -91,9 +144,13 @@ def _print_endpoints(served: Served, server: TritonServer, log: Log) -> None:
             f"stream {served.generate_model} with tritonclient.grpc (decoupled)")
 
 
-def bench(served: Served, *, log: Log = print) -> dict:
+def bench(served: Served, *, log: Log = print, aiperf: bool = True) -> dict:
     """Start the server, run the sweeps of the recipe's model kind and the batching
-    comparison, stop it; write ``bench.json`` and ``bench.md`` into ``<run dir>/bench/``.
+    comparison, stop it; write ``bench.json``, ``bench.md`` and (LLM) the latency-vs-throughput
+    plot ``latency_throughput.png`` into ``<run dir>/bench/``. LLM: the sweep runs with
+    continuous batching on (``llm.levels``) and off (``llm.levels_static``) when the recipe
+    has ``triton.continuous_batching``; with ``aiperf`` (and the ``aiperf`` CLI installed)
+    AIPerf also drives the OpenAI endpoint (``llm.aiperf``).
 
     Returns the result dict (``markdown``: the printed tables).
 
@@ -101,19 +158,27 @@ def bench(served: Served, *, log: Log = print) -> dict:
         TritonServerError, ServeClientError: the server failed or answered with an error.
     """
     variants = write_variants(served)
+    static = B.write_static_variant(served)
+    extra = [v.repository for v in variants] + ([static.repository] if static else [])
     log(served.note)
     result: dict = {"recipe": served.recipe.name, "serve": served.recipe.serve.model_dump(mode="json"),
                     "generated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "served": {"repository": str(served.repository), "target": served.target, "note": served.note,
                                "models": served.models}}
-    with launch(served, extra_repositories=[v.repository for v in variants]) as server:
+    with launch(served, extra_repositories=extra) as server:
         result["environment"] = B.environment(server)
         if served.generate_model:
-            result["llm"] = B.bench_llm(served, server, log)
+            result["llm"] = B.bench_llm(served, server, log, static)
+            if aiperf:
+                with start_endpoint(served, server, port=0) as endpoint:
+                    result["llm"]["aiperf"] = B.bench_aiperf(served, endpoint.url, served.run_dir / "bench" / "aiperf",
+                                                             log)
         elif served.ensemble_model:
             result["encoder"] = B.bench_encoder(served, server, log)
         result["batching"] = (B.bench_variants(served, server, variants, log) if variants
                               else {"skipped": "max_batch_size is 0: Triton cannot batch this model"})
+    if "llm" in result:
+        result["llm"]["plot"] = write_plot(result["llm"], served.run_dir / "bench" / PLOT_FILE)
     result["markdown"] = render(result)
     _write(served.run_dir / "bench", result)
     return result

@@ -1,0 +1,653 @@
+"""OpenAI-compatible HTTP endpoint in front of the generation model (FastAPI + uvicorn).
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream: true`` = server-sent events ``data: {...}`` ending with ``data: [DONE]``).
+Each request is one gRPC stream to Triton (``tritonclient.grpc.aio``); a client that
+disconnects cancels its Triton request. Request fields map to the generation model's
+inputs (notes/genapi.md): ``prompt`` -> ``text_input`` (a string) or ``input_ids`` (a
+list of token ids), ``messages`` -> ``messages`` (JSON), ``max_tokens`` /
+``max_completion_tokens`` -> ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``seed``, ``stop`` and ``ignore_eos`` as named. A sampling input the served model does not
+have is refused (400) unless its value is the model's own default (greedy). Stop strings
+are also applied here, so they work with a model that lacks the ``stop`` input.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
+(``param`` names the field), 401 missing / wrong API key, 404 unknown model, 503 Triton
+unreachable.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.errors import EnvironmentFault, PipelineError
+
+API_KEY_ENV = "PIPELINE_API_KEY"
+#: OpenAI's default ``max_tokens`` for the legacy completions route.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: Inputs whose values are sent only when the request uses them, with the value that
+#: equals "not sent" (the model's default) for a model that lacks the input.
+SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": None}
+
+
+# --- errors ----------------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's JSON shape with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def unavailable(url: str, error: BaseException) -> ApiError:
+    return ApiError(503, f"the Triton server at {url} is not reachable ({error}); is it running?",
+                    type_="service_unavailable", code="triton_unavailable")
+
+
+# --- requests --------------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    """Fields common to both routes; unknown OpenAI fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: Literal[1] = 1
+    ignore_eos: bool = False  # extension (vLLM): fixed-length outputs for benchmarks
+    return_token_ids: bool = False  # extension: each choice also lists its token ids
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[
+        list[str], Field(min_length=1, max_length=1)]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text parts are supported
+            return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+def parse_request(cls: type[_Request], body: Any) -> _Request:
+    """Validate a JSON body; the first problem becomes a 400 naming the field.
+
+    Raises:
+        ApiError: 400, ``param`` = the dotted field path (``messages.0.role``).
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        path = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "str", "int", "function-"))]
+        name = ".".join(path) or "body"
+        raise ApiError(400, f"{name}: {first['msg']} (got {first.get('input')!r})", param=name) from None
+
+
+# --- the Triton side -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """One response of the generation model: new text, its token (None in a response
+    without ``token_ids``) and, on the final response, ``finish_reason`` and ``detail``."""
+
+    text: str = ""
+    token: int | None = None
+    finish_reason: str = ""
+    detail: str = ""
+
+
+def _tensor(grpc, name: str, array: np.ndarray):
+    from pipeline.serve.client import WIRE_TYPES
+
+    value = grpc.InferInput(name, list(array.shape), WIRE_TYPES[array.dtype])
+    value.set_data_from_numpy(array)
+    return value
+
+
+def _strings(values: list[str]) -> np.ndarray:
+    return np.array([v.encode() for v in values], dtype=np.object_)
+
+
+class TritonGenerator:
+    """The generation model over gRPC streaming (one stream per request).
+
+    Make it inside the event loop that uses it (the aio channel belongs to that loop).
+    """
+
+    def __init__(self, url: str, model: str):
+        import tritonclient.grpc.aio as aio
+
+        self.url, self.model = url, model
+        self.client = aio.InferenceServerClient(url)
+        self._inputs: set[str] | None = None
+
+    async def inputs(self) -> set[str]:
+        """Input names of the served generation model (read once from its metadata).
+
+        Raises:
+            ApiError: 503 when Triton is not reachable or the model is not loaded.
+        """
+        if self._inputs is None:
+            try:
+                meta = await self.client.get_model_metadata(self.model, as_json=True)
+            except Exception as e:  # InferenceServerException wraps every gRPC failure
+                raise unavailable(self.url, e) from e
+            self._inputs = {i["name"] for i in meta.get("inputs", [])}
+        return self._inputs
+
+    async def stream(self, request: dict[str, Any]) -> AsyncIterator[Piece]:
+        """Send one request (input name -> value; see :func:`triton_inputs`) and yield its
+        responses until the one with ``finish_reason``. Closing the iterator early (or
+        cancelling the task awaiting it) cancels the request on the server.
+
+        Raises:
+            ApiError: 400 the model answered with an error (a bad value names its input);
+                503 Triton unreachable.
+        """
+        import tritonclient.grpc.aio as aio
+
+        inputs = [_tensor(aio, name, value) for name, value in request.items()]
+        finished = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs}
+            await finished.wait()  # keep the stream open until the last response
+
+        responses = self.client.stream_infer(requests())
+        try:
+            async for result, error in _guard(self.url, responses):
+                if error is not None:
+                    raise ApiError(400, f"{self.model}: {error.message()}", code="generation_error")
+                piece = _piece(result)
+                if piece.finish_reason:
+                    finished.set()
+                yield piece
+                if piece.finish_reason:
+                    return
+            raise ApiError(503, f"{self.model}: the stream ended without a final response",
+                           type_="service_unavailable")
+        finally:
+            if not finished.is_set():
+                responses.cancel()  # the server cancels the request (CANCELLED at its next step)
+                finished.set()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def _guard(url: str, responses) -> AsyncIterator:
+    """``responses`` with transport failures turned into 503."""
+    while True:
+        try:
+            item = await responses.__anext__()
+        except StopAsyncIteration:
+            return
+        except Exception as e:  # grpc.aio.AioRpcError: UNAVAILABLE and similar
+            if type(e).__name__ == "CancelledError":
+                raise
+            raise unavailable(url, e) from e
+        yield item
+
+
+def _piece(result) -> Piece:
+    names = {o.name for o in result.get_response().outputs}
+
+    def text(name: str) -> str:
+        return result.as_numpy(name)[0].decode("utf-8", "replace") if name in names else ""
+
+    token = int(result.as_numpy("token_ids")[0]) if "token_ids" in names else None
+    return Piece(text("text_output"), token, text("finish_reason"), text("detail"))
+
+
+def triton_inputs(req: _Request, supported: set[str], *, default_max_tokens: int | None) -> dict[str, np.ndarray]:
+    """The generation model's inputs for an OpenAI request (prompt / messages excluded).
+
+    Raises:
+        ApiError: 400 a sampling field with a non-default value that the served model lacks.
+    """
+    out: dict[str, np.ndarray] = {}
+    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
+    if max_tokens is not None:
+        out["max_tokens"] = np.array([max_tokens], np.int32)
+    if req.ignore_eos:
+        out["ignore_eos"] = np.array([True])
+    values = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
+              "stop": req.stops() or None}
+    arrays = {"temperature": lambda v: np.array([v], np.float32), "top_p": lambda v: np.array([v], np.float32),
+              "top_k": lambda v: np.array([v], np.int32), "seed": lambda v: np.array([v], np.int64),
+              "stop": _strings}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in supported:
+            out[name] = arrays[name](value)
+        elif name != "stop" and value != SAMPLING_DEFAULTS[name]:  # stop strings are applied here too
+            raise ApiError(400, f"{name}: the served generation model has no '{name}' input (inputs: "
+                                f"{', '.join(sorted(supported))}); leave it out or use the default "
+                                f"{SAMPLING_DEFAULTS[name]!r}", param=name)
+    return out
+
+
+# --- stop strings and token counts -----------------------------------------------------------------------
+
+
+class StopText:
+    """Streamed text cut at the first stop string; holds back a tail that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.shown, self.pending, self.stopped = stops, "", "", False
+
+    def add(self, text: str) -> str:
+        """The part of ``text`` that can be shown now ("" once stopped)."""
+        if self.stopped:
+            return ""
+        buffer = self.pending + text
+        hits = [(buffer.find(s), s) for s in self.stops if s in buffer]
+        if hits:
+            self.stopped, self.pending = True, ""
+            return self._show(buffer[:min(hits)[0]])
+        keep = max((k for s in self.stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
+        self.pending = buffer[len(buffer) - keep:] if keep else ""
+        return self._show(buffer[:len(buffer) - keep])
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return self._show(out)
+
+    def _show(self, text: str) -> str:
+        self.shown += text
+        return text
+
+
+def find_model_folder(repository: Path, model: str) -> Path:
+    """``<repository>/<model>/<highest numeric version>`` (where tokenizer.json is).
+
+    Raises:
+        PipelineError: no version folder with a tokenizer.json.
+    """
+    versions = sorted((p for p in (repository / model).glob("*") if p.name.isdigit() and
+                       (p / "tokenizer.json").is_file()), key=lambda p: int(p.name))
+    if not versions:
+        raise PipelineError(f"{repository / model}: no version folder with a tokenizer.json; "
+                            "is this the generation model of a built repository?")
+    return versions[-1]
+
+
+class TokenCounter:
+    """Prompt token counts for ``usage``, with the tokenizer the model uses."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+
+        self.folder = folder
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self._chat = None
+
+    def text(self, prompt: str) -> int:
+        return len(self.tokenizer.encode(prompt).ids)
+
+    def chat(self, messages: list[dict]) -> int | None:
+        """Tokens of the chat-template prompt (add_generation_prompt); None without a template."""
+        try:
+            if self._chat is None:
+                from transformers import AutoTokenizer
+
+                self._chat = AutoTokenizer.from_pretrained(str(self.folder))
+            ids = self._chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return len(ids)
+        except Exception:  # no chat template / not loadable: usage then counts completion tokens only
+            return None
+
+
+# --- the app ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EndpointConfig:
+    """What the endpoint serves. ``api_key``: None = no key checked (loopback only)."""
+
+    grpc_url: str
+    model: str
+    model_folder: Path
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(cfg: EndpointConfig):
+    """The FastAPI application (see the module docstring for routes and errors)."""
+    counter = TokenCounter(cfg.model_folder)
+    state: dict[str, TritonGenerator] = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["gen"] = TritonGenerator(cfg.grpc_url, cfg.model)
+        yield
+        await state["gen"].close()
+
+    app = FastAPI(title="trt-pipeline OpenAI-compatible endpoint", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if cfg.api_key is not None and not _key_ok(request.headers.get("authorization", ""), cfg.api_key):
+            error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": cfg.created,
+                                            "owned_by": "trt-pipeline"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await _json(request))
+        _check_model(req, cfg.model)
+        gen = state["gen"]
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+        if isinstance(prompt, str):
+            inputs = {"text_input": _strings([prompt])}
+            prompt_tokens: int | None = counter.text(prompt)
+        else:
+            inputs = {"input_ids": np.asarray(prompt, np.int64)}
+            prompt_tokens = len(prompt)
+        inputs.update(triton_inputs(req, await gen.inputs(), default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS))
+        run = Run(gen, inputs, req, prompt_tokens, kind="text_completion", model=cfg.model)
+        return await run.respond(request, JSONResponse, StreamingResponse)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse_request(ChatRequest, await _json(request))
+        _check_model(req, cfg.model)
+        gen = state["gen"]
+        supported = await gen.inputs()
+        if "messages" not in supported:
+            raise ApiError(400, f"messages: the served generation model {cfg.model} has no 'messages' input "
+                                f"(inputs: {', '.join(sorted(supported))}); use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        inputs = {"messages": _strings([json.dumps(messages)])}
+        inputs.update(triton_inputs(req, supported, default_max_tokens=None))
+        run = Run(gen, inputs, req, counter.chat(messages), kind="chat.completion", model=cfg.model)
+        return await run.respond(request, JSONResponse, StreamingResponse)
+
+    return app
+
+
+async def _json(request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from None
+
+
+def _check_model(req: _Request, model: str) -> None:
+    if req.model != model:
+        raise ApiError(404, f"model: '{req.model}' is not served here; GET /v1/models lists '{model}'",
+                       param="model", code="model_not_found")
+
+
+def _key_ok(header: str, key: str) -> bool:
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+class Run:
+    """One request's generation, answered whole (JSON) or streamed (server-sent events)."""
+
+    def __init__(self, gen: TritonGenerator, inputs: dict, req: _Request, prompt_tokens: int | None, *,
+                 kind: str, model: str):
+        self.gen, self.inputs, self.req, self.prompt_tokens = gen, inputs, req, prompt_tokens
+        self.kind, self.model = kind, model
+        self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.stop = StopText(req.stops())
+        self.tokens: list[int] = []
+        self.finish_reason = ""
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Visible text pieces; sets ``tokens`` and ``finish_reason``. Stops (and cancels the
+        Triton request) at a stop string."""
+        stream = self.gen.stream(self.inputs)
+        try:
+            async for piece in stream:
+                if piece.token is not None:
+                    self.tokens.append(piece.token)
+                text = self.stop.add(piece.text)
+                if self.stop.stopped:
+                    self.finish_reason = "stop"
+                    yield text
+                    return
+                if piece.finish_reason:
+                    self.finish_reason = "stop" if piece.finish_reason == "stop" else "length"
+                    yield text + self.stop.flush()
+                    return
+                if text:
+                    yield text
+        finally:
+            await stream.aclose()
+
+    def usage(self) -> dict:
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.tokens),
+                "total_tokens": prompt + len(self.tokens)}
+
+    async def respond(self, request, json_response, streaming_response):
+        pieces = self.pieces()
+        try:  # the first piece before any header: an error then still gets its status code
+            first = await pieces.__anext__()
+        except StopAsyncIteration:
+            first = ""
+        except BaseException:
+            await pieces.aclose()
+            raise
+        if self.req.stream:
+            return streaming_response(self._events(first, pieces), media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache"})
+        text = first + "".join([p async for p in _until_disconnect(request, pieces)])
+        return json_response(self._whole(text))
+
+    def _choice(self, text: str, finish: str | None, *, delta: bool) -> dict:
+        if self.kind == "chat.completion":
+            body = {"delta": {"content": text} if text else {}} if delta else {
+                "message": {"role": "assistant", "content": text}}
+        else:
+            body = {"text": text, "logprobs": None}
+        choice = {"index": 0, **body, "finish_reason": finish}
+        if self.req.return_token_ids and finish is not None:
+            choice["token_ids"] = list(self.tokens)
+        return choice
+
+    def _whole(self, text: str) -> dict:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [self._choice(text, self.finish_reason, delta=False)], "usage": self.usage()}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        kind = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+        body: dict = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                      "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def _events(self, first: str, pieces: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            if self.kind == "chat.completion":
+                yield self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            if first:
+                yield self._chunk([self._choice(first, None, delta=True)])
+            try:
+                async for text in pieces:
+                    if text:
+                        yield self._chunk([self._choice(text, None, delta=True)])
+            except ApiError as e:  # after the headers: an error event, then the end
+                yield f"data: {json.dumps(e.body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            yield self._chunk([self._choice("", self.finish_reason, delta=True)])
+            if self.req.include_usage():
+                yield self._chunk([], self.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # a client disconnect cancels this generator: cancel the Triton request
+            await pieces.aclose()
+
+
+async def _until_disconnect(request, pieces: AsyncIterator[str], poll_s: float = 0.5) -> AsyncIterator[str]:
+    """``pieces``, stopped (and the Triton request cancelled) once the HTTP client has gone."""
+    while True:
+        task = asyncio.ensure_future(pieces.__anext__())
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll_s)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await pieces.aclose()
+                raise ApiError(499, "client disconnected")
+        try:
+            yield task.result()
+        except StopAsyncIteration:
+            return
+
+
+# --- binding and running ---------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: may resolve to any interface
+
+
+def resolve_api_key(host: str, api_key: str | None, environ: dict | None = None) -> str | None:
+    """The API key to check (``api_key``, else env ``PIPELINE_API_KEY``), None for none.
+
+    Raises:
+        PipelineError: (exit 2) ``host`` is not loopback and there is no key.
+    """
+    env = os.environ if environ is None else environ
+    key = api_key or env.get(API_KEY_ENV) or None
+    if key is None and not is_loopback(host):
+        raise PipelineError(f"--host {host}: binding the OpenAI endpoint to a non-loopback address needs an API key; "
+                            f"pass --api-key KEY or set {API_KEY_ENV} (or bind 127.0.0.1)")
+    return key
+
+
+class EndpointServer:
+    """uvicorn serving :func:`create_app` in a background thread.
+
+        with EndpointServer(cfg, host="127.0.0.1", port=0) as ep:   # port 0: a free port
+            print(ep.url)   # http://127.0.0.1:PORT/v1
+    """
+
+    def __init__(self, cfg: EndpointConfig, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.host = host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as e:
+            self.socket.close()
+            raise EnvironmentFault(f"--host {host} --openai-port {port}: cannot bind ({e}); pick a free port") from e
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), log_level=log_level, timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       name="openai-endpoint", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout_s: float = 30.0) -> "EndpointServer":
+        """Start serving; returns once uvicorn accepts connections.
+
+        Raises:
+            EnvironmentFault: not started within ``timeout_s`` (or it exited).
+        """
+        if self.server.started:
+            return self
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise EnvironmentFault(f"the OpenAI endpoint on {self.url} did not start within {timeout_s:.0f}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask uvicorn to exit (open streams get ``timeout_graceful_shutdown``), then join."""
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
+        self.socket.close()
+
+    def __enter__(self) -> "EndpointServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,300 @@
+"""The OpenAI-compatible endpoint (pipeline.serve.openai_api), driven with the official ``openai``
+client: one real tritonserver on the tiny LM (Metaspace tokenizer, EOS ids 0 and 8, 512-token
+context) and the endpoint on a free loopback port, both started once for the module."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from pipeline.errors import PipelineError
+from pipeline.serve.openai_api import (
+    ApiError,
+    CompletionRequest,
+    StopText,
+    is_loopback,
+    parse_request,
+    resolve_api_key,
+    triton_inputs,
+)
+from pipeline.triton.config import GENERATE_INPUTS
+from serve_tiny import context_build, llm_artifacts, llm_recipe, tiny_metaspace
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny_generate"
+EOS_IDS = (0, 8)  # '<eos>' and '.': greedily [4] -> [10, 2, 8] = "t the."
+HAS_MESSAGES = "messages" in {s.name for s in GENERATE_INPUTS}
+#: Chat template of the tiny tokenizer: the messages' contents joined, nothing else.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+# --- without a server ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("127.8.0.2", True), ("localhost", True),
+                                           ("::1", True), ("0.0.0.0", False), ("10.1.2.3", False),
+                                           ("::", False), ("example.org", False)])
+def test_is_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_api_key_is_required_off_loopback():
+    with pytest.raises(PipelineError, match=r"--host 0.0.0.0: .*needs an API key.*PIPELINE_API_KEY") as err:
+        resolve_api_key("0.0.0.0", None, environ={})
+    assert err.value.exit_code == 2
+    assert resolve_api_key("0.0.0.0", "k1", environ={}) == "k1"
+    assert resolve_api_key("0.0.0.0", None, environ={"PIPELINE_API_KEY": "k2"}) == "k2"
+    assert resolve_api_key("127.0.0.1", None, environ={}) is None  # loopback: optional
+    assert resolve_api_key("127.0.0.1", None, environ={"PIPELINE_API_KEY": "k3"}) == "k3"
+
+
+def test_serve_refuses_to_start_off_loopback_without_a_key(monkeypatch):
+    from pipeline.serve import run
+
+    monkeypatch.delenv("PIPELINE_API_KEY", raising=False)
+    started = []
+    monkeypatch.setattr(run, "launch", lambda served: started.append(served))
+    with pytest.raises(PipelineError, match="needs an API key") as err:
+        run.serve_forever(object(), host="0.0.0.0", log=lambda line: None)
+    assert err.value.exit_code == 2 and started == []  # refused before tritonserver starts
+
+
+def test_add_serve_arguments_defaults():
+    import argparse
+
+    from pipeline.serve.run import DEFAULT_OPENAI_PORT, add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.host, args.openai_port, args.api_key) == ("127.0.0.1", DEFAULT_OPENAI_PORT, None)
+    args = parser.parse_args(["--host", "0.0.0.0", "--openai-port", "0", "--api-key", "s"])
+    assert (args.host, args.openai_port, args.api_key) == ("0.0.0.0", 0, "s")
+
+
+@pytest.mark.parametrize("body,param", [({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+                                        ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+                                        ({"prompt": "a", "temperature": 3}, "temperature"),
+                                        ({"prompt": "a", "n": 2}, "n"),
+                                        ({"max_tokens": 3}, "prompt")])
+def test_bad_fields_are_named(body, param):
+    with pytest.raises(ApiError) as err:
+        parse_request(CompletionRequest, {"model": MODEL, **body})
+    assert err.value.status == 400 and err.value.param == param and err.value.message.startswith(f"{param}: ")
+
+
+def test_sampling_fields_the_model_lacks_are_refused_unless_default():
+    old = {"text_input", "input_ids", "max_tokens", "ignore_eos"}
+    greedy = parse_request(CompletionRequest, {"model": MODEL, "prompt": "a", "temperature": 0, "top_p": 1.0,
+                                               "stop": "x"})
+    assert set(triton_inputs(greedy, old, default_max_tokens=16)) == {"max_tokens"}
+    hot = parse_request(CompletionRequest, {"model": MODEL, "prompt": "a", "temperature": 0.7})
+    with pytest.raises(ApiError, match="temperature: the served generation model has no 'temperature' input"):
+        triton_inputs(hot, old, default_max_tokens=16)
+    new = old | {"temperature", "top_p", "top_k", "seed", "stop"}
+    full = parse_request(CompletionRequest, {"model": MODEL, "prompt": "a", "temperature": 0.7, "top_p": 0.9,
+                                             "top_k": 5, "seed": 3, "stop": ["x", "yz"], "max_tokens": 4})
+    sent = triton_inputs(full, new, default_max_tokens=16)
+    assert sent["temperature"].dtype == np.float32 and sent["top_k"].tolist() == [5]
+    assert sent["seed"].dtype == np.int64 and sent["stop"].tolist() == [b"x", b"yz"]
+    assert sent["max_tokens"].tolist() == [4]
+
+
+def test_stop_text_holds_back_a_possible_stop_string():
+    stop = StopText(["END"])
+    assert [stop.add(t) for t in ["ab E", "N", "Dzz"]] == ["ab ", "", ""]
+    assert stop.stopped and stop.shown == "ab "
+    stop = StopText(["END"])
+    assert [stop.add(t) for t in ["aE", "Nb"]] == ["a", "ENb"] and stop.flush() == "" and not stop.stopped
+    stop = StopText(["xyz"])
+    assert stop.add("ax") == "a" and stop.flush() == "x"
+
+
+# --- a real tritonserver + the endpoint ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """tritonserver on the tiny LM + the endpoint (no key) + one with API key 'sesame'."""
+    pytest.importorskip("pytriton")
+    from pipeline.serve.prepare import prepare
+    from pipeline.serve.run import launch, start_endpoint
+
+    ws = tmp_path_factory.mktemp("openai_api")
+    tok_dir = tiny_metaspace(ws / "tok", EOS_IDS)
+    (tok_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    artifacts = llm_artifacts(ws, [[4], [1, 2, 3]], tokenizer_dir=tok_dir, build=context_build(512))
+    served = prepare(llm_recipe(ws), artifacts, backends=["python"])
+    server = launch(served)
+    endpoints = []
+    try:
+        endpoints.append(start_endpoint(served, server, port=0))
+        endpoints.append(start_endpoint(served, server, port=0, api_key="sesame"))
+        server.served = served
+        server.tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        server.open = endpoints[0]
+        server.locked = endpoints[1]
+        server.client = openai.OpenAI(base_url=endpoints[0].url, api_key="unused", max_retries=0, timeout=120)
+        yield server
+    finally:
+        for e in endpoints:
+            e.stop()
+        code = server.stop()
+        assert code == 0, server.logs()[-3000:]
+
+
+def greedy(stack, **inputs):
+    from pipeline.serve.client import StreamClient
+
+    with StreamClient(stack.grpc_url, timeout_s=120) as c:
+        return c.generate(MODEL, **inputs)
+
+
+@pytest.mark.server
+def test_models_lists_the_generation_model(stack):
+    models = stack.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+
+
+@pytest.mark.server
+def test_completion_equals_the_greedy_stream(stack):
+    prompt = "the cat sat on"
+    reference = greedy(stack, text=prompt, max_tokens=12, ignore_eos=True)
+    out = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.token_ids == reference.tokens and len(reference.tokens) == 12
+    assert choice.text == reference.text and choice.finish_reason == "length"
+    assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(stack.tok.encode(prompt).ids), 12)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+    chunks = list(stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == reference.text and len(texts) > 2  # streamed piece by piece
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+@pytest.mark.server
+def test_finish_reason_stop_and_length(stack):
+    eos = stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=50)
+    assert (eos.choices[0].text, eos.choices[0].finish_reason, eos.usage.completion_tokens) == ("t the.", "stop", 3)
+    cut = stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=2)
+    assert (cut.choices[0].text, cut.choices[0].finish_reason, cut.usage.prompt_tokens) == ("t the", "length", 1)
+    stop = stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=50, stop=["he"])
+    assert (stop.choices[0].text, stop.choices[0].finish_reason) == ("t t", "stop")
+    streamed = list(stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=50, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == "t the." and streamed[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.server
+def test_bad_max_tokens_is_a_400_naming_the_field(stack):
+    for bad in (0, -1, 2.5):
+        with pytest.raises(openai.BadRequestError) as err:
+            stack.client.completions.create(model=MODEL, prompt="the", max_tokens=bad)
+        assert err.value.status_code == 400
+        error = err.value.body
+        assert error["param"] == "max_tokens" and "max_tokens" in error["message"]
+        assert error["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as err:
+        stack.client.completions.create(model="gpt-4", prompt="the")
+    assert err.value.body["param"] == "model" and MODEL in err.value.body["message"]
+
+
+@pytest.mark.server
+def test_api_key_is_checked_as_bearer(stack):
+    wrong = openai.OpenAI(base_url=stack.locked.url, api_key="guess", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as err:
+        wrong.models.list()
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    right = openai.OpenAI(base_url=stack.locked.url, api_key="sesame", max_retries=0, timeout=120)
+    assert [m.id for m in right.models.list().data] == [MODEL]
+    assert right.completions.create(model=MODEL, prompt=[4], max_tokens=2).choices[0].text == "t the"
+
+
+@pytest.mark.server
+def test_triton_down_is_a_503(stack):
+    from pipeline.serve.openai_api import EndpointConfig, EndpointServer, find_model_folder
+
+    cfg = EndpointConfig(grpc_url=f"127.0.0.1:{_free_port()}", model=MODEL,
+                         model_folder=find_model_folder(stack.served.repository, MODEL))
+    with EndpointServer(cfg, port=0) as down:
+        client = openai.OpenAI(base_url=down.url, api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model=MODEL, prompt="the", max_tokens=2)
+    assert err.value.status_code == 503 and "not reachable" in err.value.body["message"]
+
+
+@pytest.mark.server
+def test_client_disconnect_cancels_the_triton_request(stack):
+    cancelled_before = stack.logs().count("cancelled")
+    # 509 tokens fill the 512-token context; the tiny LM is fast, so close at the first chunk
+    stream = stack.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=509, stream=True,
+                                             extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # closes the HTTP connection mid-stream
+    deadline = time.monotonic() + 120  # a wait for the server's log line, not a speed bound
+    while stack.logs().count("cancelled") == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lines = [x for x in stack.logs().splitlines() if "cancelled" in x]
+    assert len(lines) > cancelled_before, stack.logs()[-2000:]
+    assert MODEL in lines[-1]
+    if "after " in lines[-1]:
+        assert int(lines[-1].split("after ")[1].split()[0]) < 509
+    again = stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=50)
+    assert again.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.server
+@pytest.mark.skipif(not HAS_MESSAGES, reason="the generation model has no 'messages' input yet (GENERATE_INPUTS)")
+def test_chat_completions_use_the_chat_template(stack):
+    prompt = "the cat sat"  # the template joins the contents: same prompt as a completion
+    reference = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                                extra_body={"ignore_eos": True})
+    messages = [{"role": "system", "content": "the "}, {"role": "user", "content": "cat sat"}]
+    out = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                               extra_body={"ignore_eos": True})
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == reference.choices[0].text
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
+    assert out.usage.prompt_tokens == len(stack.tok.encode(prompt).ids)
+
+    chunks = list(stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, stream=True,
+                                                       extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    assert err.value.body["param"] == "messages.0.role"
+
+
+@pytest.mark.server
+@pytest.mark.skipif(not HAS_MESSAGES, reason="the generation model has no sampling inputs yet (GENERATE_INPUTS)")
+def test_seeded_sampling_is_reproducible(stack):
+    def sample(seed):
+        return stack.client.completions.create(model=MODEL, prompt="the cat", max_tokens=8, temperature=1.0,
+                                               seed=seed, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    first, again = sample(11), sample(11)
+    assert first.choices[0].token_ids == again.choices[0].token_ids and len(first.choices[0].token_ids) == 8
