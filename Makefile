@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv build check test typecheck bench bench-build serve publish deploy verify clean
+.PHONY: venv build check test typecheck bench bench-build serve publish deploy plan verify clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,9 @@ publish: $(STAMP)
 
 deploy: $(STAMP)
 	$(PY) -m pipeline deploy k8s recipes/$(RECIPE).yaml
+
+plan: $(STAMP)
+	$(PY) -m pipeline plan recipes/$(RECIPE).yaml
 
 verify: $(STAMP)
 	$(PY) -m pipeline verify-repo model_repository

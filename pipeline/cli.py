@@ -183,6 +183,8 @@ COMMANDS = (
      "pipeline.remote.s3:add_publish_arguments"),
     ("deploy", "cmd_deploy", "write Kubernetes manifests (KServe InferenceService, or Deployment + Service + HPA)",
      "pipeline.remote.k8s:add_deploy_arguments"),
+    ("plan", "cmd_plan", "GPU capacity plan (weights, KV cache, roofline, replicas) from the built model's numbers",
+     "pipeline.plan:add_plan_arguments"),
 )
 
 
@@ -193,6 +195,14 @@ def _external(spec: str, name: str):
     return getattr(importlib.import_module(spec.partition(":")[0]), name)
 
 
+def _add_recipe_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe field by dotted path (list items by index), e.g. "
+                         "serve.concurrency=[1,2] or build.profiles.0.dims.batch.max=16 (repeatable)")
+    sp.add_argument("--quiet", action="store_true", help="no build progress output")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -201,16 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
         if ":" in positional:
             _external(positional, positional.partition(":")[2])(sp)
             sp.set_defaults(fn=_external(positional, fn))
+            if not any(a.dest == "recipe" for a in sp._actions):  # the module relies on the common ones
+                _add_recipe_arguments(sp)
             continue
         sp.set_defaults(fn=globals()[fn])
         if positional == "dir":
             sp.add_argument("dir", help="a published Triton model repository, e.g. model_repository")
             continue
-        sp.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe field by dotted path (list items by index), e.g. "
-                             "serve.concurrency=[1,2] or build.profiles.0.dims.batch.max=16 (repeatable)")
-        sp.add_argument("--quiet", action="store_true", help="no build progress output")
+        _add_recipe_arguments(sp)
         if name == "serve":
             from pipeline.serve.run import add_serve_arguments
 

@@ -9,11 +9,13 @@ import os
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
 
-from pipeline.recipe import Recipe
+if TYPE_CHECKING:  # type only: pipeline.datasets imports this module, and the recipe will import datasets
+    from pipeline.recipe import Recipe
 
 _TOOLS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnxruntime-gpu", "transformers": "transformers"}
 
@@ -64,21 +66,50 @@ def sha256_file(path: str | Path, _cache: dict = {}) -> str:
 
 
 def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
-    from pipeline.data import CORPORA, test_data_dir
+    """The manifest's skeleton: the recipe, its hash and ``inputs.{name}: {path, sha256}``
+    for the model file and each data use (each source hashes its own files).
+
+    Raises:
+        DataError: a data file is missing.
+    """
     from pipeline.models.llm import package_file
 
-    corpus = test_data_dir() / CORPORA[recipe.validate_.dataset]
+    model = package_file(recipe.model)
     return {
         "recipe_path": str(recipe_path),
         "recipe_hash": recipe.digest,
         "recipe": recipe.model_dump(mode="json", by_alias=True),
         "inputs": {
-            "model_file": {"path": str(package_file(recipe.model)), "sha256": _tree_hash(package_file(recipe.model))},
-            "corpus": {"path": str(corpus), "sha256": sha256_file(corpus)},
+            "model_file": {"path": str(model), "sha256": _tree_hash(model)},
+            **data_inputs(recipe, Path(recipe_path).parent),
         },
         "versions": versions,
         "stages": {},
     }
+
+
+def data_uses(recipe: Recipe, base_dir: Path) -> dict:
+    """Recipe key -> bound data source of each data use: a section's ``data``
+    source, or, in the older shape, its built-in ``dataset`` with its ``split``."""
+    from pipeline import datasets
+
+    uses = {}
+    for key, section in (("quantize.calibration", recipe.quantize.calibration), ("validate", recipe.validate_)):
+        if section is None:  # no calibration at fp16/fp32
+            continue
+        spec = getattr(section, "data", None)
+        if spec is None:
+            spec = {"type": "corpus", "name": section.dataset,
+                    "split": {"start": section.split.start, "stop": section.split.stop}}
+        uses[f"{key}.data"] = datasets.load(spec, base_dir, where=f"{key}.data")
+    return uses
+
+
+def data_inputs(recipe: Recipe, base_dir: Path) -> dict[str, dict[str, str]]:
+    """``{use: {path, sha256}}`` of the recipe's data uses (see :func:`data_uses`)."""
+    from pipeline import datasets
+
+    return datasets.manifest_inputs(data_uses(recipe, base_dir))
 
 
 def _tree_hash(path: Path) -> str:
@@ -193,8 +224,21 @@ def report_markdown(man: dict) -> str:
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += _metric_rows(man["metrics"])
+    for title, section in man.get("sections", {}).items():  # added after the build, e.g. by `pipeline plan`
+        lines += ["", f"## {title}", "", section["markdown"].strip()]
     lines += ["", "## Versions", ""] + [f"- {k}: {v}" for k, v in man["versions"].items()]
     return "\n".join(lines) + "\n"
+
+
+def add_report_section(run_dir: Path, title: str, markdown: str) -> None:
+    """Add (or replace) a titled section of the last run's report.md and manifest.json
+    (no-op when the recipe has no manifest yet)."""
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        return
+    man = json.loads(path.read_text())
+    man.setdefault("sections", {})[title] = {"markdown": markdown}
+    write_outputs(man, run_dir)
 
 
 def _metric_rows(metrics: dict) -> list[str]:

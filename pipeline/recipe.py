@@ -113,6 +113,9 @@ class QuantizeConfig(Strict):
         False, description="per output channel weight scales (INT8 default in recipes)"
     )
     quantize_op_types: list[Literal["MatMul", "Gemm"]] = ["MatMul", "Gemm"]
+    rest_precision: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
+        "(pipeline.quant.autocast); bf16 is validated only through a TensorRT engine")
 
     @model_validator(mode="after")
     def _needs_calibration(self) -> "QuantizeConfig":
@@ -244,6 +247,12 @@ class TritonConfig(Strict):
     version: int = Field(1, ge=1)
     serving: ServingRuntime | None = Field(
         None, description="Triton runtime + GPU an engine is built for; required only when an engine is built")
+    continuous_batching: bool = Field(
+        True, description="generation model: one scheduler loop batches every active request's step "
+        "(in-flight batching); false: each request decodes on its own thread")
+    kv_cache_budget_mib: float = Field(
+        0.0, ge=0, description="generation model: KV cache the scheduler may hold, MiB (2 x tokens x layers x "
+        "kv_heads x head_dim x bytes); 0: max_batch_size full-context sequences")
 
 
 class ServeSLO(Strict):
@@ -262,7 +271,7 @@ class ServeConfig(Strict):
     """
 
     slo: ServeSLO = ServeSLO()
-    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4], min_length=1)
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
     requests_per_level: int = Field(8, ge=1, description="requests sent at each concurrency level")
     max_tokens: int = Field(32, ge=1, description="LLM: output tokens per request (EOS ignored)")
     long_max_tokens: int = Field(260, ge=2, description="LLM: output tokens of the TPOT-position request")

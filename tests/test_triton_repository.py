@@ -196,9 +196,22 @@ def test_generation_model_is_decoupled_with_numbers_in_parameters(stage):
     assert params == {"compute_model": "tiny", "num_layers": "2", "kv_heads": "1", "head_dim": "4",
                       "kv_dtype": "float32", "eos_token_ids": "0", "default_max_tokens": "6",
                       "max_context": "33", "max_prompt_tokens": "16",  # min(40, 32 + 1), input_ids max
-                      "max_concurrent_generations": "4"}  # max_batch_size
+                      "max_concurrent_generations": "4",  # max_batch_size
+                      "continuous_batching": "1", "kv_cache_budget_mib": "0.0", "compute_runtime": "bls"}
     template = (Path(repo_mod.__file__).parent / "templates" / "generate_model.py").read_text()
     assert (gen / "1" / "model.py").read_text() == template
+
+
+def test_generation_model_runs_python_onnxruntime_compute_in_process(stage):
+    recipe = make_recipe(target="python-onnxruntime", continuous_batching=False, kv_cache_budget_mib=1.5)
+    write_repository(recipe, **stage)
+    params = {k: v.string_value for k, v in
+              parse_config((stage["out_dir"] / "tiny_generate" / "config.pbtxt").read_text()).parameters.items()}
+    assert {k: params[k] for k in ("compute_runtime", "compute_onnx", "graph_optimization_level",
+                                   "dequantize_weights", "continuous_batching", "kv_cache_budget_mib")} == {
+        "compute_runtime": "onnxruntime", "compute_onnx": "tiny/1/model.onnx", "graph_optimization_level": "basic",
+        "dequantize_weights": "once", "continuous_batching": "0", "kv_cache_budget_mib": "1.5"}
+    assert (stage["out_dir"] / params["compute_onnx"]).is_file()
 
 
 def test_python_onnxruntime_target_ships_model_py_and_onnx(stage):
@@ -443,24 +456,29 @@ def test_generate_template_streams_greedy_tokens_and_stops(stage, monkeypatch):
     fake_pb_utils(monkeypatch, ort_session(onnx_path))
     model = load_template(stage["out_dir"] / "tiny_generate")
     tok = Tokenizer.from_file(str(Path(stage["export"].tokenizer_dir) / "tokenizer.json"))
-    prompts = [("b c d", None), ("j a", np.array([3], np.int32)), (" ".join("abcdefghij"), np.array([40], np.int32))]
+    prompts = [("b c d", None), ("j a", np.array([3], np.int32)), (" ".join("abcdefghij"), np.array([23], np.int32))]
     requests = [FakeRequest(text_input=np.array([p.encode()], np.object_),
                             **({} if m is None else {"max_tokens": m})) for p, m in prompts]
     assert model.execute(requests) is None
     model.drain(timeout=60)  # generations run on the model's threads
     for (prompt, max_tokens), request in zip(prompts, requests):
         ids = tok.encode(prompt).ids
-        budget = min(6 if max_tokens is None else int(max_tokens[0]), 33 - len(ids) + 1)  # max_context 33
+        budget = 6 if max_tokens is None else int(max_tokens[0])  # prompt + max_tokens <= max_context 33
         expected = reference_generate(onnx_path, ids, budget)
         assert [int(r.outputs["token_ids"][0]) for r, _ in request.sent] == expected
         assert [flags for _, flags in request.sent] == [0] * (len(expected) - 1) + [1]
         text = "".join(r.outputs["text_output"][0].decode() for r, _ in request.sent)
         assert text == tok.decode(expected, skip_special_tokens=True)
+    # 17 tokens > the profile's 16-token input_ids: prefilled in chunks of 16 and 1, same tokens.
     long_prompt = FakeRequest(text_input=np.array([" ".join(["a"] * 17).encode()], np.object_))
-    model.execute([long_prompt])
+    too_long = FakeRequest(text_input=np.array([" ".join(["a"] * 17).encode()], np.object_),
+                           max_tokens=np.array([17], np.int32))
+    model.execute([long_prompt, too_long])
     model.drain(timeout=60)
-    (response, flags), = long_prompt.sent
-    assert flags == 1 and "prompt has 17 tokens; this model accepts at most 16" in response.error
+    assert [int(r.outputs["token_ids"][0]) for r, _ in long_prompt.sent] == reference_generate(onnx_path, [1] * 17, 6)
+    (response, flags), = too_long.sent
+    assert flags == 1 and response.error == ("prompt (17 tokens) + max_tokens (17) = 34 tokens exceeds the context "
+                                             "limit of 33 tokens; lower max_tokens to at most 16")
 
 
 # --- real tritonserver ------------------------------------------------------------------------------------

@@ -6,8 +6,11 @@ Graph I/O (``L`` layers, ``H`` KV heads, ``D`` head dim, ``V`` vocab):
 * ``attention_mask`` int64 ``[batch, total_sequence]`` with
   ``total_sequence = past_sequence + sequence``
 * ``past_key_values.{i}.key|value`` float32 ``[batch, H, past_sequence, D]``
-* outputs ``logits`` float32 ``[batch, sequence, V]`` and
+* outputs ``logits`` float32 ``[batch, sequence, V]``,
   ``present.{i}.key|value`` float32 ``[batch, H, past_sequence + sequence, D]``
+  and ``last_logits`` float32 ``[batch, V]`` (the last position's logits: what a
+  generation step needs, without moving ``sequence x V`` floats through Triton's
+  shared memory)
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pipeline.recipe import ModelSource
 
 PAST = "past_key_values.{i}.{kv}"
 PRESENT = "present.{i}.{kv}"
+LAST_LOGITS = "last_logits"
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,10 @@ def kv_layout(model) -> KVLayout:
 
 
 class KVCacheLM(torch.nn.Module):
-    """Flat-tensor wrapper: ``(input_ids, attention_mask, *past) -> (logits, *present)``.
+    """Flat-tensor wrapper: ``(input_ids, attention_mask, *past) -> (logits, *present, last_logits)``.
+
+    ``last_logits`` (``logits[:, -1, :]``) comes last, so code that unpacks
+    ``logits, *present`` and zips ``present`` with the past names is unaffected.
 
     Position ids are derived from the attention mask so left padding and a
     non-empty past both give the right rotary positions.
@@ -107,6 +114,10 @@ class KVCacheLM(torch.nn.Module):
     def __init__(self, model, layout: KVLayout):
         super().__init__()
         self.model, self.layout = model, layout
+
+    def output_names(self) -> list[str]:
+        """Graph output names, in :meth:`forward`'s order (for ``torch.onnx.export``)."""
+        return ["logits", *self.layout.present_names(), LAST_LOGITS]
 
     def forward(self, input_ids, attention_mask, *past):
         from transformers import DynamicCache
@@ -126,7 +137,7 @@ class KVCacheLM(torch.nn.Module):
         flat = []
         for layer in out.past_key_values.layers:
             flat += [layer.keys, layer.values]
-        return (out.logits, *flat)
+        return (out.logits, *flat, out.logits[:, -1, :])
 
 
 def sample_feeds(layout: KVLayout, batch: int, sequence: int, past: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -223,7 +234,7 @@ class CausalLMAdapter:
             with quiet_export():
                 torch.onnx.export(
                     module, args, str(out), dynamo=True, dynamic_shapes=shapes, input_names=names,
-                    output_names=["logits", *layout.present_names()], opset_version=export_cfg.opset,
+                    output_names=module.output_names(), opset_version=export_cfg.opset,
                     external_data=True, verbose=False,  # weights beside it: ~3 GB lower peak RSS
                 )
         except Exception as e:  # the exporter raises many types; keep its text

@@ -12,7 +12,7 @@ from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.context import StageContext
 from pipeline.errors import QuantizationError
 from pipeline.models import registry
-from pipeline.quant import calibrate, qdq
+from pipeline.quant import autocast, calibrate, qdq
 
 
 def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
@@ -52,6 +52,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
                                       scratch_dir=ctx.stage_dir)
     model = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights, base_dir=str(src.parent), inplace=True)
     graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
+    model = autocast.cast_rest(model, q.rest_precision, base_dir=str(src.parent))  # fp32: unchanged
     info = {"method": q.calibration.method, "samples": int(sum(b["input_ids"].shape[0] for b in batches)),
             "seq_len": q.calibration.seq_len, **shortfall, "amax": {k: round(v, 6) for k, v in amax.items()}}
     art = QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info)

@@ -72,12 +72,21 @@ RUNTIMES: dict[str, tuple[str, str, str]] = {
 }
 
 #: I/O of the generation model, checked like a graph's I/O (max_batch_size 0). Every input
-#: is optional in the config; model.py needs exactly one of ``text_input`` / ``input_ids``.
+#: is optional in the config; model.py needs exactly one of ``text_input`` / ``messages`` /
+#: ``input_ids`` (or ``scheduler_stats`` true alone). Sampling: ``temperature`` (0 = greedy),
+#: ``top_k`` (0 = off), ``top_p`` (1 = off), ``seed``, ``stop`` (stop strings).
 GENERATE_INPUTS = [
     TensorSpec("text_input", "object", [1]),
     TensorSpec("max_tokens", "int32", [1]),
     TensorSpec("input_ids", "int64", ["prompt_tokens"]),
     TensorSpec("ignore_eos", "bool", [1]),
+    TensorSpec("messages", "object", [1]),
+    TensorSpec("temperature", "float32", [1]),
+    TensorSpec("top_k", "int32", [1]),
+    TensorSpec("top_p", "float32", [1]),
+    TensorSpec("seed", "int64", [1]),
+    TensorSpec("stop", "object", ["stop_strings"]),
+    TensorSpec("scheduler_stats", "bool", [1]),
 ]
 GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_ids", "int64", [1]),
                     TensorSpec("finish_reason", "object", [1]), TensorSpec("detail", "object", [1])]
@@ -159,6 +168,7 @@ def compute_config(
     target: str,
     profile_opt_batch: int | None = None,
     qdq: bool = False,
+    profile_count: int = 1,
 ) -> ModelConfig:
     """Config of the compute model named ``triton.model_name``.
 
@@ -168,8 +178,14 @@ def compute_config(
         inputs, outputs: the served graph's I/O; dims exclude the batch axis
             when ``max_batch_size > 0``; symbolic dims become -1.
         target: ``tensorrt`` | ``onnxruntime`` | ``python-onnxruntime``.
-        profile_opt_batch: opt batch of optimization profile 0, used as
+        profile_opt_batch: opt batch the optimization profiles share (see
+            :func:`pipeline.triton.repository.profile_batch`), used as
             ``preferred_batch_size`` when the recipe gives none (and it fits).
+        profile_count: optimization profiles in the engine. With more than
+            one and target ``tensorrt``, every instance group lists them all
+            in ``profile`` (Triton's ``ModelInstanceGroup.profile``: indices as
+            strings; unset, the TensorRT backend uses profile 0 only) and
+            Triton picks one per request by its shapes.
         qdq: the graph holds QuantizeLinear/DequantizeLinear nodes. ONNX
             Runtime then gets basic graph optimizations only: its level-2+ QDQ
             fusions turn FP8 Q/DQ + MatMul into an invalid MatMulIntegerToFloat
@@ -203,8 +219,9 @@ def compute_config(
         if preferred is None and profile_opt_batch and 1 <= profile_opt_batch <= triton.max_batch_size:
             preferred = [profile_opt_batch]
         db.preferred_batch_size.extend(preferred or [])
+    profiles = [str(i) for i in range(profile_count)] if target == "tensorrt" and profile_count > 1 else []
     for group in triton.instance_group:
-        cfg.instance_group.add(count=group.count, kind=mc.ModelInstanceGroup.Kind.Value(group.kind))
+        cfg.instance_group.add(count=group.count, kind=mc.ModelInstanceGroup.Kind.Value(group.kind), profile=profiles)
     return cfg
 
 
@@ -236,6 +253,10 @@ def generate_config(
     max_context: int = 0,
     max_prompt_tokens: int = 0,
     max_concurrent_generations: int = 1,
+    continuous_batching: bool = True,
+    kv_cache_budget_mib: float = 0.0,
+    compute_runtime: str = "bls",
+    compute_parameters: dict[str, str] | None = None,
 ) -> ModelConfig:
     """Config of the decoupled python-backend generation model.
 
@@ -247,9 +268,24 @@ def generate_config(
     token per streamed response; the final one adds ``finish_reason``
     TYPE_STRING [1] (``stop`` / ``length``) and ``detail`` TYPE_STRING [1]. Every number
     model.py needs travels in ``parameters`` as strings; ``max_context`` /
-    ``max_prompt_tokens`` of 0 mean unlimited; ``max_concurrent_generations``
-    requests generate at once (threads), later ones wait.
+    ``max_prompt_tokens`` of 0 mean unlimited (prompts longer than
+    ``max_prompt_tokens`` are prefilled in chunks of that many tokens).
+
+    Scheduling: ``continuous_batching`` true: one scheduler loop batches the steps
+    of up to ``max_concurrent_generations`` requests (in-flight batching), within
+    ``kv_cache_budget_mib`` MiB of KV cache (0: that many full-context
+    sequences); false: each request decodes alone on one of
+    ``max_concurrent_generations`` threads. ``compute_runtime``: ``bls`` (the
+    compute model through BLS) or ``onnxruntime`` (the compute model's ONNX run in
+    this process; ``compute_parameters`` then carry ``compute_onnx``, the path
+    relative to the repository root, and the compute model's
+    ``graph_optimization_level`` / ``dequantize_weights``).
+
+    Raises:
+        ValueError: ``compute_runtime`` is neither ``bls`` nor ``onnxruntime``.
     """
+    if compute_runtime not in ("bls", "onnxruntime"):
+        raise ValueError(f"compute_runtime {compute_runtime!r}: use 'bls' or 'onnxruntime'")
     cfg = ModelConfig(name=name, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
     for spec in GENERATE_INPUTS:
@@ -269,6 +305,10 @@ def generate_config(
         "max_context": max_context,
         "max_prompt_tokens": max_prompt_tokens,
         "max_concurrent_generations": max_concurrent_generations,
+        "continuous_batching": int(continuous_batching),
+        "kv_cache_budget_mib": kv_cache_budget_mib,
+        "compute_runtime": compute_runtime,
+        **(compute_parameters or {}),
     }
     for key, value in params.items():
         cfg.parameters[key].string_value = str(value)
@@ -383,6 +423,7 @@ def check_config(
     target: str,
     version_dirs: Sequence[str],
     gpu_available: bool = False,
+    profile_count: int | None = None,
 ) -> None:
     """Refuse a config that Triton would reject or that would serve the graph wrongly.
 
@@ -391,11 +432,13 @@ def check_config(
         onnx_inputs, onnx_outputs: the graph's I/O (full shapes, batch axis
             first); for the generation model, :data:`GENERATE_INPUTS` /
             :data:`GENERATE_OUTPUTS`.
-        profile_max_batch: max batch of optimization profile 0, or None.
+        profile_max_batch: the max batch every optimization profile serves, or None.
         target: resolved target, a key of :data:`RUNTIMES`.
         version_dirs: names of the entries in the model folder.
         gpu_available: whether a GPU can run an ``onnxruntime`` model (see the
             module's device rule).
+        profile_count: optimization profiles in the engine (target
+            ``tensorrt``); None: not checked.
 
     Raises:
         TritonConfigError: naming the model and field, for: an unknown target
@@ -403,13 +446,17 @@ def check_config(
             target cannot run on; no numeric version folder (or a missing
             ``version_policy.specific`` version); batching on a graph with a
             fixed batch axis; max_batch_size above the profile's max batch; a
-            preferred_batch_size outside 1..max_batch_size; an input/output
+            preferred_batch_size outside 1..max_batch_size; an
+            ``instance_group.profile`` on a non-TensorRT target, or one that is
+            not an index in 0..profile_count-1, or an engine with several
+            profiles whose instance groups do not list them; an input/output
             name that is not in the graph, listed twice or (inputs) missing;
             a data type, rank or fixed dim that differs from the graph; dims
             that include the batch axis while max_batch_size > 0; a reshape
             whose element count differs from dims.
     """
     _check_runtime(cfg, target, gpu_available)
+    _check_profiles(cfg, target, profile_count)
     _check_versions(cfg, version_dirs)
     _check_batching(cfg, [*onnx_inputs, *onnx_outputs], profile_max_batch)
     _check_tensors(cfg, "input", cfg.input, onnx_inputs)
@@ -439,6 +486,24 @@ def _check_runtime(cfg: ModelConfig, target: str, gpu_available: bool) -> None:
                   "use KIND_CPU or KIND_AUTO")
 
 
+def _check_profiles(cfg: ModelConfig, target: str, profile_count: int | None) -> None:
+    for i, group in enumerate(cfg.instance_group):
+        field = f"instance_group[{i}].profile"
+        if group.profile and target != "tensorrt":
+            _fail(cfg, field, f"{list(group.profile)}: optimization profiles exist only for target 'tensorrt', "
+                  f"not {target!r}; remove it")
+        if profile_count is None or target != "tensorrt":
+            continue
+        valid = [str(p) for p in range(profile_count)]
+        bad = [p for p in group.profile if p not in valid]
+        if bad:
+            _fail(cfg, field, f"{bad} are not profile indices of the engine, which has {profile_count} "
+                  f"(valid: {valid})")
+        if profile_count > 1 and not group.profile:
+            _fail(cfg, field, f"empty, so Triton uses only profile 0 of the engine's {profile_count}; "
+                  f"list them, e.g. {valid}")
+
+
 def _check_versions(cfg: ModelConfig, version_dirs: Sequence[str]) -> None:
     versions = {int(d) for d in version_dirs if d.isdigit() and (d == "0" or not d.startswith("0"))}
     if not versions:
@@ -462,7 +527,8 @@ def _check_batching(cfg: ModelConfig, specs: Sequence[TensorSpec], profile_max_b
                       "or export with a dynamic first axis")
     if profile_max_batch is not None and mbs > profile_max_batch:
         _fail(cfg, "max_batch_size", f"{mbs} is greater than the optimization profile's max batch "
-              f"{profile_max_batch}; lower it or raise the profile's batch max")
+              f"{profile_max_batch} (the smallest over all profiles: each must serve it); lower it or raise "
+              "the profile's batch max")
     for size in cfg.dynamic_batching.preferred_batch_size:
         if not 1 <= size <= max(mbs, 1):
             _fail(cfg, "dynamic_batching.preferred_batch_size", f"{size} is outside 1..max_batch_size ({mbs})")

@@ -74,6 +74,7 @@ class StagedModel:
     outputs: list[TensorSpec]
     target: str
     profile_max_batch: int | None
+    profile_count: int | None = None  # engine optimization profiles (compute model)
 
 
 @dataclass
@@ -127,14 +128,18 @@ def gpu_available(build: BuildArtifact) -> bool:
 
 
 def profile_batch(profiles: Sequence[ResolvedProfile]) -> tuple[int | None, int | None]:
-    """(max, opt) batch of optimization profile 0 (the one Triton's TensorRT backend uses
-    by default): the smallest axis-0 max/opt over its inputs; (None, None) without profiles."""
-    if not profiles or not profiles[0].shapes:
-        return None, None
-    shapes = [s for s in profiles[0].shapes.values() if s["max"]]
-    if not shapes:
-        return None, None
-    return min(s["max"][0] for s in shapes), min(s["opt"][0] for s in shapes)
+    """(max, opt) batch that EVERY optimization profile serves: Triton picks a profile per
+    request by its shapes (``instance_group.profile``), so a batch of ``max_batch_size``
+    must fit the decode and the prefill profile alike. Per profile the smallest axis-0
+    max/opt over its inputs, then the smallest over the profiles; (None, None) when no
+    profile gives a shape."""
+    maxes, opts = [], []
+    for prof in profiles:
+        shapes = [s for s in prof.shapes.values() if s["max"]]
+        if shapes:
+            maxes.append(min(s["max"][0] for s in shapes))
+            opts.append(min(s["opt"][0] for s in shapes))
+    return (min(maxes), min(opts)) if maxes else (None, None)
 
 
 def write_repository(
@@ -195,7 +200,8 @@ def _stage_compute(
     inputs, outputs = graph_io(model)
     max_batch, opt_batch = profile_batch(build.profiles)
     qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
-    cfg = compute_config(recipe.triton, inputs, outputs, target=target, profile_opt_batch=opt_batch, qdq=qdq)
+    cfg = compute_config(recipe.triton, inputs, outputs, target=target, profile_opt_batch=opt_batch, qdq=qdq,
+                         profile_count=len(build.profiles))
     version_dir = staging / cfg.name / str(recipe.triton.version)
     version_dir.mkdir(parents=True)
     if target == "tensorrt":
@@ -205,7 +211,63 @@ def _stage_compute(
     if target == "python-onnxruntime":
         _write_template("onnxruntime_model.py", version_dir / "model.py")
     _write_config(staging / cfg.name, cfg)
-    return StagedModel(cfg, inputs, outputs, target, max_batch)
+    if recipe.model.kind == "causal-lm" and any(_PAST.match(s.name) for s in inputs):
+        write_deploy_notes(recipe, inputs, outputs, build.profiles)
+    return StagedModel(cfg, inputs, outputs, target, max_batch, len(build.profiles))
+
+
+DEPLOY_NOTES = "deploy_notes.md"
+DOCKER_DEFAULT_SHM = 64 << 20  # bytes of /dev/shm under a plain `docker run`
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def shm_bytes(kv: KVLayout, batch: int, context: int, vocab: int) -> dict[str, int]:
+    """Shared memory (bytes) the python backend needs at the worst generation step.
+
+    The KV cache of ``batch`` sequences of ``context`` tokens is
+    ``2 (K, V) x B x S x L x H_kv x D x bytes``; one step holds it twice (the
+    past it sends, the present it receives), plus ``last_logits`` float32
+    ``[B, V]``. ``total`` adds 25 % headroom for Triton's own tensors.
+    """
+    cache = 2 * batch * context * kv.num_layers * kv.kv_heads * kv.head_dim * _DTYPE_BYTES.get(kv.dtype, 4)
+    logits = batch * vocab * 4
+    need = 2 * cache + logits
+    return {"kv_cache": cache, "last_logits": logits, "step": need, "total": need + need // 4}
+
+
+def write_deploy_notes(recipe: Recipe, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                       profiles: Sequence[ResolvedProfile]) -> Path:
+    """``<work_dir>/<recipe>/triton/deploy_notes.md``: the ``--shm-size`` the repository needs
+    (:func:`shm_bytes` at max_batch_size sequences of the max context). Outside the
+    model folders, so it is not part of their published hashes. Returns its path."""
+    kv = kv_layout(inputs)
+    vocab = next((int(s.shape[-1]) for s in outputs if s.name == "logits" and isinstance(s.shape[-1], int)), 0)
+    batch = max(1, recipe.triton.max_batch_size)
+    context = context_limits(profiles)["max_context"] or DEFAULT_SHM_CONTEXT
+    need = shm_bytes(kv, batch, context, vocab)
+    shm_mib = max(64, -(-need["total"] // (1 << 20)))
+    mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
+    text = (
+        f"# Deploying {recipe.name}\n\n"
+        f"Run Triton with `--shm-size={shm_mib}m` (e.g. `docker run --gpus all --shm-size={shm_mib}m ...`).\n\n"
+        "The python-backend generation model moves the KV cache through /dev/shm at every step:\n\n"
+        f"- KV cache: 2 x B {batch} x S {context} x L {kv.num_layers} x H_kv {kv.kv_heads} x D {kv.head_dim} "
+        f"x {_DTYPE_BYTES.get(kv.dtype, 4)} bytes ({kv.dtype}) = {mib(need['kv_cache'])}\n"
+        f"- one step holds it twice (past in, present out), plus `last_logits` [B {batch}, V {vocab}] float32 "
+        f"= {mib(need['last_logits'])}: {mib(need['step'])}\n"
+        f"- with 25 % headroom: {mib(need['total'])}; Docker's default /dev/shm is 64 MiB"
+        + (" (too small)" if need["total"] > DOCKER_DEFAULT_SHM else "") + ".\n\n"
+        f"B is triton.max_batch_size (concurrent generations), S the max context of the optimization profiles. "
+        f"Request `last_logits` ([batch, vocab]) rather than `logits` ([batch, sequence, vocab]) per step: a "
+        f"{context}-token prefill's full logits alone are {mib(batch * context * vocab * 4)}.\n"
+    )
+    path = Path(recipe.work_dir) / recipe.name / "triton" / DEPLOY_NOTES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+DEFAULT_SHM_CONTEXT = 2048  # tokens assumed when no profile bounds the context
 
 
 def _stage_generate(
@@ -229,10 +291,28 @@ def _stage_generate(
         eos_token_ids=eos_token_ids(version_dir),
         default_max_tokens=generation.new_tokens if generation else DEFAULT_MAX_TOKENS,
         max_concurrent_generations=max(1, recipe.triton.max_batch_size),
+        continuous_batching=recipe.triton.continuous_batching,
+        kv_cache_budget_mib=recipe.triton.kv_cache_budget_mib,
+        **_generate_compute_runtime(recipe, staging),
         **context_limits(build.profiles),
     )
     _write_config(staging / name, cfg)
     return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None)
+
+
+def _generate_compute_runtime(recipe: Recipe, staging: Path) -> dict:
+    """How the generation model runs the compute graph: in its own process with ONNX Runtime when
+    the staged compute model is the python-onnxruntime one (it ships model.py + model.onnx), else
+    through BLS (``tensorrt_plan`` / ``onnxruntime_onnx``)."""
+    version = str(recipe.triton.version)
+    compute_dir = staging / recipe.triton.model_name
+    if not (compute_dir / version / "model.py").is_file():
+        return {"compute_runtime": "bls"}
+    params = parse_config((compute_dir / "config.pbtxt").read_text()).parameters
+    onnx_file = params["onnx_file"].string_value if "onnx_file" in params else "model.onnx"
+    forwarded = {k: params[k].string_value for k in ("graph_optimization_level", "dequantize_weights") if k in params}
+    return {"compute_runtime": "onnxruntime",
+            "compute_parameters": {"compute_onnx": f"{recipe.triton.model_name}/{version}/{onnx_file}", **forwarded}}
 
 
 def _stage_encoder_text(
@@ -319,16 +399,28 @@ def _check_kv(model_name: str, kv: KVLayout, graph_inputs: Sequence[TensorSpec])
 
 
 def context_limits(profiles: Sequence[ResolvedProfile]) -> dict[str, int]:
-    """``max_prompt_tokens`` (input_ids axis 1 max) and ``max_context`` (min of attention_mask
-    axis 1 max and past axis 2 max + 1) of profile 0; 0 (unlimited) where not given."""
-    shapes = profiles[0].shapes if profiles else {}
-    limits = {"max_prompt_tokens": 0, "max_context": 0}
-    if "input_ids" in shapes:
-        limits["max_prompt_tokens"] = shapes["input_ids"]["max"][1]
-    context = [shapes["attention_mask"]["max"][1]] if "attention_mask" in shapes else []
-    context += [s["max"][2] + 1 for n, s in shapes.items() if _PAST.match(n)]
-    limits["max_context"] = min(context, default=0)
-    return limits
+    """``max_prompt_tokens`` and ``max_context`` (tokens) over every optimization profile;
+    0 (unlimited) where no profile gives a shape.
+
+    A prompt is a prefill (empty past), so ``max_prompt_tokens`` is the largest
+    input_ids axis-1 max of the profiles that admit a zero-length past. Decoding
+    feeds one token with a past of ``context - 1``, so ``max_context`` is the
+    largest, over the profiles that admit sequence 1, of min(attention_mask axis-1
+    max, past axis-2 max + 1). With one profile: that profile's limits."""
+    prompts, contexts = [], []
+    for prof in profiles:
+        shapes = prof.shapes
+        past = [s for n, s in shapes.items() if _PAST.match(n)]
+        ids = shapes.get("input_ids")
+        if ids and all(s["min"][2] == 0 for s in past):
+            prompts.append(ids["max"][1])
+        context = [shapes["attention_mask"]["max"][1]] if "attention_mask" in shapes else []
+        context += [s["max"][2] + 1 for s in past]
+        if context and (ids is None or ids["min"][1] <= 1):
+            contexts.append(min(context))
+    if not prompts and profiles and "input_ids" in profiles[0].shapes:  # no profile takes an empty past
+        prompts.append(profiles[0].shapes["input_ids"]["max"][1])
+    return {"max_prompt_tokens": max(prompts, default=0), "max_context": max(contexts, default=0)}
 
 
 def eos_token_ids(tokenizer_dir: Path) -> list[int]:
@@ -459,6 +551,7 @@ def _verify(models: Sequence[StagedModel], staging: Path, version: int, gpu: boo
         check_config(
             m.config, m.inputs, m.outputs, profile_max_batch=m.profile_max_batch,
             target=m.target, version_dirs=sorted(os.listdir(model_dir)), gpu_available=gpu,
+            profile_count=m.profile_count,
         )
         if parse_config((model_dir / "config.pbtxt").read_text()) != m.config:
             raise TritonConfigError(f"model '{m.config.name}': config.pbtxt does not parse back to the written config")

@@ -1,0 +1,590 @@
+"""``pipeline plan RECIPE``: GPU capacity of a built causal-LM recipe, from the model's numbers.
+
+Inputs, all read from what the build left under ``artifacts/<recipe>/``:
+
+* ``export/model.onnx``: parameters (elements of the floating-point
+  initializers; weights the exporter de-duplicated count once, as they are
+  stored and read once) and the KV layout (``past_key_values.{i}.key/value``
+  [batch, kv_heads, past, head_dim], :func:`pipeline.triton.repository.kv_layout`);
+* ``quantize/stage.json``: the quantized GEMM nodes (their weights are FP8/INT8
+  on a GPU, 1 byte) and ``quantize/model.onnx``: the served KV dtype;
+* the recipe: max batch (``triton.max_batch_size`` and build profile 0's batch
+  max), max context (:func:`pipeline.triton.repository.context_limits`), the
+  TensorRT workspace (``build.workspace_mib``), the SLO (``serve.slo``).
+
+Served precision: on CPU every weight is as wide as the graph's float type
+(FP32: the python-onnxruntime model dequantizes Q/DQ weights at load); on a GPU
+the engine keeps the quantized GEMM weights at 1 byte and the rest at the
+graph's type (FP16 for fp16 recipes, else FP32: strongly typed TensorRT keeps
+the ONNX types).
+
+Formulas (units: bytes, seconds, FLOP; sources in :data:`FORMULAS`):
+
+* weights = parameters x bytes per element (per tensor, summed);
+* KV per token = 2 x layers x kv_heads x head_dim x bytes (K and V; kv_heads,
+  not query heads: GQA-aware);
+* KV at the limit = KV per token x max context x max batch;
+* max concurrent sequences per GPU = floor((memory - weights - workspace) /
+  (KV per token x max context));
+* decode roofline, tokens/s per sequence <= bandwidth / (weights + KV bytes read
+  per step); MBU = measured tokens/s x bytes per step / bandwidth;
+* prefill arithmetic intensity = 2 x parameters x tokens / (weights + KV
+  written), against the ridge point peak FLOP/s / bandwidth;
+* replicas for a request rate (estimate): Little's law, rate x request time /
+  sequences per replica that keep the TPOT SLO on the roofline.
+
+Everything GPU-side is an estimate from published peak figures (roofline upper
+bounds on speed, so lower bounds on replicas). This machine's row is measured:
+its copy bandwidth (:func:`pipeline.plan_measure.copy_bandwidth`), the KV bytes
+of one ONNX Runtime run, and decode tokens/s (``bench/bench.json`` or ``--measure``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from pipeline.errors import PipelineError
+from pipeline.plan_gpus import GPU, GPUS
+from pipeline.recipe import Recipe
+
+DEFAULT_RATE = 10.0  # req/s, when --rate is not given: the recipe's serve section has no request rate
+
+FORMULAS: dict[str, dict[str, str]] = {
+    "weights": {
+        "expression": "sum over weight tensors of elements x bytes per element",
+        "source": "definition; bytes per element from the served graph's ONNX dtypes and the quantize "
+                  "stage's quantized-node list (FP8/INT8 = 1 byte on a GPU)"},
+    "kv_per_token": {
+        "expression": "2 x layers x kv_heads x head_dim x bytes",
+        "source": "Pope et al. 2022, 'Efficiently Scaling Transformer Inference' (KV cache size); kv_heads < "
+                  "query heads under GQA: Ainslie et al. 2023, 'GQA: Training Generalized Multi-Query "
+                  "Transformer Models from Multi-Head Checkpoints'"},
+    "kv_at_limit": {
+        "expression": "kv_per_token x max_context x max_batch",
+        "source": "the KV cache of max_batch sequences, each at the profile's max context"},
+    "max_concurrent_sequences": {
+        "expression": "floor((memory - weights - workspace) / (kv_per_token x max_context))",
+        "source": "Kwon et al. 2023, 'Efficient Memory Management for Large Language Model Serving with "
+                  "PagedAttention' (the KV cache fills the memory left after weights and workspace)"},
+    "decode_roofline": {
+        "expression": "tokens/s per sequence <= bandwidth / (weights + kv_per_token x context); "
+                      "MBU = measured tokens/s x (weights + kv_per_token x context) / bandwidth",
+        "source": "Databricks 2023, 'LLM Inference Performance Engineering: Best Practices' (MBU); "
+                  "Williams, Waterman, Patterson 2009, 'Roofline', CACM 52(4)"},
+    "prefill_intensity": {
+        "expression": "2 x parameters x tokens / (weights + kv_per_token x tokens) FLOP/byte vs ridge = "
+                      "peak FLOP/s / bandwidth",
+        "source": "2N FLOPs per token forward: Kaplan et al. 2020, 'Scaling Laws for Neural Language "
+                  "Models'; ridge point: Williams et al. 2009, 'Roofline'"},
+    "replicas": {
+        "expression": "ceil(rate x (prefill + output_tokens x step(B)) / B), B = largest batch <= max batch "
+                      "and memory with step(B) = max((weights + B x KV per sequence) / bandwidth, "
+                      "2 x parameters x B / peak) <= slo.tpot",
+        "source": "Little's law (Little 1961, 'A Proof for the Queuing Formula L = lambda W') on the roofline "
+                  "step time: an ESTIMATE (100 % of peak bandwidth and FLOP/s; prefill interference ignored)"},
+}
+
+
+# --- the formulas ---------------------------------------------------------------------------------
+
+
+def weight_bytes(elements: int, bytes_per_element: float) -> int:
+    """Weights = parameters x bytes per element (bytes)."""
+    return int(round(elements * bytes_per_element))
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """KV cache bytes of one token of one sequence: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
+    return 2 * layers * kv_heads * head_dim * bytes_per_element
+
+
+def kv_bytes_at_limit(per_token: int, max_context: int, max_batch: int) -> int:
+    """KV cache bytes of ``max_batch`` sequences at ``max_context`` tokens each."""
+    return per_token * max_context * max_batch
+
+
+def max_concurrent_sequences(memory_bytes: float, weights: int, workspace: int, kv_per_sequence: int) -> int:
+    """Sequences whose KV cache fits next to the weights and workspace: floor((mem - w - ws) / kv); 0 if none.
+
+    Raises:
+        ValueError: ``kv_per_sequence`` is not positive.
+    """
+    if kv_per_sequence <= 0:
+        raise ValueError(f"kv_per_sequence must be > 0, got {kv_per_sequence}")
+    return max(0, math.floor((memory_bytes - weights - workspace) / kv_per_sequence))
+
+
+def decode_roofline(bandwidth_bps: float, weights: int, kv_read: int) -> float:
+    """Upper bound on one sequence's decode tokens/s: every step reads all weights and its KV cache once."""
+    return bandwidth_bps / (weights + kv_read)
+
+
+def mbu(tokens_per_s: float, weights: int, kv_read: int, bandwidth_bps: float) -> float:
+    """Model bandwidth utilisation: bytes a step must read x steps/s over the peak bandwidth (0..1)."""
+    return tokens_per_s * (weights + kv_read) / bandwidth_bps
+
+
+def prefill_intensity(parameters: int, tokens: int, weights: int, kv_per_token: int) -> float:
+    """Arithmetic intensity (FLOP/byte) of a ``tokens``-token prefill: 2N FLOPs per token over the
+    weights read once plus the KV written."""
+    return 2 * parameters * tokens / (weights + kv_per_token * tokens)
+
+
+def ridge_point(peak_flops: float, bandwidth_bps: float) -> float:
+    """FLOP/byte above which a kernel is compute bound on this GPU (roofline ridge)."""
+    return peak_flops / bandwidth_bps
+
+
+def step_seconds(batch: int, weights: int, kv_per_sequence: int, parameters: int,
+                 bandwidth_bps: float, peak_flops: float) -> float:
+    """Roofline time of one decode step of ``batch`` sequences: max(memory time, compute time)."""
+    return max((weights + batch * kv_per_sequence) / bandwidth_bps, 2 * parameters * batch / peak_flops)
+
+
+@dataclass
+class ReplicaEstimate:
+    """Replicas for ``rate`` req/s; ``batch`` sequences per replica; ``reason`` when the SLO is unreachable."""
+
+    rate: float
+    replicas: int | None
+    batch: int
+    step_ms: float
+    prefill_ms: float
+    request_s: float
+    requests_per_s_per_replica: float
+    reason: str = ""
+
+
+def replicas_for_rate(rate: float, *, prompt: int, output: int, max_batch: int, memory_sequences: int,
+                      tpot_s: float, ttft_s: float, weights: int, kv_per_token: int, parameters: int,
+                      bandwidth_bps: float, peak_flops: float) -> ReplicaEstimate:
+    """Replicas needed for ``rate`` requests/s of ``prompt`` + ``output`` tokens (see FORMULAS["replicas"]).
+
+    ``memory_sequences``: sequences at ``prompt + output`` context that fit in memory.
+    """
+    kv_seq = kv_per_token * (prompt + output)
+    prefill = max(2 * parameters * prompt / peak_flops, (weights + kv_per_token * prompt) / bandwidth_bps)
+    cap = min(max_batch, memory_sequences)
+    batch = max((b for b in range(1, cap + 1)
+                 if step_seconds(b, weights, kv_seq, parameters, bandwidth_bps, peak_flops) <= tpot_s), default=0)
+    step = step_seconds(max(batch, 1), weights, kv_seq, parameters, bandwidth_bps, peak_flops)
+    request = prefill + output * step
+    reason = ("no sequence fits in memory" if cap < 1 else
+              f"one decode step takes {step * 1e3:.3g} ms > slo.tpot_ms" if batch < 1 else
+              f"prefill takes {prefill * 1e3:.3g} ms > slo.ttft_ms" if prefill > ttft_s else "")
+    if reason:
+        return ReplicaEstimate(rate, None, batch, step * 1e3, prefill * 1e3, request, 0.0, reason)
+    return ReplicaEstimate(rate, math.ceil(round(rate * request / batch, 9)), batch, step * 1e3, prefill * 1e3,
+                           request, batch / request)
+
+
+# --- inputs from the build ------------------------------------------------------------------------
+
+
+@dataclass
+class ModelFacts:
+    """What the plan needs from the built recipe (bytes, tokens)."""
+
+    parameters: int
+    quantized_parameters: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    kv_bytes_per_element: int
+    weight_bytes_cpu: int
+    weight_bytes_gpu: int
+    precision: str
+    max_batch: int
+    max_context: int
+    max_prompt_tokens: int
+    workspace_bytes: int
+    export_onnx: str
+    served_onnx: str
+
+
+def not_built(recipe: Recipe, path: Path) -> PipelineError:
+    return PipelineError(f"{path} not found: recipe {recipe.name!r} has not been built; run "
+                         f"`make build RECIPE={recipe.name}` (or `python -m pipeline build <recipe.yaml>`) first")
+
+
+def model_facts(recipe: Recipe, workspace_bytes: int | None = None) -> ModelFacts:
+    """Read the export, the quantize stage and the recipe (see the module docstring).
+
+    Raises:
+        PipelineError: the recipe is not a causal LM, has not been built (names the
+            missing file and says to run ``make build RECIPE=...``), its quantize
+            stage names a node the export lacks, or profile 0 sets no context limit.
+        TritonConfigError: the export has no usable ``past_key_values.*`` inputs.
+    """
+    from pipeline.profiles import resolve_profiles, shape_tensor_inputs
+    from pipeline.stages.export import graph_specs
+    from pipeline.triton.repository import context_limits, kv_layout, profile_batch
+
+    if recipe.model.kind != "causal-lm":
+        raise PipelineError(f"model.kind: plan sizes the KV cache of causal LMs; recipe {recipe.name!r} is "
+                            f"{recipe.model.kind!r}")
+    run_dir = Path(recipe.work_dir) / recipe.name
+    export_path, stage_path = run_dir / "export" / "model.onnx", run_dir / "quantize" / "stage.json"
+    for path in (export_path, stage_path):
+        if not path.is_file():
+            raise not_built(recipe, path)
+    quant = json.loads(stage_path.read_text())["artifact"]
+    served_path = Path(quant["onnx_path"])
+    if not served_path.is_file():
+        raise not_built(recipe, served_path)
+    export = onnx.load(str(export_path), load_external_data=False)
+    inputs, _ = graph_specs(export)
+    served_kv = kv_layout(graph_specs(onnx.load(str(served_path), load_external_data=False))[0])
+    kv = kv_layout(inputs)
+    profiles = resolve_profiles(list(recipe.build.profiles), inputs, set(shape_tensor_inputs(export)))
+    limits = context_limits(profiles)
+    if not limits["max_context"]:
+        raise PipelineError("build.profiles[0]: no attention_mask / past_key_values max, so no context limit "
+                            "to size the KV cache for; give dims total_sequence and past_sequence a max")
+    batch_max, _ = profile_batch(profiles)
+    batches = [b for b in (recipe.triton.max_batch_size, batch_max) if b]
+    cpu, gpu, params, quantized = weight_bytes_by_target(export, quant["quantized_nodes"], quant["precision"])
+    return ModelFacts(
+        params, quantized, kv.num_layers, kv.kv_heads, kv.head_dim, served_kv.dtype,
+        int(np.dtype(served_kv.dtype).itemsize), cpu, gpu, quant["precision"], min(batches, default=1),
+        limits["max_context"], limits["max_prompt_tokens"],
+        recipe.build.workspace_mib * 2**20 if workspace_bytes is None else workspace_bytes,
+        str(export_path), str(served_path))
+
+
+def weight_bytes_by_target(export: onnx.ModelProto, quantized_nodes: list[str],
+                           precision: str) -> tuple[int, int, int, int]:
+    """(CPU bytes, GPU bytes, parameters, quantized parameters) of the export's float initializers.
+
+    CPU: each tensor at its ONNX type's width (2 for fp16 recipes); GPU: the
+    weights of ``quantized_nodes`` (MatMul/Gemm input 1) at 1 byte, the rest as on CPU.
+
+    Raises:
+        PipelineError: a quantized node is not in the export, or has no initializer weight.
+    """
+    inits = {t.name: t for t in export.graph.initializer}
+    nodes = {n.name: n for n in export.graph.node}
+    quantized = set()
+    for name in quantized_nodes:
+        node = nodes.get(name)
+        if node is None or len(node.input) < 2 or node.input[1] not in inits:
+            raise PipelineError(f"quantize/stage.json: quantized node {name!r} has no weight initializer in "
+                                "export/model.onnx; the stages are out of step: rebuild the recipe")
+        quantized.add(node.input[1])
+    cpu = gpu = params = qparams = 0
+    for t in inits.values():
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        if not np.issubdtype(dtype, np.floating):
+            continue
+        n = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+        width = 2 if precision == "fp16" else dtype.itemsize
+        params += n
+        cpu += n * width
+        gpu += n * (1 if t.name in quantized else width)
+        qparams += n if t.name in quantized else 0
+    return cpu, gpu, params, qparams
+
+
+def measured_from_bench(run_dir: Path) -> dict | None:
+    """Batch-1 decode tokens/s of ``bench/bench.json`` (TPOT at the first ``tpot_positions`` of the
+    concurrency-1 long request, through tritonserver), with its context; None if there is no bench."""
+    path = run_dir / "bench" / "bench.json"
+    if not path.is_file():
+        return None
+    llm = json.loads(path.read_text()).get("llm") or {}
+    pos = llm.get("tpot_by_position", {}).get("tpot_ms") or {}
+    if not pos:
+        return None
+    first = min(pos, key=int)
+    return {"source": str(path), "tokens_per_s": 1e3 / pos[first],
+            "context": int(llm.get("prompt_tokens", 0)) + int(first),
+            "what": f"TPOT at output position {first}, concurrency 1, through tritonserver"}
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+
+def gemm_peak(gpu: GPU, precision: str) -> tuple[float, str]:
+    """Peak FLOP/s of the served GEMMs on ``gpu``: FP8 for fp8 recipes where the GPU has FP8, else FP16."""
+    if precision == "fp8" and gpu.fp8_tflops:
+        return gpu.fp8_tflops * 1e12, "fp8"
+    return gpu.fp16_tflops * 1e12, "fp16"
+
+
+def gpu_row(f: ModelFacts, gpu: GPU, *, rate: float, prompt: int, output: int, tpot_s: float, ttft_s: float) -> dict:
+    """Every planned figure for one GPU (bytes, tokens/s, FLOP/byte)."""
+    per_token = kv_bytes_per_token(f.layers, f.kv_heads, f.head_dim, f.kv_bytes_per_element)
+    kv_seq = per_token * f.max_context
+    memory, bw = gpu.memory_gb * 1e9, gpu.bandwidth_gbs * 1e9
+    peak, peak_kind = gemm_peak(gpu, f.precision)
+    request_ctx = prompt + output
+    rep = replicas_for_rate(
+        rate, prompt=prompt, output=output, max_batch=f.max_batch,
+        memory_sequences=max_concurrent_sequences(memory, f.weight_bytes_gpu, f.workspace_bytes, per_token * request_ctx),
+        tpot_s=tpot_s, ttft_s=ttft_s, weights=f.weight_bytes_gpu, kv_per_token=per_token,
+        parameters=f.parameters, bandwidth_bps=bw, peak_flops=peak)
+    intensity = prefill_intensity(f.parameters, f.max_prompt_tokens or prompt, f.weight_bytes_gpu, per_token)
+    ridge = ridge_point(peak, bw)
+    notes = [gpu.note] if gpu.note else []
+    if f.precision == "fp8" and not gpu.fp8_tflops:
+        notes.append("FP8 GEMMs cannot run in FP8 here: FP16 peak used; an fp8 engine needs an fp16/int8 rebuild")
+    return {
+        "gpu": gpu.to_json(),
+        "weights_bytes": f.weight_bytes_gpu,
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_sequence_at_max_context": kv_seq,
+        "kv_bytes_at_limit": kv_bytes_at_limit(per_token, f.max_context, f.max_batch),
+        "workspace_bytes": f.workspace_bytes,
+        "max_concurrent_sequences": max_concurrent_sequences(memory, f.weight_bytes_gpu, f.workspace_bytes, kv_seq),
+        "decode_roofline_tokens_per_s_at_max_context": decode_roofline(bw, f.weight_bytes_gpu, kv_seq),
+        "decode_roofline_tokens_per_s_at_request_context": decode_roofline(bw, f.weight_bytes_gpu, per_token * request_ctx),
+        "prefill": {"tokens": f.max_prompt_tokens or prompt, "intensity_flop_per_byte": intensity,
+                    "ridge_flop_per_byte": ridge, "peak": peak_kind,
+                    "bound": "compute" if intensity > ridge else "memory"},
+        "replicas": {"estimate": True, **asdict(rep)},
+        "notes": notes,
+    }
+
+
+def cpu_row(f: ModelFacts, bandwidth: dict, measured: list[dict], memory_bytes: int) -> dict:
+    """This machine: measured copy bandwidth, the CPU-served weights, roofline vs measured decode tokens/s."""
+    per_token = kv_bytes_per_token(f.layers, f.kv_heads, f.head_dim, f.kv_bytes_per_element)
+    bw = bandwidth["median_gbs"] * 1e9
+    cases = []
+    for m in measured:
+        kv_read = per_token * round(m["context"])
+        roof = decode_roofline(bw, f.weight_bytes_cpu, kv_read)
+        cases.append({**m, "kv_bytes_read": kv_read, "bytes_per_step": f.weight_bytes_cpu + kv_read,
+                      "roofline_tokens_per_s": roof, "mbu": mbu(m["tokens_per_s"], f.weight_bytes_cpu, kv_read, bw)})
+    return {
+        "bandwidth": bandwidth, "memory_bytes": memory_bytes, "weights_bytes": f.weight_bytes_cpu,
+        "kv_bytes_per_token": per_token,
+        "max_concurrent_sequences": max_concurrent_sequences(memory_bytes, f.weight_bytes_cpu, 0, per_token * f.max_context),
+        "decode_roofline_tokens_per_s_at_max_context": decode_roofline(bw, f.weight_bytes_cpu, per_token * f.max_context),
+        "measured": cases,
+    }
+
+
+def kv_check(f: ModelFacts, batch: int = 2, sequence: int = 3, past: int = 5) -> dict:
+    """The KV-per-token formula against the bytes of ``present.*`` from one ONNX Runtime run of the export."""
+    from pipeline.plan_measure import present_kv_bytes
+
+    got = present_kv_bytes(f.export_onnx, batch, sequence, past)
+    export_width = int(np.dtype(kv_dtype_of(f.export_onnx)).itemsize)
+    formula = kv_bytes_per_token(f.layers, f.kv_heads, f.head_dim, export_width) * got["tokens"] * batch
+    return {**got, "formula_bytes": formula, "match": formula == got["bytes"]}
+
+
+def kv_dtype_of(onnx_path: str) -> str:
+    """dtype of a graph's past_key_values inputs."""
+    from pipeline.stages.export import graph_specs
+    from pipeline.triton.repository import kv_layout
+
+    return kv_layout(graph_specs(onnx.load(onnx_path, load_external_data=False))[0]).dtype
+
+
+def build_plan(recipe: Recipe, *, rate: float | None = None, prompt: int | None = None, output: int | None = None,
+               workspace_bytes: int | None = None, measure: bool = False, bandwidth: dict | None = None,
+               gpus: tuple[GPU, ...] = GPUS) -> dict:
+    """The whole plan as a JSON-ready dict (see :func:`write_plan`).
+
+    ``rate`` req/s (default :data:`DEFAULT_RATE`), ``prompt`` / ``output`` tokens
+    per request (default ``serve.bucket_tokens`` / ``serve.max_tokens``);
+    ``bandwidth``: a :func:`~pipeline.plan_measure.copy_bandwidth` result
+    (measured here when None); ``measure``: also time decode steps of the served graph.
+
+    Raises:
+        PipelineError: see :func:`model_facts`; a non-positive ``rate``, ``prompt`` or ``output``.
+    """
+    import psutil
+
+    from pipeline.plan_measure import copy_bandwidth, decode_tokens_per_s
+
+    f = model_facts(recipe, workspace_bytes)
+    serve = recipe.serve
+    prompt = serve.bucket_tokens if prompt is None else prompt
+    output = serve.max_tokens if output is None else output
+    rate_source = "--rate" if rate is not None else "default (the recipe's serve section has no request rate)"
+    rate = DEFAULT_RATE if rate is None else rate
+    for flag, value in (("--rate", rate), ("--prompt-tokens", prompt), ("--output-tokens", output)):
+        if value <= 0:
+            raise PipelineError(f"{flag}: must be > 0, got {value}")
+    if prompt + output > f.max_context:
+        raise PipelineError(f"--prompt-tokens + --output-tokens = {prompt + output} exceeds the max context "
+                            f"{f.max_context} of build.profiles[0]")
+    run_dir = Path(recipe.work_dir) / recipe.name
+    measured = [m for m in [measured_from_bench(run_dir)] if m]
+    if measure:
+        d = decode_tokens_per_s(f.served_onnx)
+        measured.append({"source": "--measure", "tokens_per_s": d["tokens_per_s"], "context": d["mean_context"],
+                         "what": f"median of {d['steps']} batch-1 decode steps of the served graph in ONNX Runtime",
+                         "step_ms": d["step_ms"]})
+    slo = {"tpot_ms": serve.slo.tpot_ms, "ttft_ms": serve.slo.ttft_ms}
+    rows = [gpu_row(f, g, rate=rate, prompt=prompt, output=output, tpot_s=slo["tpot_ms"] / 1e3,
+                    ttft_s=slo["ttft_ms"] / 1e3) for g in gpus]
+    return {
+        "recipe": recipe.name,
+        "generated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "label": "GPU figures are ESTIMATES from published peak figures (roofline bounds); this machine's are measured",
+        "model": asdict(f),
+        "request": {"rate_per_s": rate, "rate_source": rate_source, "prompt_tokens": prompt,
+                    "output_tokens": output, "slo": slo},
+        "formulas": FORMULAS,
+        "gpus": rows,
+        "this_machine": {**cpu_row(f, bandwidth or copy_bandwidth(), measured, psutil.virtual_memory().total),
+                         "kv_check": kv_check(f)},
+    }
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def render_markdown(plan: dict) -> str:
+    """plan.md: the per-GPU table, this machine's measured check, the formulas and their sources."""
+    m, req = plan["model"], plan["request"]
+    lines = [
+        f"# Capacity plan: {plan['recipe']}", "",
+        f"{plan['label']}.", "",
+        f"Model: {m['parameters']:,} parameters ({m['quantized_parameters']:,} in {m['precision']} GEMMs), "
+        f"{m['layers']} layers x {m['kv_heads']} KV heads x head_dim {m['head_dim']}, KV {m['kv_dtype']}; "
+        f"max batch {m['max_batch']}, max context {m['max_context']} tokens, workspace {_mb(m['workspace_bytes'])} MB.",
+        f"Request: {req['prompt_tokens']} prompt + {req['output_tokens']} output tokens at {req['rate_per_s']:g} req/s "
+        f"({req['rate_source']}); SLO TTFT <= {req['slo']['ttft_ms']:g} ms, TPOT <= {req['slo']['tpot_ms']:g} ms.", "",
+        "| GPU | memory GB | bandwidth GB/s | weights MB | KV/token KB | KV at limit MB | max concurrent seqs "
+        "| decode roofline tok/s/seq @max ctx | prefill FLOP/B vs ridge | replicas (estimate) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in plan["gpus"]:
+        g, p, rep = r["gpu"], r["prefill"], r["replicas"]
+        replicas = (f"{rep['replicas']} ({rep['requests_per_s_per_replica']:,.0f} req/s each at batch {rep['batch']})"
+                    if rep["replicas"] is not None else f"n/a: {rep['reason']}")
+        lines.append(
+            f"| {g['name']} | {g['memory_gb']:g} | {g['bandwidth_gbs']:,g} | {_mb(r['weights_bytes'])} "
+            f"| {r['kv_bytes_per_token'] / 1e3:,.2f} | {_mb(r['kv_bytes_at_limit'])} | {r['max_concurrent_sequences']:,} "
+            f"| {r['decode_roofline_tokens_per_s_at_max_context']:,.0f} "
+            f"| {p['intensity_flop_per_byte']:,.0f} vs {p['ridge_flop_per_byte']:,.0f} ({p['peak']}): {p['bound']} bound "
+            f"| {replicas} |")
+    lines += ["", f"max concurrent seqs: what memory holds at max context; one engine batch is capped at "
+                  f"max batch {m['max_batch']} (build profile 0 / triton.max_batch_size).",
+              "", "Sources: " + "; ".join(f"{r['gpu']['name']}: {r['gpu']['source']} <{r['gpu']['url']}>"
+                                            for r in plan["gpus"]) + "."]
+    notes = [f"{r['gpu']['name']}: {n}" for r in plan["gpus"] for n in r["notes"]]
+    lines += [f"- {n}" for n in notes]
+    lines += ["", *render_machine(plan["this_machine"], m), "", "## Formulas", ""]
+    lines += [f"- **{k}**: {v['expression']}. Source: {v['source']}." for k, v in plan["formulas"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_machine(t: dict, m: dict) -> list[str]:
+    """This machine's measured lines: bandwidth, KV bytes check, decode tokens/s vs roofline (MBU)."""
+    bw, kv = t["bandwidth"], t["kv_check"]
+    lines = [
+        "## This machine (CPU, measured)", "",
+        f"- Copy bandwidth: {bw['median_gbs']:.2f} GB/s (median of {bw['repeats']} runs, {bw['size_mib']} MiB, "
+        f"{bw['method']}).",
+        f"- Served weights ({'FP16' if m['precision'] == 'fp16' else 'FP32 after load-time dequantization'}): "
+        f"{_mb(t['weights_bytes'])} MB; decode roofline at "
+        f"max context {t['decode_roofline_tokens_per_s_at_max_context']:.1f} tok/s per sequence.",
+        f"- KV check: present.* of one ONNX Runtime run at batch {kv['batch']}, {kv['tokens']} tokens = "
+        f"{kv['bytes']:,} bytes; formula {kv['formula_bytes']:,} bytes ({'match' if kv['match'] else 'MISMATCH'}).",
+    ]
+    for c in t["measured"]:
+        lines.append(f"- Decode ({c['what']}, context ~{c['context']:.0f}): {c['tokens_per_s']:.2f} tok/s measured vs "
+                     f"{c['roofline_tokens_per_s']:.2f} roofline ({_mb(c['bytes_per_step'])} MB per step): "
+                     f"MBU {100 * c['mbu']:.0f} %.")
+    if not t["measured"]:
+        lines.append("- Decode: no measurement (no bench/bench.json; run `pipeline bench` or pass --measure).")
+    return lines
+
+
+def plot(plan: dict, path: Path) -> None:
+    """PNG: decode roofline tokens/s per sequence and max concurrent sequences, per GPU (log scales)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["gpu"]["name"] for r in plan["gpus"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar(names, [r["decode_roofline_tokens_per_s_at_max_context"] for r in plan["gpus"]], color="tab:blue")
+    machine = plan["this_machine"]
+    ax1.bar(["this CPU\n(measured GB/s)"], [machine["decode_roofline_tokens_per_s_at_max_context"]], color="tab:gray")
+    for case in machine["measured"]:
+        ax1.plot(["this CPU\n(measured GB/s)"], [case["tokens_per_s"]], "o", color="tab:red",
+                 label=f"measured {case['tokens_per_s']:.1f} tok/s (ctx {case['context']:.0f})")
+    if machine["measured"]:
+        ax1.legend(fontsize=8)
+    ax1.set_yscale("log")
+    ax1.set_title(f"decode roofline, tokens/s per sequence\n(batch 1, context {plan['model']['max_context']})")
+    ax2.bar(names, [max(r["max_concurrent_sequences"], 1) for r in plan["gpus"]], color="tab:orange")
+    ax2.set_yscale("log")
+    ax2.set_title("max concurrent sequences at max context\n(memory - weights - workspace) / KV per sequence")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{plan['recipe']}: estimates from published peak figures")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_plan(plan: dict, out_dir: Path) -> dict[str, Path]:
+    """Write plan.json (strict JSON), plan.md and plan.png into ``out_dir``; returns their paths."""
+    from pipeline.manifest import write_json_atomic
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "plan.json", "md": out_dir / "plan.md", "png": out_dir / "plan.png"}
+    write_json_atomic(paths["json"], plan)
+    paths["md"].write_text(render_markdown(plan))
+    plot(plan, paths["png"])
+    return paths
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The plan's own options (the recipe positional, --set and --quiet are the CLI's common ones)."""
+    parser.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
+                        help=f"target request rate for the replica estimate (default {DEFAULT_RATE:g})")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt tokens per request (default serve.bucket_tokens)")
+    parser.add_argument("--output-tokens", type=int, default=None,
+                        help="output tokens per request (default serve.max_tokens)")
+    parser.add_argument("--workspace-gib", type=float, default=None,
+                        help="GPU memory kept for TensorRT workspace and activations (default build.workspace_mib)")
+    parser.add_argument("--measure", action="store_true",
+                        help="also time a few batch-1 decode steps of the served graph with ONNX Runtime")
+
+
+def cmd_plan(args) -> int:
+    """``python -m pipeline plan RECIPE``: print the table, write artifacts/<recipe>/plan/plan.{json,md,png}.
+
+    Raises:
+        PipelineError: see :func:`build_plan` (exit 2; an unbuilt recipe says to run make build first).
+    """
+    from pipeline.cli import load
+
+    recipe = load(args)
+    workspace = None if args.workspace_gib is None else int(args.workspace_gib * 2**30)
+    plan = build_plan(recipe, rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens,
+                      workspace_bytes=workspace, measure=args.measure)
+    run_dir = Path(recipe.work_dir) / recipe.name
+    paths = write_plan(plan, run_dir / "plan")
+    from pipeline.manifest import add_report_section
+
+    add_report_section(run_dir, "Capacity plan", paths["md"].read_text() + "\n\n![plan](plan/plan.png)\n")
+    print(paths["md"].read_text())
+    print("plan: " + "\n      ".join(str(p) for p in paths.values()))
+    return 0
