@@ -5,41 +5,28 @@
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
-from pipeline.errors import PipelineError
+from pipeline.datasets import load
+from pipeline.datasets.base import DataError
+from pipeline.datasets.corpus import CORPORA, WORD_SIM, test_data_dir
 from pipeline.recipe import Split
 
-CORPORA = {"lee_background": "lee_background.cor"}
-WORD_SIM = {"wordsim353": "wordsim353.tsv", "simlex999": "simlex999.txt"}
-
-
-class DataError(PipelineError):
-    """Eval or calibration data is missing or too small for the recipe."""
-
-
-def test_data_dir() -> Path:
-    """gensim's ``test/test_data`` folder, found without importing gensim."""
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the gensim package (it ships the eval corpora) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data"
+__all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "load_documents", "word_pairs", "special_prefix",
+           "serving_ids", "window_convention", "token_windows", "prompt_texts", "prompts"]
 
 
 def load_documents(dataset: str, split: Split) -> list[str]:
-    """Documents ``[split.start, split.stop)`` of a corpus, stripped.
+    """Documents ``[split.start, split.stop)`` of a built-in corpus, stripped
+    (the ``corpus`` data source, :mod:`pipeline.datasets.corpus`).
 
     Raises:
-        DataError: the split reaches past the corpus end.
+        DataError: not a document corpus, or the split reaches past the corpus end.
     """
-    path = test_data_dir() / CORPORA[dataset]
-    docs = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if split.stop > len(docs):
-        raise DataError(f"split [{split.start}, {split.stop}) reaches past the {len(docs)} documents of {path.name}")
-    return docs[split.start : split.stop]
+    if dataset not in CORPORA:
+        raise DataError(f"dataset {dataset!r} is not a document corpus; valid: {sorted(CORPORA)}")
+    spec = {"type": "corpus", "name": dataset, "split": {"start": split.start, "stop": split.stop}}
+    return load(spec, None, where=f"{dataset} corpus").items()
 
 
 _PROBE = "a"  # any text that tokenizes to something
@@ -160,12 +147,6 @@ def prompts(tokenizer, docs: list[str], count: int, prompt_len: int = 16) -> np.
 
 
 def word_pairs(name: str) -> tuple[list[tuple[str, str]], np.ndarray]:
-    """Word pairs and human scores (float64 ``[n]``) of a word-similarity set."""
-    pairs, scores = [], []
-    for line in (test_data_dir() / WORD_SIM[name]).read_text(encoding="utf-8").splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        a, b, s = line.split("\t")[:3]
-        pairs.append((a, b))
-        scores.append(float(s))
-    return pairs, np.asarray(scores)
+    """Word pairs and human scores (float64 ``[n]``) of a built-in word-similarity set."""
+    pairs = load({"type": "corpus", "name": name}, None, where=f"{name} word pairs").items()
+    return [(p.text_a, p.text_b) for p in pairs], np.asarray([p.score for p in pairs], np.float64)

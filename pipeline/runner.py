@@ -247,5 +247,16 @@ def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:
     man["gates"] = [{**A.to_jsonable(g), "message": g.message} for g in val.gates]
     man["verdict"] = "pass" if val.passed else "fail"
     man["artifacts"] = {k: A.to_jsonable(v) for k, v in arts.items()}
+    man["sections"] = _report_sections(run_dir)
     path = M.write_outputs(man, run_dir)
     return RunResult(man, path, val.passed, arts)
+
+
+#: report.md sections that stages leave as Markdown files in their folders.
+_SECTION_FILES = {"Engine vs ONNX Runtime": "validate/engine_vs_onnxruntime.md",
+                  "Deploy notes": "triton/deploy_notes.md"}
+
+
+def _report_sections(run_dir: Path) -> dict[str, dict]:
+    return {title: {"markdown": (run_dir / rel).read_text()}
+            for title, rel in _SECTION_FILES.items() if (run_dir / rel).is_file()}

@@ -1,0 +1,263 @@
+"""Recipe schema of the data sources: one discriminated union on ``type``.
+
+```yaml
+data: {type: corpus, name: lee_background, split: {start: 220, stop: 300}}
+data: {type: text, path: data/news.txt, split: {start: 0, stop: 500}}
+data: {type: jsonl, path: data/reviews.jsonl, field: text, label_field: stars}
+data: {type: pairs, path: data/sts.tsv, text_a: sentence1, text_b: sentence2, score: score}
+data: {type: images, path: data/images, split: {start: 0, stop: 100}}
+data: {type: npz, path: data/feeds.npz, labels: labels}
+```
+
+``split`` is a half-open range ``[start, stop)`` of the source's records
+(documents, records, rows, images, samples; ``stop`` omitted: to the end).
+Relative paths are read from the recipe file's folder: a source validated with
+``context={"base_dir": folder}`` (or made by :func:`pipeline.datasets.load`)
+is bound to it.
+
+Every source has ``files()``, ``sha256()``, ``items()``, ``describe()``,
+``claims()`` (for :func:`pipeline.datasets.check_disjoint`) and
+``record_kind``: what ``items()`` returns.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
+
+from pipeline.datasets import corpus, images, jsonl, npz, pairs, text
+from pipeline.datasets.base import Claim, files_sha256
+
+RecordKind = Literal["documents", "labeled_documents", "pairs", "images", "feeds"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Range(Strict):
+    """Half-open range ``[start, stop)`` of records; ``stop`` None: to the end."""
+
+    start: int = Field(0, ge=0)
+    stop: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Range":
+        if self.stop is not None and self.stop <= self.start:
+            raise ValueError(f"stop ({self.stop}) must be greater than start ({self.start})")
+        return self
+
+    def overlaps(self, other: "Range") -> bool:
+        """True when the two ranges share a record (an open end reaches every later one)."""
+        return ((self.stop is None or other.start < self.stop)
+                and (other.stop is None or self.start < other.stop))
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {'end' if self.stop is None else self.stop})"
+
+
+class _Source(Strict):
+    """Shared behaviour; each subclass says which reader module implements it."""
+
+    split: Range = Field(Range(start=0, stop=None), description="records [start, stop) to use; default all")
+    _base_dir: Path | None = PrivateAttr(None)
+    _where: str = PrivateAttr("data")
+
+    @model_validator(mode="after")
+    def _bind_from_context(self, info: ValidationInfo):
+        """Bind to the recipe folder given as ``context={"base_dir": ...}``."""
+        if info.context and info.context.get("base_dir") is not None:
+            self._base_dir = Path(info.context["base_dir"])
+        return self
+
+    def bind(self, base_dir: str | Path | None, where: str = "data"):
+        """A copy whose relative paths resolve against ``base_dir`` and whose
+        errors name the recipe key ``where`` (``validate.data``)."""
+        out = self.model_copy()
+        out._base_dir, out._where = (Path(base_dir) if base_dir is not None else None), where
+        return out
+
+    def _reader(self):
+        raise NotImplementedError
+
+    def files(self) -> list[Path]:
+        """The files this source reads (absolute or recipe-relative, as resolved).
+
+        Raises:
+            DataError: a file or folder is missing (names the field and the path).
+        """
+        return self._reader().files(self)
+
+    def sha256(self) -> str:
+        """Content hash (hex) of :meth:`files`, streamed: a single file's own sha256;
+        for a folder, the hash of each file's relative path and sha256.
+
+        Raises:
+            DataError: as :meth:`files`.
+        """
+        return files_sha256(self.files(), self.location())
+
+    def location(self) -> Path:
+        """The file (or, for images, the folder) the manifest names for this source.
+
+        Raises:
+            DataError: as :meth:`files`.
+        """
+        return self.files()[0]
+
+    def items(self) -> list:
+        """The records of ``split``, as :attr:`record_kind` says.
+
+        Raises:
+            DataError: the data is missing or malformed, or the range is empty or
+                reaches past it; the message names the field, file and line.
+        """
+        return self._reader().items(self)
+
+    def claims(self) -> list[Claim]:
+        """Which files and ranges this use reads, for the overlap check."""
+        return self._reader().claims(self)
+
+    def describe(self) -> str:
+        """One line for people: type, file and range."""
+        return self._reader().describe(self)
+
+    @property
+    def record_kind(self) -> RecordKind:
+        """What :meth:`items` returns: ``documents`` (``list[str]``),
+        ``labeled_documents`` (``list[Labeled(str, label)]``), ``pairs``
+        (``list[Pair]``), ``images`` (``list[Labeled(Path, int)]``) or
+        ``feeds`` (``list[Labeled(dict[str, ndarray], label)]``)."""
+        raise NotImplementedError
+
+
+class CorpusSource(_Source):
+    """A built-in corpus from the gensim wheel's test data."""
+
+    type: Literal["corpus"]
+    name: Literal["lee_background", "wordsim353", "simlex999"]
+
+    def _reader(self):
+        return corpus
+
+    @property
+    def record_kind(self) -> RecordKind:
+        return "documents" if self.name in corpus.CORPORA else "pairs"
+
+
+class TextSource(_Source):
+    """A UTF-8 text file, one document per non-blank line."""
+
+    type: Literal["text"]
+    path: str = Field(min_length=1)
+
+    def _reader(self):
+        return text
+
+    @property
+    def record_kind(self) -> RecordKind:
+        return "documents"
+
+
+class JsonlSource(_Source):
+    """A JSONL file; the text is in ``field``, an optional label in ``label_field``."""
+
+    type: Literal["jsonl"]
+    path: str = Field(min_length=1)
+    field: str = Field(min_length=1)
+    label_field: str | None = Field(None, min_length=1)
+
+    def _reader(self):
+        return jsonl
+
+    @property
+    def record_kind(self) -> RecordKind:
+        return "documents" if self.label_field is None else "labeled_documents"
+
+
+Column = Union[Annotated[int, Field(ge=0)], Annotated[str, Field(min_length=1)]]
+
+
+class PairsSource(_Source):
+    """A CSV/TSV of sentence pairs with a gold score; columns by header name or 0-based index."""
+
+    type: Literal["pairs"]
+    path: str = Field(min_length=1)
+    text_a: Column = 0
+    text_b: Column = 1
+    score: Column = 2
+    header: bool = Field(True, description="the first non-blank row names the columns")
+    delimiter: str | None = Field(None, min_length=1, max_length=1,
+                                  description="default: ',' for .csv, tab for .tsv/.tab")
+
+    @model_validator(mode="after")
+    def _columns(self) -> "PairsSource":
+        cols = [self.text_a, self.text_b, self.score]
+        if not self.header and any(isinstance(c, str) for c in cols):
+            raise ValueError("columns given by name need header: true; without a header give 0-based indices")
+        if len(set(cols)) < 3:
+            raise ValueError(f"text_a, text_b and score must be three different columns, got {cols}")
+        return self
+
+    def _reader(self):
+        return pairs
+
+    @property
+    def record_kind(self) -> RecordKind:
+        return "pairs"
+
+
+class ImagesSource(_Source):
+    """A folder of PNG/JPEG images in one subfolder per label (sorted names = class indices)."""
+
+    type: Literal["images"]
+    path: str = Field(min_length=1)
+
+    def _reader(self):
+        return images
+
+    def location(self) -> Path:
+        return images.root(self)
+
+    def classes(self) -> list[str]:
+        """Label names by class index (sorted subfolder names).
+
+        Raises:
+            DataError: the folder is missing or has no subfolder.
+        """
+        return images.classes(self)
+
+    @property
+    def record_kind(self) -> RecordKind:
+        return "images"
+
+
+class NpzSource(_Source):
+    """Ready input feeds: arrays keyed by graph input name, first axis = sample."""
+
+    type: Literal["npz"]
+    path: str = Field(min_length=1)
+    labels: str | None = Field(None, min_length=1, description="name of the labels array in the file")
+
+    def _reader(self):
+        return npz
+
+    def items(self, inputs=None) -> list:
+        """Per-sample feeds; ``inputs``: the graph input names required (see :func:`npz.arrays`)."""
+        return npz.items(self, inputs)
+
+    def arrays(self, inputs=None):
+        """``(feeds {name: [n, ...]}, labels [n, ...] | None)`` of ``split`` (see :func:`npz.arrays`)."""
+        return npz.arrays(self, inputs)
+
+    @property
+    def record_kind(self) -> RecordKind:
+        return "feeds"
+
+
+DataSource = Annotated[
+    Union[CorpusSource, TextSource, JsonlSource, PairsSource, ImagesSource, NpzSource],
+    Field(discriminator="type"),
+]
+"""The one data-source type of the recipe (calibration, validation, bench)."""
