@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from pipeline import compare, onnx_io, profiles
+from pipeline import compare, export_checks, onnx_io, profiles
 from pipeline.artifacts import ExportArtifact, TensorSpec
 from pipeline.context import StageContext
 from pipeline.errors import ExportError
@@ -39,7 +39,7 @@ def check_dynamic(inputs: list[TensorSpec], dynamic_axes: dict[str, dict[int, st
         ExportError: names the input and the axis that was baked in as a constant.
     """
     by_name = {s.name: s for s in inputs}
-    for name, axes in dynamic_axes.items():
+    for name, axes in dynamic_axes.items():  # kept for callers holding only TensorSpecs
         if name not in by_name:
             raise ExportError(f"export.dynamic_axes: graph has no input {name!r}; inputs are {sorted(by_name)}")
         for axis, dim in axes.items():
@@ -79,36 +79,66 @@ def run(ctx: StageContext) -> ExportArtifact:
     onnx_io.require_loadable(out, "export")
     model = onnx.load(str(out), load_external_data=False)
     inputs, outputs = graph_specs(model)
-    check_dynamic(inputs, adapter.dynamic_axes(ctx.recipe.export))
+    # Static axes, baked Reshapes and unrolled per-sample loops, named (export_checks).
+    axes = adapter.dynamic_axes(ctx.recipe.export)
+    export_checks.check_symbolic(model, axes, _example_sizes(adapter, ctx.recipe.export))
     # Profiles must fit the graph before any expensive work (checks, calibration).
     profiles.resolve_profiles(list(ctx.recipe.build.profiles), inputs, set(profiles.shape_tensor_inputs(model)))
-    checks = verify_shapes(ctx, adapter, module, out, inputs)
+    checks = verify_shapes(ctx, adapter, module, out, inputs, model)
     tok_dir = ctx.stage_dir / "tokenizer"
     tokenizer.save_pretrained(str(tok_dir))
     return ExportArtifact(str(out), inputs, outputs, str(tok_dir), checks)
 
 
-def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: list[TensorSpec]) -> list[dict]:
-    """Run ORT and torch on random feeds at each shape point; compare outputs."""
+def _example_sizes(adapter, export_cfg) -> dict[str, int] | None:
+    """``{dim: size}`` of the adapter's export example when it exposes ``example_feeds``
+    (numpy arrays by input name), else None: the checks then read sizes from the graph."""
+    feeds = getattr(adapter, "example_feeds", None)
+    return None if feeds is None else export_checks.example_sizes(feeds, adapter.dynamic_axes(export_cfg))
 
 
+def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: list[TensorSpec],
+                  model: onnx.ModelProto | None = None) -> list[dict]:
+    """Run ORT and torch on random feeds at each shape point; compare outputs.
+
+    An ORT failure or a wrong output size is named by input, axis and cause
+    (export_checks.run_point). The first point with batch >= 2 is also run with
+    a fully masked row in every mask-like input (export_checks.compare_masked_row).
+
+    Returns:
+        One report per point; the masked-row report is that point's ``"masked_row"``.
+
+    Raises:
+        ExportError: fewer than 3 points, or any fault at a point.
+    """
+    model = model if model is not None else onnx.load(str(onnx_path), load_external_data=False)
+    axes = adapter.dynamic_axes(ctx.recipe.export)
     sess = ort_session(str(onnx_path))
     points = shape_points(ctx)
     if len(points) < 3:
         raise ExportError(f"export.check_points: need at least 3 shape points, got {len(points)}")
     cfg = ctx.recipe.export
     tol = compare.tolerance("fp32", (cfg.rtol, cfg.atol) if cfg.rtol and cfg.atol else None)
-    results = []
+    per_output = ctx.recipe.export.tolerances
+    results, masked_done = [], False
     for i, point in enumerate(ctx.progress.track(points, "export: shape checks")):
         feeds = adapter.sample_feeds(module, inputs, point, seed=i)
-        with torch.no_grad():
-            ref = [t.numpy() for t in adapter.torch_outputs(module, feeds)]
-        got = sess.run(None, feeds)
-        report = compare.outputs(ref, got, [o.name for o in sess.get_outputs()], *tol,
-                                 per_output=ctx.recipe.export.tolerances)
+        report = export_checks.run_point(model, sess, axes, feeds, _torch(adapter, module, feeds), tol,
+                                         per_output=per_output)
         shapes = {k: list(v.shape) for k, v in feeds.items() if k in ("input_ids", "attention_mask")}
         results.append({"point": point, "shapes": shapes, **report})
-        if not report["passed"]:
-            raise ExportError(f"export: ONNX Runtime disagrees with torch at {point}: {report['worst']}")
+        masked, row = export_checks.with_masked_row(feeds)
+        if row is not None and not masked_done:
+            got = sess.run(None, masked)
+            rep = export_checks.compare_masked_row(model, axes, masked, row, _torch(adapter, module, masked), got,
+                                                   tol, per_output)
+            results[-1]["masked_row"] = rep  # same entry: one report per shape point
+            masked_done = True
     return results
+
+
+def _torch(adapter, module, feeds: dict) -> list:
+    """The adapter's torch outputs on ``feeds``, as numpy arrays."""
+    with torch.no_grad():
+        return [t.numpy() for t in adapter.torch_outputs(module, feeds)]
 
