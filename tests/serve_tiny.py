@@ -105,11 +105,12 @@ def encoder_recipe(ws: Path, serve: dict | None = None, **triton) -> Recipe:
     """An encoder recipe writing into ``ws`` (work_dir, output_dir); ``triton`` overrides."""
     data = {
         "name": "tiny-encoder",
-        "model": {"kind": "encoder", "package": None, "path": "tiny"},
+        "model": {"kind": "sentence-embedding", "package": None, "path": "tiny"},
         "export": {"dynamic_axes": {n: {0: "batch", 1: "sequence"} for n in ENC_INPUTS}},
         "quantize": {"precision": "fp32"},
         "build": {"profiles": [{"name": "default"}]},
-        "validate": {"split": {"start": 220, "stop": 230}, "metric": "word_similarity", "gates": {}},
+        "validate": {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 220, "stop": 230}},
+                     "gates": []},
         "triton": {"model_name": "tiny_enc", "max_batch_size": 8, "target": "python-onnxruntime",
                    "dynamic_batching": {"max_queue_delay_microseconds": 50000},
                    "instance_group": [{"count": 1, "kind": "KIND_CPU"}], **triton},

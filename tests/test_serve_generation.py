@@ -165,13 +165,13 @@ def test_template_final_response_says_why_it_stopped(generate_model):
         generate_model,
         ids_request([4]),  # default_max_tokens 6; greedy [10, 2, 8] ends at EOS 8
         ids_request([4], np.array([5], np.int32), ignore_eos=True),
-        ids_request([1, 2, 3], np.array([1000], np.int32), ignore_eos=True),
+        ids_request([1, 2, 3], ignore_eos=True),  # default 6 tokens
     )
     reference = reference_generate(Path(generate_model.onnx_path), [4], 5)
     cases = [(eos, reference[:3], "stop", "EOS token 8"),
              (by_max, reference, "length", "max_tokens 5 reached"),
-             (by_context, reference_generate(Path(generate_model.onnx_path), [1, 2, 3], CONTEXT - 2), "length",
-              f"context limit {CONTEXT} tokens reached (prompt 3 tokens, {CONTEXT - 2} generated)")]
+             (by_context, reference_generate(Path(generate_model.onnx_path), [1, 2, 3], 6), "length",
+              "max_tokens 6 reached")]
     for request, tokens, reason, detail in cases:
         assert [int(t) for t in outputs(request, "token_ids")] == tokens
         assert [flags for _, flags in request.sent] == [0] * (len(tokens) - 1) + [1]
@@ -182,10 +182,18 @@ def test_template_final_response_says_why_it_stopped(generate_model):
     assert tok.decode(cases[0][1]) == "t the."
 
 
-def test_template_refuses_a_prompt_longer_than_the_context(generate_model):
-    request, = run(generate_model, ids_request([4] * (CONTEXT + 1)))
-    (response, flags), = request.sent
-    assert flags == 1 and response.error == f"prompt has {CONTEXT + 1} tokens; the context limit is {CONTEXT} tokens"
+def test_template_refuses_only_when_prompt_plus_max_tokens_exceeds_the_context(generate_model):
+    alone, over, fits, default = run(
+        generate_model, ids_request([4] * CONTEXT), ids_request([1, 2, 3], np.array([CONTEXT - 2], np.int32)),
+        ids_request([1, 2, 3], np.array([CONTEXT - 3], np.int32), ignore_eos=True),
+        ids_request([1, 2, 3] * 5 + [4] * 2, ignore_eos=True))  # 17 tokens: the default 6 lowered to 3
+    assert alone.sent[0][0].error == f"prompt has {CONTEXT} tokens; the context limit is {CONTEXT} tokens " \
+                                     "(prompt + max_tokens)"
+    assert over.sent[0][0].error == (f"prompt (3 tokens) + max_tokens ({CONTEXT - 2}) = {CONTEXT + 1} tokens exceeds "
+                                     f"the context limit of {CONTEXT} tokens; lower max_tokens to at most {CONTEXT - 3}")
+    assert len(fits.sent) == CONTEXT - 3 and outputs(fits, "finish_reason") == [b"length"]
+    assert outputs(fits, "token_ids") == reference_generate(Path(generate_model.onnx_path), [1, 2, 3], CONTEXT - 3)
+    assert len(default.sent) == CONTEXT - 17 and outputs(default, "detail") == [b"max_tokens 3 reached"]
 
 
 def test_template_ends_a_cancelled_request_with_the_cancelled_error(generate_model):
@@ -195,7 +203,7 @@ def test_template_ends_a_cancelled_request_with_the_cancelled_error(generate_mod
     assert len(tokens) == 3 and [f for _, f in tokens] == [0, 0, 0]
     assert flags == 1 and final.error.code == FakeTritonError.CANCELLED
     assert final.error == "request cancelled by the client after 3 generated tokens"
-    assert generate_model.logged == ["tiny_generate: request cancelled by the client after 3 generated tokens"]
+    assert generate_model.logged[-1] == "tiny_generate: request cancelled by the client after 3 generated tokens"
 
 
 def test_client_refuses_a_max_tokens_that_is_not_an_integer():
@@ -209,6 +217,7 @@ def test_client_refuses_a_max_tokens_that_is_not_an_integer():
 
 SERVER_CONTEXT = 512
 PROMPTS = [[4], [1, 2, 3]]
+MAX_BATCH = 8
 
 
 @pytest.fixture(scope="module")
@@ -221,10 +230,10 @@ def server(tmp_path_factory):
 
     ws = tmp_path_factory.mktemp("serve_generation")
     artifacts = llm_artifacts(ws, PROMPTS, tokenizer_dir=tiny_metaspace(ws / "tok", EOS_IDS),
-                              build=context_build(SERVER_CONTEXT))
+                              build=context_build(SERVER_CONTEXT, batch_max=MAX_BATCH))
     onnx_path = Path(artifacts["quantize"].onnx_path)
     artifacts["validate"].greedy_tokens["fp8"] = [reference_generate(onnx_path, p, 8) for p in PROMPTS]
-    served = prepare(llm_recipe(ws), artifacts, backends=["python"])
+    served = prepare(llm_recipe(ws, max_batch_size=MAX_BATCH), artifacts, backends=["python"])
     srv = launch(served)
     srv.served, srv.onnx_path = served, onnx_path
     srv.tok = Tokenizer.from_file(str(ws / "tok" / "tokenizer.json"))
@@ -270,14 +279,15 @@ def test_served_max_tokens_must_be_a_positive_integer(server):
 def test_served_final_responses_carry_finish_reason_and_metaspace_text(server):
     with StreamClient(server.grpc_url, timeout_s=120) as client:
         eos = client.generate("tiny_generate", input_ids=[4])
-        long = client.generate("tiny_generate", input_ids=[1, 2, 3], max_tokens=1000, ignore_eos=True)
+        generated = SERVER_CONTEXT - 3  # prompt + max_tokens = the context
+        long = client.generate("tiny_generate", input_ids=[1, 2, 3], max_tokens=generated, ignore_eos=True)
         short = client.generate("tiny_generate", input_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
+        with pytest.raises(ServeClientError, match=f"exceeds the context limit of {SERVER_CONTEXT} tokens"):
+            client.generate("tiny_generate", input_ids=[1, 2, 3], max_tokens=generated + 1)
     assert (eos.tokens, eos.finish_reason, eos.detail, eos.text) == ([10, 2, 8], "stop", "EOS token 8", "t the.")
-    generated = SERVER_CONTEXT - 3 + 1
     assert len(long.tokens) == generated == len(long.times)
     assert long.tokens == reference_generate(server.onnx_path, [1, 2, 3], generated)
-    assert (long.finish_reason, long.detail) == (
-        "length", f"context limit {SERVER_CONTEXT} tokens reached (prompt 3 tokens, {generated} generated)")
+    assert (long.finish_reason, long.detail) == ("length", f"max_tokens {generated} reached")
     assert long.text == server.tok.decode(long.tokens) and " the" in long.text  # word-initial spaces kept
     assert (short.tokens, short.finish_reason, short.detail) == (long.tokens[:4], "length", "max_tokens 4 reached")
 
@@ -316,3 +326,91 @@ def test_check_verdict_says_why_a_short_stream_ended():
                         finish="length: context limit 33 tokens reached (prompt 32 tokens, 1 generated)")
     assert short.verdict == ("MISMATCH from position 1: streamed [5] expected [5, 6] (stream ended: length: context "
                              "limit 33 tokens reached (prompt 32 tokens, 1 generated))")
+
+
+def scheduler_stats(url: str) -> dict:
+    """The generation model's scheduler statistics (a ``scheduler_stats`` request)."""
+    import json
+
+    from pipeline.serve.client import tensor
+
+    result, error = raw_stream(url, [tensor("scheduler_stats", np.array([True]))])
+    assert error is None, error
+    return json.loads(result.as_numpy("text_output")[0].decode())
+
+
+@pytest.mark.server
+def test_served_64_concurrent_streams_at_max_batch_8_all_complete(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = scheduler_stats(server.grpc_url)["executions_by_batch_size"]
+    prompts = [[1 + i % 10, 1 + (i * 3) % 10] for i in range(64)]
+    counts = [4 + i % 13 for i in range(64)]
+
+    def stream(i):
+        with StreamClient(server.grpc_url, timeout_s=300) as client:
+            return client.generate("tiny_generate", input_ids=prompts[i], max_tokens=counts[i], ignore_eos=True)
+
+    with ThreadPoolExecutor(64) as pool:
+        gens = list(pool.map(stream, range(64)))
+    for i, gen in enumerate(gens):
+        assert (len(gen.tokens), gen.finish_reason) == (counts[i], "length")  # none lost, none duplicated
+        assert gen.tokens == reference_generate(server.onnx_path, prompts[i], counts[i])
+    after = scheduler_stats(server.grpc_url)["executions_by_batch_size"]
+    grew = {int(b) for b in after if after[b] > before.get(b, 0)}
+    assert max(grew) == MAX_BATCH and all(1 <= b <= MAX_BATCH for b in grew)
+    kv_mib = 2 * MAX_BATCH * SERVER_CONTEXT * 2 * 1 * 4 * 4 / 2**20  # 2 x B x S x L x H_kv x D x bytes
+    assert (f"tiny_generate: continuous batching on; max batch {MAX_BATCH}; KV cache budget {kv_mib:.2f} MiB = "
+            f"2 x B {MAX_BATCH} x S {SERVER_CONTEXT} x L 2 x H_kv 1 x D 4 x 4 bytes") in server.logs()
+
+
+@pytest.mark.server
+def test_served_cancelled_stream_frees_its_slot_for_a_queued_request(server):
+    clients = [StreamClient(server.grpc_url, timeout_s=300) for _ in range(MAX_BATCH + 1)]
+    try:
+        long = [c.start("tiny_generate", input_ids=[1, 2, 3], max_tokens=SERVER_CONTEXT - 3, ignore_eos=True)
+                for c in clients[:MAX_BATCH]]
+        for client, gen in zip(clients, long):  # all MAX_BATCH slots are streaming
+            assert not client.receive(gen)
+        queued = clients[-1].start("tiny_generate", input_ids=[4], max_tokens=2, ignore_eos=True)
+        clients[0].close()  # frees a slot: the queued request runs while the others still stream
+        while not clients[-1].receive(queued):
+            pass
+        assert queued.tokens == [10, 2] and queued.finish_reason == "length"
+        for client, gen in zip(clients[1:MAX_BATCH], long[1:]):
+            while not client.receive(gen):
+                pass
+        # It ended before any other stream did: its slot was the cancelled one's, not one of theirs.
+        assert queued.times[-1] < min(gen.times[-1] for gen in long[1:])
+        assert all(len(gen.tokens) == SERVER_CONTEXT - 3 for gen in long[1:])
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.server
+def test_serve_check_streams_prompts_concurrently_under_batching(server):
+    from pipeline.serve.check import check_greedy, near_tie_summary
+
+    checks = check_greedy(server.served, server.grpc_url, concurrency=2)
+    assert [(c.index, c.ok, c.batched, c.streamed) for c in checks] == [(0, True, True, [10, 2, 8]),
+                                                                      (1, True, True, [2, 8])]
+    assert near_tie_summary(checks) == ("0 of 2 prompts reached a near tie (top-2 logit gap < 0.25) of the batch-1 "
+                                        "reference and differed from there")
+
+
+def test_check_excuses_a_batched_difference_only_after_a_near_tie():
+    from pipeline.serve.check import PromptCheck, near_tie_summary
+
+    gaps = [2.0, 1.5, 0.04, 3.0]  # position 2 is a near tie
+    flipped = PromptCheck(0, [5, 6, 9, 1], [5, 6, 7, 8], reference=[5, 6, 7, 8], batched=True, gaps=gaps)
+    assert flipped.near_tie == 2 and flipped.ok and flipped.tie_excused
+    assert flipped.verdict == ("batched: equal to the batch-1 reference up to position 2, a near tie (top-2 logit "
+                               "gap 0.0400 < 0.25); the tokens differ from there")
+    early = PromptCheck(1, [5, 4, 7, 8], [5, 6, 7, 8], reference=[5, 6, 7, 8], batched=True, gaps=gaps)
+    assert not early.ok and early.verdict.startswith("MISMATCH from position 1")
+    alone = PromptCheck(2, [5, 6, 9, 1], [5, 6, 7, 8], reference=[5, 6, 7, 8], gaps=gaps)  # concurrency 1: exact
+    assert not alone.ok
+    assert near_tie_summary([flipped, early, alone]) == (
+        "1 of 3 prompts reached a near tie (top-2 logit gap < 0.25) of the batch-1 reference and differed from "
+        "there: prompts [0]")

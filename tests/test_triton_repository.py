@@ -109,7 +109,7 @@ def tiny_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def make_recipe(kind: str = "causal-lm", **triton) -> Recipe:
+def make_recipe(kind: str = "text-generation", **triton) -> Recipe:
     base_triton = dict(model_name="tiny", generate_model_name="tiny_generate", max_batch_size=4,
                        dynamic_batching={"max_queue_delay_microseconds": 100},
                        instance_group=[{"count": 1, "kind": "KIND_CPU"}])
@@ -120,8 +120,8 @@ def make_recipe(kind: str = "causal-lm", **triton) -> Recipe:
                                     "attention_mask": {0: "batch", 1: "total_sequence"}}},
         "quantize": {"precision": "fp32"},
         "build": {"profiles": [{"name": "default"}]},
-        "validate": {"split": {"start": 0, "stop": 10}, "metric": "perplexity",
-                     "generation": {"prompts": 1, "new_tokens": 6}, "gates": {}},
+        "validate": {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 0, "stop": 10}},
+                     "generation": {"prompts": 1, "new_tokens": 6}, "gates": []},
         "triton": {**base_triton, **triton},
     }
     return Recipe.model_validate(data)
@@ -314,8 +314,8 @@ def test_encoder_recipe_gets_no_generation_model(stage):
     inputs the tokenizer cannot make (this LLM's past tensors) is refused, naming them."""
     with pytest.raises(TritonConfigError, match=r"model 'tiny_tokenizer': the tokenizer model makes .*"
                                                 r"needs \['past_key_values.0.key'"):
-        write_repository(make_recipe(kind="encoder"), **stage)
-    art = write_repository(make_recipe(kind="encoder"), **stage, compute_only=True)
+        write_repository(make_recipe(kind="sentence-embedding"), **stage)
+    art = write_repository(make_recipe(kind="sentence-embedding"), **stage, compute_only=True)
     assert art.models == ["tiny"]
 
 

@@ -35,6 +35,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import TritonConfigError
+from pipeline.onnx_io import graph_specs
 from pipeline.recipe import TritonConfig
 
 if TYPE_CHECKING:  # the generated protobuf module ships no type stubs
@@ -93,34 +94,8 @@ GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_
 
 
 #: ONNX element type -> numpy dtype name (the float8 types have no Triton type).
-_ONNX_DTYPES: dict[int, str] = {
-    onnx.TensorProto.BOOL: "bool", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16",
-    onnx.TensorProto.UINT32: "uint32", onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.INT8: "int8",
-    onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT64: "int64",
-    onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
-    onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.STRING: "object",
-}
-
-
-def graph_io(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Graph inputs (initializers excluded) and outputs as TensorSpecs.
-
-    Dims: ``dim_value`` -> int, ``dim_param`` -> its name, neither -> ``"?"``.
-    Dtypes: numpy names; an element type outside :data:`_ONNX_DTYPES` keeps its
-    ONNX name (e.g. ``"FLOAT8E4M3FN"``) and is refused later by :func:`triton_dtype`.
-    """
-    initializers = {t.name for t in model.graph.initializer}
-
-    def spec(value: onnx.ValueInfoProto) -> TensorSpec:
-        tensor = value.type.tensor_type
-        dtype = _ONNX_DTYPES.get(tensor.elem_type, onnx.TensorProto.DataType.Name(tensor.elem_type))
-        shape: list[int | str] = [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tensor.shape.dim
-        ]
-        return TensorSpec(value.name, dtype, shape)
-
-    inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
-    return inputs, [spec(v) for v in model.graph.output]
+#: The one graph I/O reader (unknown dims are ``"?"``); kept under this name for callers.
+graph_io = graph_specs
 
 
 def triton_dtype(dtype: str, where: str = "") -> int:

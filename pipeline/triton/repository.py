@@ -7,11 +7,11 @@ Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
     <model_name>/<v>/model.onnx          target onnxruntime
     <model_name>/<v>/model.plan          target tensorrt
     <model_name>/<v>/model.py + model.onnx   target python-onnxruntime
-    <generate_model_name>/config.pbtxt   causal-lm recipes with generate_model_name
+    <generate_model_name>/config.pbtxt   text-generation recipes with generate_model_name
     <generate_model_name>/<v>/model.py + every file of export.tokenizer_dir
-    <model_name>_tokenizer/config.pbtxt  encoder recipes: text -> the graph's int64 inputs
+    <model_name>_tokenizer/config.pbtxt  sentence-embedding recipes: text -> the graph's int64 inputs
     <model_name>_tokenizer/<v>/model.py + every file of export.tokenizer_dir
-    <model_name>_ensemble/config.pbtxt   encoder recipes: text -> tokenizer -> compute model
+    <model_name>_ensemble/config.pbtxt   sentence-embedding recipes: text -> tokenizer -> compute model
     <model_name>_ensemble/<v>/           (empty, as Triton wants for ensembles)
 
 Publishing: everything is written into a staging folder next to ``out_dir``
@@ -38,6 +38,9 @@ import onnx
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec, TritonArtifact
 from pipeline.errors import TritonConfigError
 from pipeline.fsutil import copy_file
+from pipeline.models import registry
+from pipeline.models.text_generation import kv as _kv  # moves to models/text_generation/ with _stage_generate
+from pipeline.models.text_generation.kv import KVLayout
 from pipeline.triton import publish
 from pipeline.recipe import Recipe
 from pipeline.triton.config import (
@@ -75,16 +78,6 @@ class StagedModel:
     target: str
     profile_max_batch: int | None
     profile_count: int | None = None  # engine optimization profiles (compute model)
-
-
-@dataclass
-class KVLayout:
-    """KV-cache geometry of a causal LM: past tensors are [batch, kv_heads, past, head_dim]."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
 
 
 def tokenizer_model_name(model_name: str) -> str:
@@ -154,9 +147,10 @@ def write_repository(
     """Write, check and publish the Triton model repository for ``recipe``.
 
     The compute model serves ``quantized.onnx_path`` (or ``build.engine_path``
-    for target ``tensorrt``); causal-lm recipes with ``triton.generate_model_name``
-    also get the decoupled generation model; encoder recipes get a tokenizer
-    model and an ensemble (text -> embedding). ``compute_only``: the compute
+    for target ``tensorrt``); the kind's adapter adds its own models
+    (:meth:`pipeline.models.base.ModelAdapter.triton_models`: text-generation recipes with
+    ``triton.generate_model_name`` the decoupled generation model, sentence-embedding
+    recipes a tokenizer model and an ensemble). ``compute_only``: the compute
     model alone (bench variants).
 
     Raises:
@@ -178,10 +172,8 @@ def write_repository(
     staging = Path(tempfile.mkdtemp(prefix=publish.staging_prefix(out_dir, recipe.name), dir=out_dir.parent))
     try:
         models = [_stage_compute(recipe, target, quantized, build, staging)]
-        if recipe.model.kind == "causal-lm" and recipe.triton.generate_model_name and not compute_only:
-            models.append(_stage_generate(recipe, export, models[0].inputs, build, staging))
-        if recipe.model.kind == "encoder" and not compute_only:
-            models += _stage_encoder_text(recipe, export, models[0], build, staging)
+        if not compute_only:  # the kind's own models: generation, tokenizer + ensemble, ... (its adapter)
+            models += registry.adapter(recipe.model).triton_models(recipe, export, models[0], build, staging)
         _verify(models, staging, recipe.triton.version, gpu_available(build) if target == "onnxruntime" else False)
         publish.publish(staging, out_dir, _index_entries(recipe, target, models, staging), recipe.name)
     finally:
@@ -211,7 +203,7 @@ def _stage_compute(
     if target == "python-onnxruntime":
         _write_template("onnxruntime_model.py", version_dir / "model.py")
     _write_config(staging / cfg.name, cfg)
-    if recipe.model.kind == "causal-lm" and any(_PAST.match(s.name) for s in inputs):
+    if any(_PAST.match(s.name) for s in inputs):  # a KV-cache graph: size its shared memory
         write_deploy_notes(recipe, inputs, outputs, build.profiles)
     return StagedModel(cfg, inputs, outputs, target, max_batch, len(build.profiles))
 
@@ -293,26 +285,29 @@ def _stage_generate(
         max_concurrent_generations=max(1, recipe.triton.max_batch_size),
         continuous_batching=recipe.triton.continuous_batching,
         kv_cache_budget_mib=recipe.triton.kv_cache_budget_mib,
-        **_generate_compute_runtime(recipe, staging),
+        **_generate_compute_runtime(recipe, staging, last_logits=any(s.name == "last_logits" for s in export.outputs)),
         **context_limits(build.profiles),
     )
     _write_config(staging / name, cfg)
     return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None)
 
 
-def _generate_compute_runtime(recipe: Recipe, staging: Path) -> dict:
+def _generate_compute_runtime(recipe: Recipe, staging: Path, *, last_logits: bool) -> dict:
     """How the generation model runs the compute graph: in its own process with ONNX Runtime when
     the staged compute model is the python-onnxruntime one (it ships model.py + model.onnx), else
-    through BLS (``tensorrt_plan`` / ``onnxruntime_onnx``)."""
+    through BLS (``tensorrt_plan`` / ``onnxruntime_onnx``). ``last_logits``: the graph has that
+    output ([batch, vocab]), which each step then requests instead of ``logits``."""
     version = str(recipe.triton.version)
     compute_dir = staging / recipe.triton.model_name
+    logits = {"logits_output": "last_logits"} if last_logits else {}
     if not (compute_dir / version / "model.py").is_file():
-        return {"compute_runtime": "bls"}
+        return {"compute_runtime": "bls", "compute_parameters": logits}
     params = parse_config((compute_dir / "config.pbtxt").read_text()).parameters
     onnx_file = params["onnx_file"].string_value if "onnx_file" in params else "model.onnx"
     forwarded = {k: params[k].string_value for k in ("graph_optimization_level", "dequantize_weights") if k in params}
     return {"compute_runtime": "onnxruntime",
-            "compute_parameters": {"compute_onnx": f"{recipe.triton.model_name}/{version}/{onnx_file}", **forwarded}}
+            "compute_parameters": {"compute_onnx": f"{recipe.triton.model_name}/{version}/{onnx_file}", **forwarded,
+                                   **logits}}
 
 
 def _stage_encoder_text(
@@ -358,30 +353,14 @@ def pad_token_id(tokenizer_dir: Path) -> int:
 
 
 def kv_layout(inputs: Sequence[TensorSpec]) -> KVLayout:
-    """L, kv_heads, head_dim and dtype from ``past_key_values.{i}.key/value`` [batch, kv_heads, past, head_dim].
+    """:func:`pipeline.models.text_generation.kv.kv_layout` of the export's inputs (the one KV layout).
 
     Raises:
         TritonConfigError: no past inputs, layers not numbered 0..L-1 with a key
             and a value each, non-rank-4 or symbolic kv_heads/head_dim, or
             layers that disagree.
     """
-    past = {(int(m[1]), m[2]): s for s in inputs if (m := _PAST.match(s.name))}
-    layers = sorted({i for i, _ in past})
-    if not past or layers != list(range(len(layers))) or len(past) != 2 * len(layers):
-        raise TritonConfigError(
-            "export inputs: the generation model needs past_key_values.{i}.key/.value for i in 0..L-1; "
-            f"found {sorted(s.name for s in inputs)}"
-        )
-    geometry = {(len(s.shape), s.shape[1] if len(s.shape) == 4 else None, s.shape[-1], s.dtype) for s in past.values()}
-    rank, heads, head_dim, dtype = next(iter(geometry))
-    fixed = isinstance(heads, int) and isinstance(head_dim, int) and heads > 0 and head_dim > 0
-    if len(geometry) != 1 or rank != 4 or not fixed:
-        raise TritonConfigError(
-            "export inputs: past_key_values.* must all be [batch, kv_heads, past_sequence, head_dim] with fixed "
-            f"kv_heads/head_dim and one dtype; found {sorted((s.name, s.dtype, s.shape) for s in past.values())}"
-        )
-    assert isinstance(heads, int) and isinstance(head_dim, int)  # checked above
-    return KVLayout(len(layers), heads, head_dim, dtype)
+    return _kv.kv_layout(inputs, error=TritonConfigError)
 
 
 def _check_kv(model_name: str, kv: KVLayout, graph_inputs: Sequence[TensorSpec]) -> None:
