@@ -258,11 +258,16 @@ def test_generate_config_is_decoupled_and_carries_the_numbers():
     params = {k: v.string_value for k, v in parsed.parameters.items()}
     assert params == {"compute_model": "tiny", "num_layers": "2", "kv_heads": "1", "head_dim": "4",
                       "kv_dtype": "float32", "eos_token_ids": "0,7", "default_max_tokens": "6",
-                      "max_context": "33", "max_prompt_tokens": "16", "max_concurrent_generations": "1"}
+                      "max_context": "33", "max_prompt_tokens": "16", "max_concurrent_generations": "1",
+                      "continuous_batching": "1", "kv_cache_budget_mib": "0.0", "compute_runtime": "bls"}
     io = {t.name: (mc.DataType.Name(t.data_type), list(t.dims)) for t in [*parsed.input, *parsed.output]}
     assert io == {"text_input": ("TYPE_STRING", [1]), "max_tokens": ("TYPE_INT32", [1]),
                   "input_ids": ("TYPE_INT64", [-1]), "ignore_eos": ("TYPE_BOOL", [1]),
-                  "text_output": ("TYPE_STRING", [1]), "token_ids": ("TYPE_INT64", [1])}
-    assert [t.optional for t in parsed.input] == [True, True, True, True]
+                  "messages": ("TYPE_STRING", [1]), "temperature": ("TYPE_FP32", [1]),
+                  "top_k": ("TYPE_INT32", [1]), "top_p": ("TYPE_FP32", [1]), "seed": ("TYPE_INT64", [1]),
+                  "stop": ("TYPE_STRING", [-1]), "scheduler_stats": ("TYPE_BOOL", [1]),
+                  "text_output": ("TYPE_STRING", [1]), "token_ids": ("TYPE_INT64", [1]),
+                  "finish_reason": ("TYPE_STRING", [1]), "detail": ("TYPE_STRING", [1])}
+    assert [t.optional for t in parsed.input] == [True] * 11
     check_config(parsed, GENERATE_INPUTS, GENERATE_OUTPUTS, profile_max_batch=None, target="python",
                  version_dirs=["1"])
