@@ -1,6 +1,10 @@
 """ONNX Runtime sessions: CUDA when present, CPU otherwise."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import onnx
 import onnxruntime as ort
 
 
@@ -25,7 +29,88 @@ def _usable(provider: str) -> bool:
 # build an invalid MatMulIntegerToFloat, and with those disabled another
 # transformer still gives wrong numbers (seen with onnxruntime 1.31). Basic
 # optimisations keep the exact simulated-quantization semantics: values are
-# quantized and dequantized, the GEMM runs in FP32. FP32 graphs get all of them.
+# quantized and dequantized, the GEMM runs in FP32.
+#
+# INT8 Q/DQ at level 2+ runs ORT's integer kernels (MiniLM INT8 at batch 8 x 64:
+# 31.1 ms at "all" against 40.6 ms at "basic", FP32 31.4 ms), but on x86 CPUs
+# without VNNI (AVX2 / AVX-512F) those kernels multiply u8 activations by s8
+# weights in int16 pairs (vpmaddubsw), which saturate once |weight| > 64:
+# 2 * 255 * 127 > 32767. Measured here (onnxruntime 1.31.1, AVX2): full-range
+# INT8 weights give outputs 31 % (max relative) away from the basic level's;
+# weights within [-64, 64] (ORT's "reduce_range") give 3e-7
+# (tests/test_ort_levels.py). So:
+#   FP8 Q/DQ                              -> "basic"
+#   INT8 Q/DQ with a weight beyond +-64   -> "basic" (exact on every CPU)
+#   INT8 Q/DQ, 7-bit weights; FP32; FP16  -> "all"
+# The served config (pipeline.triton.config.compute_config) asks for the same level.
+
+#: level name (as the python-onnxruntime template's ``graph_optimization_level``) -> ORT enum.
+ORT_LEVELS = {
+    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+_FLOAT8 = frozenset(getattr(onnx.TensorProto, n) for n in (
+    "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ") if hasattr(onnx.TensorProto, n))
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+def has_fp8_qdq(model: onnx.ModelProto) -> bool:
+    """True when a QuantizeLinear/DequantizeLinear node of the main graph works in a
+    float8 type: an FP8 ``output_dtype`` attribute, or an FP8 initializer among its
+    inputs (zero point, or a weight stored in FP8). Reads no weight data."""
+    fp8_inits = {t.name for t in model.graph.initializer if t.data_type in _FLOAT8}
+    for node in model.graph.node:
+        if node.op_type not in _QDQ:
+            continue
+        if any(name in fp8_inits for name in node.input):
+            return True
+        if any(a.name == "output_dtype" and a.i in _FLOAT8 for a in node.attribute):
+            return True
+    return False
+
+
+#: largest |int8 weight| the non-VNNI x86 integer kernels multiply without int16 saturation.
+SATURATION_SAFE_INT8 = 64
+
+
+def int8_weights_saturate(model: onnx.ModelProto, base_dir: str = "") -> bool:
+    """True when an INT8 initializer dequantized by a DequantizeLinear (a quantized
+    weight) holds a value beyond +-:data:`SATURATION_SAFE_INT8`. Reads those weights
+    (external data from ``base_dir``)."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    for node in model.graph.node:
+        w = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
+        if w is not None and int(np.abs(numpy_helper.to_array(w, base_dir).astype(np.int16)).max(initial=0)) \
+                > SATURATION_SAFE_INT8:
+            return True
+    return False
+
+
+def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") -> str:
+    """The ONNX Runtime graph optimization level a graph is validated and served at
+    (the rule in the comment above): ``"basic"`` for FP8 Q/DQ and for INT8 Q/DQ
+    with full-range weights, ``"all"`` for every other graph. Used by
+    :func:`ort_session` and :func:`pipeline.triton.config.compute_config`, so
+    validate measures what is served.
+
+    Args:
+        model: a path to an ``.onnx`` file, or a ModelProto (possibly loaded without
+            external data; ``base_dir`` then names the folder holding it).
+
+    Raises:
+        OSError / google.protobuf.message.DecodeError: the file cannot be read as ONNX.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        base_dir = base_dir or str(Path(model).parent)
+        model = onnx.load(str(model), load_external_data=False)
+    if has_fp8_qdq(model) or int8_weights_saturate(model, base_dir):
+        return "basic"
+    return "all"
 
 
 def has_qdq(path: str) -> bool:
@@ -37,11 +122,11 @@ def has_qdq(path: str) -> bool:
 
 
 def ort_session(path: str) -> ort.InferenceSession:
-    """An InferenceSession for ``path`` (CUDA EP first when usable)."""
+    """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
+    :func:`optimization_level`."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    if has_qdq(path):
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.graph_optimization_level = ORT_LEVELS[optimization_level(path)]
     return ort.InferenceSession(path, sess_options=opts, providers=providers(),
                                 disabled_optimizers=_large_model_optimizers(path))
 

@@ -1,0 +1,193 @@
+"""Quality statistics of a candidate causal LM against its FP32 reference, computed
+the way llama.cpp's ``llama-perplexity --kl-divergence`` does
+(``tools/perplexity/perplexity.cpp`` in ggml-org/llama.cpp: per scored token it
+keeps the two NLLs, the KL divergence, the change in the probability of the
+correct token and whether the two argmaxes agree; summaries come from those).
+
+Streaming: :class:`QualityAccumulator` is fed one batch of windows at a time
+(reference and candidate logits ``[batch, seq, vocab]``) and keeps only per-token
+scalars (5 numbers per scored token), never the logits. Log-softmax runs in
+float64 on ``chunk`` positions at a time, so extra memory is about
+``4 * chunk * vocab * 8`` bytes (25 MB for chunk 16 and a 49152-token vocabulary).
+
+Keys of :meth:`QualityAccumulator.summary` (``validate/metrics.json``):
+
+* ``perplexity_ratio`` = PPL(cand) / PPL(ref) = exp(mean(d)), d_t = NLL_cand(t) - NLL_ref(t)
+  (nats). ``perplexity_ratio_stderr``: first-order error propagation of the
+  standard error of mean(d), as llama.cpp: with n scored tokens,
+  ``se(ln ratio) = sqrt(se_c^2 + se_r^2 - 2 cov) = sqrt(var(d) / (n - 1))``
+  (``var`` the population variance; ``se_c``, ``se_r`` the standard errors of the
+  two mean NLLs and ``cov`` their covariance term, all over ``n - 1``), and
+  ``stderr = ratio * se(ln ratio)``. Tokens are treated as independent, as llama.cpp does.
+* ``kld_mean``, ``kld_p50``, ``kld_p90``, ``kld_p99``, ``kld_p999``, ``kld_max``:
+  KL(ref || cand) = sum_v p_ref(v) (log p_ref(v) - log p_cand(v)) per token (nats);
+  percentiles by linear interpolation (``numpy.percentile``).
+* ``top1_agreement``: teacher-forced, fraction of scored positions whose argmax is the same.
+* ``delta_p_rms``, ``delta_p_p01``, ``delta_p_p99``: delta_p = p_cand(correct) - p_ref(correct)
+  (probability, not percent), RMS and 1st / 99th percentiles.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.special import logsumexp
+
+#: metric names written by :meth:`QualityAccumulator.summary` (all gateable).
+QUALITY_KEYS: tuple[str, ...] = (
+    "perplexity_ratio", "perplexity_ratio_stderr",
+    "kld_mean", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max",
+    "top1_agreement", "delta_p_rms", "delta_p_p01", "delta_p_p99",
+)
+
+_KLD_PERCENTILES = {"kld_p50": 50.0, "kld_p90": 90.0, "kld_p99": 99.0, "kld_p999": 99.9}
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis of ``[positions, vocab]``."""
+    lg = logits.astype(np.float64)
+    return lg - logsumexp(lg, axis=-1, keepdims=True)
+
+
+class QualityAccumulator:
+    """Per-token statistics of candidate vs reference logits, fed window batch by window batch.
+
+    Position t of a window predicts token t+1; positions ``context - 1 .. seq - 2``
+    are scored (``context`` leading tokens are context only, as
+    :func:`pipeline.models.text_generation.metrics.mean_nll`).
+
+    Args:
+        context: leading tokens of each window never scored (>= 1).
+        chunk: positions per float64 log-softmax block (memory bound, not results).
+
+    Raises:
+        ValueError: ``context`` < 1 or ``chunk`` < 1.
+    """
+
+    def __init__(self, context: int = 1, chunk: int = 16):
+        if context < 1 or chunk < 1:
+            raise ValueError(f"QualityAccumulator: context={context} and chunk={chunk} must both be >= 1")
+        self.context, self.chunk = context, chunk
+        self._parts: dict[str, list[np.ndarray]] = {k: [] for k in ("nll_ref", "nll_cand", "kld", "dp", "same")}
+        #: running NLL sums (nats) in the order :func:`...metrics.perplexity` adds them:
+        #: per batch, row sums added to 0.0, then the batch sum added to the total.
+        self.nll_sum_ref = 0.0
+        self.nll_sum_cand = 0.0
+
+    def add(self, ref_logits: np.ndarray, cand_logits: np.ndarray, ids: np.ndarray) -> None:
+        """Score one batch of windows.
+
+        Args:
+            ref_logits, cand_logits: ``[batch, seq, vocab]`` float (the reference at
+                full precision: it is never rounded here).
+            ids: int ``[batch, seq]`` token ids of the windows.
+
+        Raises:
+            ValueError: shapes disagree, or ``context`` leaves nothing to score.
+        """
+        if ref_logits.shape != cand_logits.shape or ref_logits.shape[:2] != ids.shape:
+            raise ValueError(f"QualityAccumulator.add: reference logits {ref_logits.shape}, candidate logits "
+                             f"{cand_logits.shape} and ids {ids.shape} must be [batch, seq, vocab] / [batch, seq]")
+        if not self.context < ids.shape[1]:
+            raise ValueError(f"context={self.context} must be below the window length {ids.shape[1]}")
+        batch_ref = batch_cand = 0.0
+        for ref, cand, tokens in zip(ref_logits, cand_logits, ids):
+            row = self._row(ref[self.context - 1 : -1], cand[self.context - 1 : -1], tokens[self.context :])
+            for key, values in row.items():
+                self._parts[key].append(values)
+            batch_ref += float(row["nll_ref"].sum())
+            batch_cand += float(row["nll_cand"].sum())
+        self.nll_sum_ref += batch_ref
+        self.nll_sum_cand += batch_cand
+
+    def _row(self, ref: np.ndarray, cand: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-token scalars of one window's scored positions (``[n, vocab]`` logits, ``[n]`` targets)."""
+        out: dict[str, list[np.ndarray]] = {k: [] for k in self._parts}
+        for lo in range(0, len(targets), self.chunk):
+            sl = slice(lo, lo + self.chunk)
+            lr, lc = _log_softmax(ref[sl]), _log_softmax(cand[sl])
+            tgt = targets[sl, None]
+            pick_r = np.take_along_axis(lr, tgt, axis=-1)[:, 0]
+            pick_c = np.take_along_axis(lc, tgt, axis=-1)[:, 0]
+            out["nll_ref"].append(-pick_r)
+            out["nll_cand"].append(-pick_c)
+            out["kld"].append((np.exp(lr) * (lr - lc)).sum(axis=-1))
+            out["dp"].append(np.exp(pick_c) - np.exp(pick_r))
+            out["same"].append(ref[sl].argmax(-1) == cand[sl].argmax(-1))
+        return {k: np.concatenate(v) for k, v in out.items()}
+
+    @property
+    def tokens(self) -> int:
+        """Scored tokens so far."""
+        return sum(len(p) for p in self._parts["kld"])
+
+    def values(self, key: str) -> np.ndarray:
+        """All per-token values of ``key`` (``nll_ref``, ``nll_cand``, ``kld``, ``dp``, ``same``)."""
+        parts = self._parts[key]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def summary(self) -> dict:
+        """The statistics named in :data:`QUALITY_KEYS` (floats).
+
+        A non-finite per-token value (NaN/inf candidate logits) makes every
+        statistic ``None`` with ``quality_statistics_reason`` saying why.
+
+        Raises:
+            ValueError: fewer than 2 tokens were scored (no uncertainty can be given).
+        """
+        n = self.tokens
+        if n < 2:
+            raise ValueError(f"QualityAccumulator.summary: {n} scored token(s); at least 2 are needed")
+        d = self.values("nll_cand") - self.values("nll_ref")
+        kld, dp = self.values("kld"), self.values("dp")
+        if not (np.isfinite(d).all() and np.isfinite(kld).all() and np.isfinite(dp).all()):
+            bad = int((~np.isfinite(d) | ~np.isfinite(kld)).sum())
+            return {**{k: None for k in QUALITY_KEYS},
+                    "quality_statistics_reason": f"{bad} of {n} scored tokens have non-finite candidate statistics "
+                                                 "(NaN/inf logits)"}
+        ratio = math.exp(float(d.mean()))
+        out = {"perplexity_ratio": ratio,
+               "perplexity_ratio_stderr": ratio * math.sqrt(float(d.var()) / (n - 1)),
+               "kld_mean": float(kld.mean()), "kld_max": float(kld.max()),
+               "top1_agreement": float(self.values("same").mean()),
+               "delta_p_rms": math.sqrt(float(np.mean(dp * dp))),
+               "delta_p_p01": float(np.percentile(dp, 1.0)), "delta_p_p99": float(np.percentile(dp, 99.0))}
+        out.update({k: float(np.percentile(kld, q)) for k, q in _KLD_PERCENTILES.items()})
+        return {k: out[k] for k in QUALITY_KEYS}
+
+
+def paired_perplexity(run_ref, run_cand, windows: np.ndarray, batch: int, progress, label: str,
+                      context: int = 1) -> tuple[float, float, dict]:
+    """Run the reference and the candidate on each batch of windows and feed both
+    logits to one :class:`QualityAccumulator` (one batch of logits per model in memory).
+
+    Args:
+        run_ref, run_cand: ``ids [b, seq] int64 -> logits [b, seq, vocab] float32``.
+        windows: int64 ``[n, seq]`` (:func:`pipeline.data.token_windows`).
+        batch: windows per call; progress: the stage's progress (``track``).
+        label: the candidate's name in the progress line; context: as in :class:`QualityAccumulator`.
+
+    Returns:
+        ``(perplexity_ref, perplexity_cand, statistics)``: the perplexities are
+        ``exp(mean NLL)`` (inf when the candidate's sum is not finite), bit-identical
+        to :func:`pipeline.models.text_generation.metrics.perplexity` run on each
+        model alone; ``statistics`` is :meth:`QualityAccumulator.summary`.
+
+    Raises:
+        AccuracyError: NaN logits from the reference.
+    """
+    from pipeline.errors import AccuracyError
+
+    acc = QualityAccumulator(context)
+    for i in progress.track(list(range(0, len(windows), batch)), f"validate: perplexity (fp32 and {label})"):
+        ids = windows[i : i + batch]
+        ref = run_ref(ids)
+        if np.isnan(ref).any():
+            raise AccuracyError("validate: the FP32 reference produced NaN logits")
+        acc.add(ref, run_cand(ids), ids)
+    n = acc.tokens
+
+    def ppl(total: float) -> float:
+        return math.exp(total / n) if math.isfinite(total) else math.inf
+
+    return ppl(acc.nll_sum_ref), ppl(acc.nll_sum_cand), acc.summary()
