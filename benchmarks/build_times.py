@@ -49,7 +49,7 @@ def make_large_llama(folder: Path) -> int:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pipeline.models.llm import package_file
+    from pipeline.models.sources import package_file
     from pipeline.recipe import load_recipe
 
     src = package_file(load_recipe(Path("recipes/fp8-llm.yaml")).model)
@@ -71,7 +71,7 @@ def large_recipe(ws: Path, model_dir: Path) -> Path:
 
     data = yaml.safe_load(Path("recipes/fp8-llm.yaml").read_text())
     data["name"] = "large-llm"
-    data["model"] = {"kind": "causal-lm", "package": None, "path": str(model_dir)}
+    data["model"] = {"kind": "text-generation", "package": None, "path": str(model_dir)}
     data["export"]["check_points"] = [{"batch": 1, "sequence": 4, "past_sequence": 0},
                                       {"batch": 3, "sequence": 1, "past_sequence": 5},
                                       {"batch": 2, "sequence": 7, "past_sequence": 9}]
@@ -79,7 +79,7 @@ def large_recipe(ws: Path, model_dir: Path) -> Path:
     data["quantize"]["calibration"].update(samples=8, seq_len=32, batch_size=4)
     data["quantize"]["exclude"] = {"nodes": []}
     data["validate"].update(seq_len=64, max_windows=4, generation={"prompts": 2, "new_tokens": 4})
-    data["validate"]["gates"] = {"max_relative_perplexity_increase": 10.0}
+    data["validate"]["gates"] = [{"metric": "relative_perplexity_increase", "max": 10.0}]
     path = ws / "large-llm.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -1,6 +1,7 @@
 """Command line: ``python -m pipeline build recipes/fp8-llm.yaml``.
 
-Commands: ``build`` (every stage), ``check`` (the build's pre-flight only: schema,
+Commands: ``build`` (every stage; ``--test``: on a random 2-layer copy of the model,
+gates not enforced, nothing published, see pipeline.smoke), ``check`` (the build's pre-flight only: schema,
 cross-section constraints and the weights' presence), ``serve`` (local
 tritonserver until Ctrl-C), ``bench`` (start, measure, stop; see pipeline.serve)
 and ``verify-repo DIR`` (re-hash a published repository against its repository.json).
@@ -32,7 +33,7 @@ import sys
 import traceback
 from pathlib import Path
 
-
+from pipeline import interrupts
 from pipeline.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError, RecipeError, RepositoryCorrupt
 
 FALLBACK_LOG = Path("pipeline-error.log")
@@ -65,7 +66,7 @@ def parse_set(items: list[str]) -> dict[str, object]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. validate.gates.max_relative_perplexity_increase=0.01")
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. validate.gates.0.max=0.01")
         out[key.strip()] = parse_set_value(value)
     return out
 
@@ -90,10 +91,13 @@ def preflight(args):
     Raises:
         RecipeError: the recipe or a ``--set`` value is invalid.
         PipelineError: the weights are missing (names model.package / model.path).
+        DataError: two data uses overlap (names both) or a data file is missing.
     """
-    from pipeline.models.llm import package_file
+    from pipeline.models.sources import package_file
 
     recipe = load(args)
+    from pipeline import datasets, manifest
+    datasets.check_disjoint(manifest.data_uses(recipe, Path(args.recipe).parent))  # calibration vs eval data
     try:
         weights = package_file(recipe.model)  # raises, naming model.package/path, when missing
     except (ImportError, ValueError) as e:  # a parent package that is missing or broken
@@ -105,6 +109,10 @@ def cmd_build(args) -> int:
     from pipeline.runner import run_pipeline
 
     recipe, _ = preflight(args)
+    if getattr(args, "test", False):  # random 2-layer copy, gates not enforced (pipeline.smoke)
+        from pipeline.smoke import run_test
+
+        return run_test(Path(args.recipe), recipe, parse_set(args.set), quiet=args.quiet)
     result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet)
     run_dir = result.manifest_path.parent
     for g in result.manifest["gates"]:
@@ -225,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--check", action="store_true",
                             help="stream every validate prompt and compare with the validate stage's greedy tokens")
             add_serve_arguments(sp)
+        if name == "build":
+            sp.add_argument("--test", action="store_true",
+                            help="smoke test: run on a randomly initialised 2-layer copy of the model (HF folder "
+                                 "or GGUF sources only); gates reported, not enforced; nothing published")
         if name == "bench":
             sp.add_argument("--no-aiperf", action="store_true", help="skip the AIPerf run against the OpenAI endpoint")
     return p
@@ -262,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return args.fn(args)
+        with interrupts.handled():  # the one place SIGINT/SIGTERM handlers are installed
+            return args.fn(args)
     except PipelineError as e:
         if e.exit_code == EXIT_INTERNAL:
             return _internal_error(args, e)

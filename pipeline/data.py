@@ -1,32 +1,54 @@
-"""Real text data shipped in the gensim wheel, split into disjoint document ranges.
+"""Text data for calibration, validation and the bench: the texts of a recipe's
+data source (:mod:`pipeline.datasets`), token windows and greedy prompts cut
+from them, and the built-in word-similarity sets.
 
-* ``lee_background.cor``: 300 news articles, one per line (Lee et al., 2005).
-* ``wordsim353.tsv``, ``simlex999.txt``: word pairs with human similarity scores.
+* ``lee_background`` (gensim wheel): 300 news articles, one per line (Lee et al., 2005).
+* ``wordsim353``, ``simlex999``: word pairs with human similarity scores.
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
-from pipeline.datasets import load
+from pipeline.datasets import DataSource, load
 from pipeline.datasets.base import DataError
 from pipeline.datasets.corpus import CORPORA, WORD_SIM, test_data_dir
-from pipeline.recipe import Split
 
-__all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "load_documents", "word_pairs", "special_prefix",
+__all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "documents", "recipe_data_sha256", "word_pairs", "special_prefix",
            "serving_ids", "window_convention", "token_windows", "prompt_texts", "prompts"]
 
 
-def load_documents(dataset: str, split: Split) -> list[str]:
-    """Documents ``[split.start, split.stop)`` of a built-in corpus, stripped
-    (the ``corpus`` data source, :mod:`pipeline.datasets.corpus`).
+def documents(source: DataSource) -> list[str]:
+    """The texts of a recipe data source's ``split``, in order: a document per record
+    of a ``corpus`` (lee_background) or ``text`` source, the text field of a ``jsonl``
+    one (labels dropped). ``source`` is bound to the recipe's folder (as
+    :func:`pipeline.recipe.load_recipe` leaves it) and names its recipe key in errors.
 
     Raises:
-        DataError: not a document corpus, or the split reaches past the corpus end.
+        DataError: a file is missing or malformed, the split reaches past the data,
+            or the source gives no texts (pairs, images, feeds); names the key.
     """
-    if dataset not in CORPORA:
-        raise DataError(f"dataset {dataset!r} is not a document corpus; valid: {sorted(CORPORA)}")
-    spec = {"type": "corpus", "name": dataset, "split": {"start": split.start, "stop": split.stop}}
-    return load(spec, None, where=f"{dataset} corpus").items()
+    kind = source.record_kind
+    if kind == "documents":
+        return source.items()
+    if kind == "labeled_documents":
+        return [record.input for record in source.items()]
+    raise DataError(f"{source._where}: {source.describe()} gives {kind}, not texts; valid here: a corpus "
+                    "(lee_background), text or jsonl source")
+
+
+def recipe_data_sha256(recipe) -> str:
+    """sha256 hex over the content hashes of a recipe's calibration and validate
+    data (:meth:`DataSource.sha256`): part of every key of what is measured on them,
+    so editing a data file in place invalidates the measurement.
+
+    Raises:
+        DataError: a data file is missing.
+    """
+    calibration = recipe.quantize.calibration
+    sources = [recipe.validate_.data] + ([calibration.data] if calibration is not None else [])
+    return hashlib.sha256("|".join(src.sha256() for src in sources).encode()).hexdigest()
 
 
 _PROBE = "a"  # any text that tokenizes to something

@@ -6,13 +6,14 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
+
+from pipeline.fsutil import file_sha256, write_text_atomic  # noqa: F401  (write_text_atomic: re-exported)
 
 if TYPE_CHECKING:  # type only: pipeline.datasets imports this module, and the recipe will import datasets
     from pipeline.recipe import Recipe
@@ -53,15 +54,13 @@ def code_hash() -> str:
 
 
 def sha256_file(path: str | Path, _cache: dict = {}) -> str:
-    """sha256 hex digest of a file, memoised on (path, size, mtime)."""
+    """sha256 hex digest of a file (:func:`pipeline.fsutil.file_sha256`), memoised on
+    (path, size, mtime): for stage keys, which hash the same large files many times.
+    Verification of published files uses the unmemoised one."""
     st = os.stat(path)
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _cache:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-        _cache[key] = h.hexdigest()
+        _cache[key] = file_sha256(Path(path))
     return _cache[key]
 
 
@@ -72,7 +71,7 @@ def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
     Raises:
         DataError: a data file is missing.
     """
-    from pipeline.models.llm import package_file
+    from pipeline.models.sources import package_file
 
     model = package_file(recipe.model)
     return {
@@ -191,14 +190,6 @@ def write_json_atomic(path: Path, data: dict, *, strict: bool = True) -> None:
     else:
         text = json.dumps(data, indent=2, default=str)
     write_text_atomic(path, text)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def write_outputs(man: dict, run_dir: Path) -> Path:

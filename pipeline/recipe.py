@@ -13,13 +13,20 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from pipeline.datasets.schema import DataSource
 from pipeline.errors import RecipeError
 
 Precision = Literal["fp8", "int8", "fp16", "fp32"]
 CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
 InstanceKind = Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"]
+#: Model kinds, named after the field's tasks; each has an adapter in pipeline/models/<kind>/
+#: (pipeline.models.registry maps kind -> adapter; tests check the two lists agree).
+ModelKind = Literal["text-generation", "sentence-embedding", "image-classification", "generic"]
+#: Kind names of older recipes -> their new name (refused, with the new form in the message).
+RENAMED_KINDS = {"causal-lm": "text-generation", "encoder": "sentence-embedding"}
 TritonTarget = Literal["auto", "tensorrt", "onnxruntime", "python-onnxruntime"]
 
 
@@ -30,12 +37,21 @@ class Strict(BaseModel):
 class ModelSource(Strict):
     """Where the weights come from: a file inside an installed Python package."""
 
-    kind: Literal["causal-lm", "encoder"]
+    kind: ModelKind = Field(description="the task: selects the adapter in pipeline/models/<kind>/")
     package: str | None = Field(
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
         description="importable package that ships the weights; null: `path` is a local path",
     )
     path: str = Field(description="file (GGUF) or folder (HF layout) inside the package")
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _renamed_kind(cls, value):
+        """An old kind name fails with the new form (``causal-lm`` -> ``text-generation``)."""
+        if isinstance(value, str) and value in RENAMED_KINDS:
+            raise PydanticCustomError("renamed_kind", "'{old}' was renamed; use kind: {new}",
+                                      {"old": value, "new": RENAMED_KINDS[value]})
+        return value
 
 
 class Tolerance(Strict):
@@ -60,31 +76,78 @@ class ExportConfig(Strict):
     )
 
 
-class Split(Strict):
-    """Half-open range ``[start, stop)`` of documents in the corpus."""
+def _flow(value: object) -> str:
+    """``value`` as one line of YAML flow style, keys in their given order."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 20).strip()
 
-    start: int = Field(ge=0)
-    stop: int = Field(gt=0)
 
-    @model_validator(mode="after")
-    def _ordered(self) -> "Split":
-        if self.stop <= self.start:
-            raise ValueError(f"stop ({self.stop}) must be greater than start ({self.start})")
-        return self
+def _refuse_old_fields(data: object, at: tuple[str, ...], fields: Sequence[str]) -> object:
+    """A section mapping of an older recipe shape fails here, each old field with its
+    new form (``dataset`` + ``split`` -> ``data``, flat ``gates``, ``metric``).
 
-    def overlaps(self, other: "Split") -> bool:
-        return self.start < other.stop and other.start < self.stop
+    Raises:
+        ConstraintErrors: (loc, message) per old field found, ``loc`` from the recipe root.
+    """
+    from pipeline.recipe_checks import ConstraintErrors, Problem
+
+    if not isinstance(data, dict):
+        return data
+    problems: list[Problem] = []
+    old = [k for k in ("dataset", "split") if k in data and k in fields]
+    if old:
+        new: dict = {"type": "corpus", "name": data.get("dataset", "lee_background")}
+        if isinstance(data.get("split"), dict):
+            new["split"] = data["split"]
+        problems.append(((*at, old[0]), f"{' and '.join(old)} were replaced by a data source (types corpus, text, "
+                         f"jsonl, pairs, images, npz); write data: {_flow(new)}"))
+    if "metric" in fields and "metric" in data:
+        problems.append(((*at, "metric"), "removed: it was never read (the model kind decides what validate "
+                         "measures); delete it"))
+    if "gates" in fields and isinstance(data.get("gates"), dict):
+        problems.append(((*at, "gates"), f"flat gate fields were replaced by a list of {{metric: <name>, max: <x>}} "
+                         f"or {{metric: <name>, min: <x>}}; write gates: {_flow(_gate_list(data['gates']))}"))
+    if problems:
+        raise ConstraintErrors(problems)
+    return data
+
+
+#: Flat gate fields of older recipes -> (metric, bound) of the gate that replaces each.
+OLD_GATE_FIELDS = {
+    "max_relative_perplexity_increase": ("relative_perplexity_increase", "max"),
+    "min_token_agreement": ("token_agreement", "min"),
+    "max_spearman_drop": ("spearman_drop_max", "max"),
+    "min_mean_cosine": ("mean_cosine", "min"),
+}
+
+
+def _gate_list(flat: dict) -> list[dict]:
+    """The gate list equivalent to an older recipe's flat ``gates`` mapping (unknown fields skipped)."""
+    out = []
+    for field, value in flat.items():
+        if field in OLD_GATE_FIELDS and value is not None:
+            metric, bound = OLD_GATE_FIELDS[field]
+            out.append({"metric": metric, bound: value})
+    return out
 
 
 class CalibrationConfig(Strict):
     method: CalibrationMethod = "max"
     percentile: float = Field(99.99, gt=90, le=100)
-    dataset: Literal["lee_background"] = "lee_background"
-    split: Split
+    data: DataSource = Field(description="calibration text (pipeline.datasets); must not overlap validate.data")
     samples: int = Field(ge=1, description="number of calibration sequences")
     min_samples: int = Field(8, ge=1)
     seq_len: int = Field(128, ge=2)
     batch_size: int = Field(4, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_shape(cls, data: object) -> object:
+        return _refuse_old_fields(data, ("quantize", "calibration"), ("dataset", "split"))
+
+    @model_validator(mode="after")
+    def _name_data(self) -> "CalibrationConfig":
+        self.data._where = "quantize.calibration.data"  # data errors name the recipe key
+        return self
 
     @model_validator(mode="after")
     def _enough(self) -> "CalibrationConfig":
@@ -116,12 +179,53 @@ class QuantizeConfig(Strict):
     rest_precision: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32", description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
         "(pipeline.quant.autocast); bf16 is validated only through a TensorRT engine")
+    smoothquant: SmoothQuantConfig | None = Field(None, description="SmoothQuant before Q/DQ (pipeline.quant.smoothquant)")
+    accuracy_budget: Gate | None = Field(
+        None, description="a gate on a tuning-split metric (kld_mean, relative_perplexity_increase, top1_agreement) "
+        "that the automatic exclusion search must meet (pipeline.quant.budget)")
+    tuning: TuningConfig | None = Field(None, description="tuning split and search bounds for sensitivity/budget")
+    sensitivity: SensitivityConfig | None = None
 
     @model_validator(mode="after")
     def _needs_calibration(self) -> "QuantizeConfig":
         if self.precision in ("fp8", "int8") and self.calibration is None:
             raise ValueError(f"precision {self.precision!r} needs a calibration section")
         return self
+
+    @model_validator(mode="after")
+    def _tuning_fits(self) -> "QuantizeConfig":
+        uses = [k for k in ("smoothquant", "accuracy_budget", "sensitivity") if getattr(self, k) is not None]
+        if uses and self.precision not in ("fp8", "int8"):
+            raise ValueError(f"{', '.join(uses)} need precision fp8 or int8, not {self.precision!r}")
+        if (self.accuracy_budget or self.sensitivity) and self.tuning is None:
+            raise ValueError("accuracy_budget and sensitivity need a tuning section: tuning: {data: <source disjoint "
+                             "from calibration and validate data>}")
+        trial = ("kld_mean", "relative_perplexity_increase", "top1_agreement")
+        if self.accuracy_budget is not None and self.accuracy_budget.metric not in trial:
+            raise ValueError(f"accuracy_budget.metric {self.accuracy_budget.metric!r} is not measured on the tuning "
+                             f"split; valid: {list(trial)}")
+        return self
+
+
+class SmoothQuantConfig(Strict):
+    alpha: float = Field(0.5, ge=0, le=1, description="migration strength (Xiao et al. 2023)")
+
+
+class TuningConfig(Strict):
+    data: DataSource = Field(description="tuning data: disjoint from quantize.calibration.data and validate.data")
+    max_windows: int = Field(8, ge=1, description="windows of calibration.seq_len tokens (reference kept in memory)")
+    max_trials: int = Field(100, ge=1, description="budget-search trials after the sensitivity pass")
+    time_limit_s: float = Field(540.0, gt=0, description="wall-clock bound of the budget search")
+    min_quantized_fraction: float = Field(0.0, ge=0, le=1, description="floor on quantized / all weight GEMMs")
+
+    @model_validator(mode="after")
+    def _name_data(self) -> "TuningConfig":
+        self.data._where = "quantize.tuning.data"
+        return self
+
+
+class SensitivityConfig(Strict):
+    groups: Literal["per_block", "per_projection"] = "per_block"
 
 
 class DimRange(Strict):
@@ -177,22 +281,52 @@ class GenerationCheck(Strict):
     new_tokens: int = Field(32, ge=1)
 
 
-class Gates(Strict):
-    max_relative_perplexity_increase: float | None = Field(None, ge=0)
-    min_token_agreement: float | None = Field(None, ge=0, le=1)
-    max_spearman_drop: float | None = Field(None, ge=0)
-    min_mean_cosine: float | None = Field(None, ge=-1, le=1)
+class Gate(Strict):
+    """One accuracy gate: a metric the model kind writes to ``validate/metrics.json``
+    and exactly one bound, ``{metric: relative_perplexity_increase, max: 0.015}``.
+    The same type serves ``validate.gates`` and accuracy budgets (pipeline.gates)."""
+
+    metric: str = Field(pattern=r"^[a-z][a-z0-9_]*$",
+                        description="a metric of the model kind (pipeline.gates.kind_metrics lists them)")
+    max: float | None = Field(None, allow_inf_nan=False, description="passes when metric <= max")
+    min: float | None = Field(None, allow_inf_nan=False, description="passes when metric >= min")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$",
+                             description="report and junit name; default max_<metric> or min_<metric>")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> "Gate":
+        if (self.max is None) == (self.min is None):
+            got = "both" if self.max is not None else "neither"
+            raise ValueError(f"give exactly one bound, max: <x> or min: <x> (got {got})")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The gate's name in the report and junit: ``name``, else ``max_<metric>`` / ``min_<metric>``."""
+        return self.name or f"{'max' if self.max is not None else 'min'}_{self.metric}"
+
+
+#: ``validate.gates``: every gate must pass for anything to be published.
+Gates = list[Gate]
 
 
 class ValidateConfig(Strict):
-    dataset: Literal["lee_background"] = "lee_background"
-    split: Split
-    metric: Literal["perplexity", "word_similarity"]
+    data: DataSource = Field(description="held-out eval data (pipeline.datasets); must not overlap calibration")
     seq_len: int = Field(256, ge=8)
     max_windows: int = Field(32, ge=1)
     batch_size: int = Field(4, ge=1)
     generation: GenerationCheck | None = None
-    gates: Gates
+    gates: Gates = Field(description="list of {metric: <name>, max: <x>} / {metric: <name>, min: <x>}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_shape(cls, data: object) -> object:
+        return _refuse_old_fields(data, ("validate",), ("dataset", "split", "metric", "gates"))
+
+    @model_validator(mode="after")
+    def _name_data(self) -> "ValidateConfig":
+        self.data._where = "validate.data"  # data errors name the recipe key
+        return self
 
 
 class DynamicBatching(Strict):
@@ -453,7 +587,8 @@ def _format_errors(path: Path, err: ValidationError, node: yaml.Node | None, ove
 
 
 def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
-    """Read and validate a YAML recipe.
+    """Read and validate a YAML recipe. Its data sources are bound to the recipe's
+    folder: relative data paths are read from there.
 
     Args:
         path: the recipe file.
@@ -477,11 +612,35 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: top level must be a mapping of sections")
     for dotted_key, value in (overrides or {}).items():
+        _refuse_old_set(dotted_key)
         set_dotted(data, dotted_key, value)
     try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate(data, context={"base_dir": path.parent})
     except ValidationError as e:
         raise RecipeError(_format_errors(path, e, node, list(overrides or {}))) from None
+
+
+def _refuse_old_set(dotted_key: str) -> None:
+    """A ``--set`` of a field of the older recipe shape fails with the key to set now.
+
+    Raises:
+        RecipeError: the key is a flat gate field, ``dataset``/``split`` of calibration
+            or validate, or ``validate.metric``.
+    """
+    parts = dotted_key.split(".")
+    if parts[:2] == ["validate", "gates"] and len(parts) == 3 and parts[2] in OLD_GATE_FIELDS:
+        metric, bound = OLD_GATE_FIELDS[parts[2]]
+        raise RecipeError(f"--set {dotted_key}: validate.gates is now a list; set the bound of the gate on "
+                          f"{metric} by index (--set validate.gates.<i>.{bound}=<x>) or give the whole list "
+                          f"(--set 'validate.gates=[{{metric: {metric}, {bound}: <x>}}]')")
+    for section in (["validate"], ["quantize", "calibration"]):
+        n = len(section)
+        if parts[:n] == section and len(parts) > n and parts[n] in ("dataset", "split"):
+            rest = ".".join(["split", *parts[n + 1:]] if parts[n] == "split" else ["name"])
+            raise RecipeError(f"--set {dotted_key}: {parts[n]} moved into the data source; "
+                              f"set {'.'.join(section)}.data.{rest}")
+    if parts == ["validate", "metric"]:
+        raise RecipeError("--set validate.metric: removed (it was never read); drop this --set")
 
 
 def set_dotted(data: dict, dotted_key: str, value: object) -> None:
@@ -494,7 +653,7 @@ def set_dotted(data: dict, dotted_key: str, value: object) -> None:
     """
     parts = dotted_key.split(".")
     if not all(parts):
-        raise RecipeError(f"--set {dotted_key}: empty key part; write a dotted path like validate.gates.min_mean_cosine")
+        raise RecipeError(f"--set {dotted_key}: empty key part; write a dotted path like validate.gates.0.max")
     node: object = data
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1

@@ -1,7 +1,7 @@
 """Recipe constraints between sections, checked by the schema before any stage runs.
 
 Everything here is decided by the recipe alone (no graph, no weights, no GPU):
-the export's dynamic axes, the profiles, calibration shapes, gates for the model
+the export's dynamic axes, the profiles, calibration shapes, gates and data types for the model
 kind, the Triton section. Checks that need the exported graph (every dynamic
 axis of every input covered by a profile, KV-cache geometry, dtypes) stay in the
 export and triton stages. Each problem carries the key path (``loc``) it is
@@ -13,24 +13,24 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pipeline.datasets import DataSource
     from pipeline.recipe import Profile, Recipe
 
 Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]
 
-#: Inputs of the encoder graph (pipeline.models.encoder.INPUTS), all int64 [batch, sequence].
+#: Inputs of the encoder graph (pipeline.models.sentence_embedding.model.INPUTS), all int64 [batch, sequence].
 ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-#: Inputs of the causal-LM graph besides the KV cache (pipeline.models.llm), rank 2.
+#: Inputs of the causal-LM graph besides the KV cache (pipeline.models.text_generation), rank 2.
 LLM_INPUTS = ("input_ids", "attention_mask")
 _PAST = re.compile(r"^past_key_values\.\d+\.(key|value)$")
 PAST_DIM = "past_sequence"  # the adapter's dim name for axis 2 of every past input
-#: gate field -> the model kind whose validate stage measures its metric.
-GATE_KIND = {
-    "max_relative_perplexity_increase": "causal-lm",
-    "min_token_agreement": "causal-lm",
-    "max_spearman_drop": "encoder",
-    "min_mean_cosine": "encoder",
-}
+#: Kinds whose calibration and validate data are texts (documents).
+TEXT_KINDS = frozenset({"text-generation", "sentence-embedding", "causal-lm", "encoder"})
+#: Record kinds (pipeline.datasets) that give texts.
+TEXT_RECORDS = ("documents", "labeled_documents")
+#: Metrics measured by greedy generation, so only with validate.generation.
+GENERATION_METRICS = frozenset({"token_agreement", "prompts_identical", "mean_common_prefix_tokens"})
 
 
 class ConstraintErrors(ValueError):
@@ -53,6 +53,7 @@ def constraint_problems(r: Recipe) -> list[Problem]:
         *_check_point_problems(r),
         *_profile_problems(r),
         *_calibration_problems(r),
+        *_data_problems(r),
         *_gate_problems(r),
         *_triton_problems(r),
     ]
@@ -69,7 +70,7 @@ def _sequence_dim(r: Recipe) -> str:
 def _known_dims(r: Recipe) -> set[str]:
     """Symbolic dim names the exported graph will have."""
     names = {d for axes in r.export.dynamic_axes.values() for d in axes.values()}
-    return names | ({PAST_DIM} if r.model.kind == "causal-lm" else set())
+    return names | ({PAST_DIM} if r.model.kind == "text-generation" else set())
 
 
 def _export_problems(r: Recipe) -> list[Problem]:
@@ -78,11 +79,11 @@ def _export_problems(r: Recipe) -> list[Problem]:
     out: list[Problem] = []
     if 0 not in axes.get("input_ids", {}):
         out.append((at, "needs input_ids with a dynamic batch axis, e.g. input_ids: {0: batch, 1: sequence}"))
-    allowed = ENCODER_INPUTS if r.model.kind == "encoder" else LLM_INPUTS
+    allowed = ENCODER_INPUTS if r.model.kind == "sentence-embedding" else LLM_INPUTS
     for name, dims in axes.items():
-        if name not in allowed and not (r.model.kind == "causal-lm" and _PAST.match(name)):
+        if name not in allowed and not (r.model.kind == "text-generation" and _PAST.match(name)):
             out.append(((*at, name), f"a {r.model.kind} graph has no input {name!r}; its inputs are "
-                        f"{list(allowed)}" + (" and past_key_values.N.key/value" if r.model.kind == "causal-lm" else "")))
+                        f"{list(allowed)}" + (" and past_key_values.N.key/value" if r.model.kind == "text-generation" else "")))
             continue
         rank = 4 if _PAST.match(name) else 2
         for axis in dims:
@@ -104,7 +105,7 @@ def _check_point_problems(r: Recipe) -> list[Problem]:
     if len(points) < 3:
         out.append((at, f"give at least 3 shape points (min, a middle one, max), got {len(points)}"))
     known = _known_dims(r)
-    required = {"batch", "sequence"} | ({PAST_DIM} if r.model.kind == "causal-lm" else set())
+    required = {"batch", "sequence"} | ({PAST_DIM} if r.model.kind == "text-generation" else set())
     for i, point in enumerate(points):
         for dim, size in point.items():
             if dim not in known:
@@ -116,7 +117,7 @@ def _check_point_problems(r: Recipe) -> list[Problem]:
         if missing:
             out.append(((*at, i), f"point {point} lacks {missing}; a {r.model.kind} point needs {sorted(required)}"))
         total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
-        if r.model.kind == "causal-lm" and total in point and {"sequence", PAST_DIM} <= point.keys():
+        if r.model.kind == "text-generation" and total in point and {"sequence", PAST_DIM} <= point.keys():
             if point[total] != point["sequence"] + point[PAST_DIM]:
                 out.append(((*at, i, total), f"{total}={point[total]} must equal sequence + {PAST_DIM} "
                             f"({point['sequence']} + {point[PAST_DIM]}); omit it to have it computed"))
@@ -153,14 +154,10 @@ def _calibration_problems(r: Recipe) -> list[Problem]:
         return []
     at: Loc = ("quantize", "calibration")
     out: list[Problem] = []
-    val = r.validate_.split
-    if cal.split.overlaps(val):
-        out.append(((*at, "split"), f"[{cal.split.start}, {cal.split.stop}) overlaps validate.split "
-                    f"[{val.start}, {val.stop}): calibration and eval documents must not overlap"))
     # Calibration runs prefills: batch_size rows of seq_len tokens (an empty past for an LLM).
     shape = {"batch_size": (_batch_dim(r), cal.batch_size), "seq_len": (_sequence_dim(r), cal.seq_len)}
     total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
-    if r.model.kind == "causal-lm":
+    if r.model.kind == "text-generation":
         shape[f"{PAST_DIM} (empty past)"] = (PAST_DIM, 0)
         if total:
             shape[f"{total} (= seq_len)"] = (total, cal.seq_len)
@@ -184,18 +181,35 @@ def _calibration_problems(r: Recipe) -> list[Problem]:
     return out
 
 
-def _gate_problems(r: Recipe) -> list[Problem]:
+def _data_problems(r: Recipe) -> list[Problem]:
+    """A text model's calibration and validate data must give texts. (Overlap between
+    the uses needs the files: :func:`pipeline.datasets.check_disjoint`, run by ``check``
+    and ``build``.)"""
+    if r.model.kind not in TEXT_KINDS:
+        return []
+    uses: list[tuple[Loc, DataSource]] = [(("validate", "data"), r.validate_.data)]
+    if r.quantize.calibration is not None:
+        uses.insert(0, (("quantize", "calibration", "data"), r.quantize.calibration.data))
     out: list[Problem] = []
-    for field, bound in r.validate_.gates.model_dump().items():
-        if bound is None:
-            continue
-        loc: Loc = ("validate", "gates", field)
-        if GATE_KIND[field] != r.model.kind:
-            usable = sorted(f for f, k in GATE_KIND.items() if k == r.model.kind)
-            out.append((loc, f"measures a {GATE_KIND[field]} metric; a {r.model.kind} recipe can gate on {usable}"))
-        elif field == "min_token_agreement" and r.validate_.generation is None:
-            out.append((loc, "token agreement is measured by greedy generation: add validate.generation "
-                        "(e.g. {prompts: 8, new_tokens: 32})"))
+    for loc, src in uses:
+        kind = src.record_kind
+        if kind not in TEXT_RECORDS:
+            out.append(((*loc, "type"), f"{src.describe()} gives {kind}; a {r.model.kind} model reads "
+                        "texts here: a corpus (lee_background), text or jsonl source"))
+    return out
+
+
+def _gate_problems(r: Recipe) -> list[Problem]:
+    """Each gate names a metric its kind produces (pipeline.gates); generation metrics
+    need validate.generation."""
+    from pipeline import gates
+
+    at: Loc = ("validate", "gates")
+    out = gates.problems(r.validate_.gates, r.model.kind, at)
+    for i, gate in enumerate(r.validate_.gates):
+        if gate.metric in GENERATION_METRICS and r.validate_.generation is None:
+            out.append(((*at, i, "metric"), f"{gate.metric} is measured by greedy generation: add "
+                        "validate.generation (e.g. {prompts: 8, new_tokens: 32})"))
     return out
 
 
@@ -217,7 +231,7 @@ def _triton_problems(r: Recipe) -> list[Problem]:
                 out.append((("export", "dynamic_axes", name), f"axis 0 of {name} is not dynamic, but "
                             "triton.max_batch_size > 0 / dynamic_batching batches it; add 0: batch "
                             "or set triton.max_batch_size: 0 without dynamic_batching"))
-    if r.model.kind == "encoder" and t.max_batch_size < 1:
+    if r.model.kind == "sentence-embedding" and t.max_batch_size < 1:
         out.append(((*at, "max_batch_size"), "an encoder's tokenizer model and ensemble batch requests: "
                     "max_batch_size must be >= 1"))
     if t.dynamic_batching is not None:

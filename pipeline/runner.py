@@ -13,8 +13,6 @@ import fcntl
 import hashlib
 import json
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any, Callable
 from pydantic import TypeAdapter
 
 from pipeline import artifacts as A
+from pipeline import interrupts
 from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
 from pipeline.errors import LockHeld
@@ -49,7 +48,7 @@ def _export_sections(r: Recipe) -> Any:
 
 _SECTIONS: dict[str, Callable[[Recipe], Any]] = {
     "export": _export_sections,
-    "quantize": lambda r: [r.quantize.model_dump(mode="json"), r.validate_.split.model_dump()],
+    "quantize": lambda r: [r.quantize.model_dump(mode="json"), r.validate_.data.model_dump(mode="json")],
     "build": lambda r: [r.build.model_dump(mode="json"), r.triton.serving and r.triton.serving.model_dump(mode="json")],
     "validate": lambda r: [r.validate_.model_dump(mode="json"), r.quantize.precision],
     "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
@@ -117,21 +116,6 @@ def _commit(stage_dir: Path, key: str, art: Any, record: dict) -> None:
     M.write_json_atomic(stage_dir / "stage.json", {"key": key, "artifact": A.to_jsonable(art), "record": record})
 
 
-_signalled: list[int] = []
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    """SIGTERM behaves like Ctrl-C. The signal is also recorded, because Python
-    swallows an exception raised while it runs a GC or weakref callback."""
-    _signalled.append(signum)
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _check_signalled() -> None:
-    if _signalled:
-        raise KeyboardInterrupt(f"signal {_signalled[-1]}")
-
-
 @contextlib.contextmanager
 def run_lock(run_dir: Path):
     """Exclusive lock per recipe run dir; a second build fails at once, clearly."""
@@ -159,16 +143,8 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
     """
     run_dir = Path(recipe.work_dir) / recipe.name
     progress = Progress(quiet)
-    _signalled.clear()
-    main = threading.current_thread() is threading.main_thread()  # handlers only work there
-    sigs = (signal.SIGINT, signal.SIGTERM) if main else ()
-    old = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in sigs}
-    try:
-        with run_lock(run_dir):
-            return _run(recipe, recipe_path, run_dir, progress)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    with run_lock(run_dir):
+        return _run(recipe, recipe_path, run_dir, progress)
 
 
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> RunResult:
@@ -179,7 +155,7 @@ def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -
     arts: dict[str, Any] = {}
     keys: dict[str, str] = {}
     for stage in _stages():
-        _check_signalled()
+        interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
         ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress)
         keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], versions)
         gate_failed = "validate" in arts and not arts["validate"].passed

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from pipeline.models.llm import prefill_feeds
+from pipeline.models.text_generation.model import prefill_feeds
 from pipeline.quant.autocast import cast_rest, qdq_gemms, to_bf16
 from pipeline.recipe import load_recipe
 from pipeline.runner import run_pipeline

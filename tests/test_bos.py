@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from conftest import ROOT
 from pipeline import data
-from pipeline.stages import validate
+from pipeline.models.text_generation import metrics as tg_metrics
 
 WORDS = "the cat sat on a mat and dog ran to red big house".split()
 DOCS = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(9 + i)) for i in range(12)]
@@ -88,21 +88,21 @@ def test_bos_is_context_only_never_a_scored_token():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((2, 4, 16)).astype(np.float32)
     logits[:, :, 1] = 50.0  # BOS almost certain: scoring it would pull the NLL down
-    total, count = validate.mean_nll(logits, ids, context=1)
+    total, count = tg_metrics.mean_nll(logits, ids, context=1)
     lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     expected = -sum(lp[b, t - 1, ids[b, t]] for b in range(2) for t in range(1, 4))
     assert count == 6 and math.isclose(total, expected, rel_tol=1e-9)
     # a two-token prefix: only positions 2.. are targets
-    total2, count2 = validate.mean_nll(logits, ids, context=2)
+    total2, count2 = tg_metrics.mean_nll(logits, ids, context=2)
     assert count2 == 4 and math.isclose(total2, -sum(lp[b, t - 1, ids[b, t]] for b in range(2) for t in (2, 3)),
                                         rel_tol=1e-9)
     with pytest.raises(ValueError, match="context=4"):
-        validate.mean_nll(logits, ids, context=4)
+        tg_metrics.mean_nll(logits, ids, context=4)
 
 
 def test_convention_names_window_stride_and_bos(saved):
     tok, _, bos = saved
-    text = validate.convention_text(data.window_convention(tok, 256))
+    text = tg_metrics.convention_text(data.window_convention(tok, 256))
     assert "windows of 256 tokens" in text
     assert f"stride {255 if bos else 256} text tokens" in text and "255 scored tokens per window" in text
     assert ("BOS: yes" if bos else "BOS: no") in text
@@ -110,7 +110,7 @@ def test_convention_names_window_stride_and_bos(saved):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from pipeline.models.llm import load_causal_lm
+    from pipeline.models.text_generation.model import load_causal_lm
     from pipeline.recipe import load_recipe
 
     return load_causal_lm(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)[1]
@@ -124,7 +124,7 @@ def test_smollm2_adds_no_prefix_so_its_windows_and_prompts_are_unchanged(smollm2
     tok = smollm2_tokenizer
     v = load_recipe(ROOT / "recipes" / "fp8-llm.yaml").validate_
     assert data.special_prefix(tok) == [] and not data.window_convention(tok, v.seq_len)["bos"]
-    docs = data.load_documents(v.dataset, v.split)
+    docs = data.documents(v.data)
     stream: list[int] = []
     for doc in docs:
         stream += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -163,8 +163,8 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     tok, served, bos = saved
     vocab = len(tok)
     sessions = {"fp32.onnx": _FakeLM(vocab), "fp8.onnx": _FakeLM(vocab)}
-    monkeypatch.setattr(validate, "ort_session", lambda path: sessions[path])
-    monkeypatch.setattr(data, "load_documents", lambda dataset, split: DOCS)
+    monkeypatch.setattr("pipeline.runtime.ort_session", lambda path: sessions[path])
+    monkeypatch.setattr(data, "documents", lambda source: DOCS)
     monkeypatch.setattr("pipeline.models.registry.load_tokenizer", lambda folder: tok)
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {
         "validate.seq_len": 8, "validate.max_windows": 4, "validate.batch_size": 2,
@@ -173,7 +173,7 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
              TensorSpec("past_key_values.0.value", "float32", ["batch", 1, "past_sequence", 2])]
     exp = ExportArtifact("fp32.onnx", specs, [TensorSpec("logits", "float32", ["batch", "sequence", vocab])], "tok")
     ctx = type("Ctx", (), {"recipe": recipe, "progress": Progress(quiet=True)})()
-    metrics, tokens = validate.llm_metrics(ctx, exp, QuantizedArtifact("fp8.onnx", "fp8", [], []))
+    metrics, tokens = tg_metrics.llm_metrics(ctx, exp, QuantizedArtifact("fp8.onnx", "fp8", [], []))
 
     windows = np.concatenate(sessions["fp32.onnx"].fed[:2])
     assert windows.shape == (4, 8) and (windows[:, 0] == 1).all() == bos

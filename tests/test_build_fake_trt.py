@@ -128,7 +128,7 @@ def recipe_with(tmp_path: Path, serving_cfg: dict | None, precision: str = "fp16
     base = make_recipe(tmp_path, profiles or [PROFILE, DECODE]).model_dump(by_alias=True)
     base["triton"]["serving"] = serving_cfg
     if precision != "fp16":
-        base["quantize"] = {"precision": precision, "calibration": {"split": {"start": 20, "stop": 30}, "samples": 8,
+        base["quantize"] = {"precision": precision, "calibration": {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 20, "stop": 30}}, "samples": 8,
                                                                      "seq_len": 16, "batch_size": 2}}
     return Recipe.model_validate(base)
 

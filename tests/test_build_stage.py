@@ -39,7 +39,7 @@ def make_recipe(tmp_path: Path, profiles: list[dict]) -> Recipe:
     return Recipe.model_validate(
         {
             "name": "tiny",
-            "model": {"kind": "causal-lm", "package": "none", "path": "none.gguf"},
+            "model": {"kind": "text-generation", "package": "none", "path": "none.gguf"},
             "export": {"dynamic_axes": {"input_ids": {0: "batch", 1: "sequence"}}},
             "quantize": {"precision": "fp16"},
             "build": {
@@ -48,7 +48,7 @@ def make_recipe(tmp_path: Path, profiles: list[dict]) -> Recipe:
                 "workspace_mib": 1024,
                 "builder_optimization_level": 4,
             },
-            "validate": {"split": {"start": 0, "stop": 10}, "metric": "perplexity", "gates": {}},
+            "validate": {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 0, "stop": 10}}, "gates": []},
             "triton": {"model_name": "tiny", "max_batch_size": 4},
         }
     )

@@ -16,7 +16,7 @@ from conftest import ROOT
 from pipeline import data, datasets
 from pipeline.datasets import DataError, DataSource, Labeled, Pair, check_disjoint, load
 from pipeline.errors import EXIT_BAD_INPUT
-from pipeline.recipe import Split
+from pipeline.recipe import load_recipe
 
 DATA = ROOT / "tests" / "data" / "datasets"
 
@@ -32,7 +32,7 @@ def test_corpus_gives_exactly_the_documents_of_load_documents():
     docs = src(type="corpus", name="lee_background", split={"start": 220, "stop": 300}).items()
     text = (data.test_data_dir() / "lee_background.cor").read_text(encoding="utf-8")
     expected = [line.strip() for line in text.splitlines() if line.strip()][220:300]
-    assert docs == expected == data.load_documents("lee_background", Split(start=220, stop=300))
+    assert docs == expected == data.documents(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").validate_.data)
     assert len(docs) == 80 and docs[0].startswith("The armed wing of the radical Islamic movement")
 
 

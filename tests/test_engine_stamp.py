@@ -87,7 +87,7 @@ def test_engine_without_declared_serving_runtime_is_refused(tmp_path):
 
 def test_gate_change_keeps_the_engine_hash():
     a = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")
-    b = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"validate.gates.max_relative_perplexity_increase": 0.5})
+    b = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"validate.gates.0.max": 0.5})
     c = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"quantize.calibration.method": "entropy"})
     assert a.engine_hash == b.engine_hash != c.engine_hash
 

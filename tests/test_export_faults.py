@@ -185,7 +185,8 @@ def test_tiny_bert_encoder_passes_through_the_encoder_export(tmp_path):
     from transformers import BertConfig, BertModel
 
     from conftest import ROOT
-    from pipeline.models.encoder import INPUTS, EncoderAdapter, MeanPooledEncoder, random_feeds
+    from pipeline.models.sentence_embedding.adapter import SentenceEmbeddingAdapter as EncoderAdapter
+    from pipeline.models.sentence_embedding.model import INPUTS, MeanPooledEncoder, random_feeds
     from pipeline.recipe import load_recipe
 
     torch.manual_seed(0)

@@ -143,7 +143,7 @@ def test_fp8_pipeline_with_external_data_forced(tmp_path, tiny_model, inline_run
     assert q.calibration["amax"] == ref.calibration["amax"] and q.quantized_nodes == ref.quantized_nodes
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 1000, (2, 9), dtype=np.int64)
-    from pipeline.models.llm import prefill_feeds
+    from pipeline.models.text_generation.model import prefill_feeds
 
     feeds = prefill_feeds(result.artifacts["export"], ids)
     got = ort_session(str(qpath)).run(None, feeds)
@@ -169,7 +169,7 @@ def test_calibration_shortfall_is_reported(tmp_path, tiny_model, capsys):
     path = tiny_recipe(tmp_path, tiny_model, **{"quantize.calibration.samples": 40,
                                                 "quantize.calibration.min_samples": 2,
                                                 "quantize.calibration.seq_len": 128,
-                                                "quantize.calibration.split": {"start": 0, "stop": 6}})
+                                                "quantize.calibration.data.split": {"start": 0, "stop": 6}})
     result = _run(path, quiet=False)
     cal = result.artifacts["quantize"].calibration
     assert 2 <= cal["samples"] < 40 and cal["samples_requested"] == 40

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.models.llm import LAST_LOGITS, KVCacheLM, kv_layout, load_causal_lm, sample_feeds
+from pipeline.models.text_generation.model import LAST_LOGITS, KVCacheLM, kv_layout, load_causal_lm, sample_feeds
 from pipeline.recipe import load_recipe
-from pipeline.triton.repository import DEPLOY_NOTES, KVLayout, shm_bytes, write_repository
+from pipeline.models.text_generation.kv import KVLayout
+from pipeline.models.text_generation.triton import DEPLOY_NOTES, shm_bytes
+from pipeline.triton.repository import write_repository
 from test_triton_repository import make_recipe, stage  # noqa: F401  (fixture)
 from tiny import make_tiny_llama, tiny_recipe
 
@@ -36,7 +38,7 @@ def test_deploy_notes_written_outside_the_model_folders(stage, tmp_path):  # noq
 def test_tiny_llama_exports_last_logits(tmp_path):
     path = tiny_recipe(tmp_path, make_tiny_llama(tmp_path / "model"))
     recipe = load_recipe(path)
-    from pipeline.models.llm import CausalLMAdapter
+    from pipeline.models.text_generation.adapter import TextGenerationAdapter as CausalLMAdapter
     from pipeline.runtime import ort_session
 
     adapter = CausalLMAdapter(recipe.model)

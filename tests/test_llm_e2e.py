@@ -69,7 +69,7 @@ def test_tight_gate_fails_with_reason(fp8_llm_run, llm_workspace, capsys):
 
     rc = main(["build", str(ROOT / "recipes" / "fp8-llm.yaml"), "--quiet",
                *[f"--set={k}={v}" for k, v in llm_overrides(llm_workspace).items()],
-               "--set", "validate.gates.max_relative_perplexity_increase=0.0001"])
+               "--set", "validate.gates.0.max=0.0001"])
     assert rc == 1
     report = (llm_workspace / "artifacts" / "fp8-llm" / "report.md").read_text()
     assert "max_relative_perplexity_increase FAILED" in report and "0.0001" in report

@@ -5,6 +5,7 @@ import yaml
 
 from conftest import ROOT
 from pipeline.errors import RecipeError
+from pipeline.gates import kind_metrics
 from pipeline.recipe import load_recipe
 
 RECIPE = ROOT / "recipes" / "fp8-llm.yaml"
@@ -20,7 +21,12 @@ def _variant(tmp_path, mutate):
 
 def test_shipped_recipe_is_valid():
     r = load_recipe(RECIPE)
-    assert r.quantize.precision == "fp8" and r.validate_.gates.max_relative_perplexity_increase == 0.015
+    assert r.quantize.precision == "fp8"
+    [gate] = r.validate_.gates
+    assert (gate.label, gate.metric, gate.max, gate.min) == ("max_relative_perplexity_increase",
+                                                             "relative_perplexity_increase", 0.015, None)
+    assert r.validate_.data.describe() == "built-in corpus lee_background, documents [220, 300)"
+    assert r.quantize.calibration.data.describe() == "built-in corpus lee_background, documents [0, 200)"
 
 
 @pytest.mark.parametrize(
@@ -30,7 +36,11 @@ def test_shipped_recipe_is_valid():
         (lambda d: d["quantize"]["calibration"].update(method="minmax"), "quantize.calibration.method"),
         (lambda d: d["export"].update(opset="nineteen"), "export.opset"),
         (lambda d: d["build"]["profiles"][0]["dims"]["batch"].update(min=9), "need min <= opt <= max"),
-        (lambda d: d["quantize"]["calibration"].update(split={"start": 200, "stop": 250}), "overlaps validate.split"),
+        (lambda d: d["quantize"]["calibration"]["data"].update(split={"start": 250, "stop": 200}),
+         "quantize.calibration.data.corpus.split: Value error, stop (200) must be greater than start (250)"),
+        (lambda d: d["validate"]["data"].update(type="csv"), "validate.data: Input tag 'csv' found using 'type' does "
+         "not match any of the expected tags: 'corpus', 'text', 'jsonl', 'pairs', 'images', 'npz'"),
+        (lambda d: d["validate"]["gates"][0].update(min=0.0), "validate.gates.0: Value error, give exactly one bound"),
         (lambda d: d["quantize"]["calibration"].update(samples=2), "below min_samples"),
         (lambda d: d["triton"]["instance_group"][0].update(kind="GPU"), "triton.instance_group.0.kind"),
         (lambda d: d["build"].update(profiles=[]), "build.profiles"),
@@ -46,8 +56,8 @@ def test_bad_recipe_names_file_and_key(tmp_path, mutate, expect):
 
 
 def test_override_by_dotted_path():
-    r = load_recipe(RECIPE, {"validate.gates.max_relative_perplexity_increase": 0.5})
-    assert r.validate_.gates.max_relative_perplexity_increase == 0.5
+    r = load_recipe(RECIPE, {"validate.gates.0.max": 0.5})
+    assert r.validate_.gates[0].max == 0.5
 
 
 def test_missing_file_and_non_mapping(tmp_path):
@@ -64,8 +74,8 @@ def test_missing_file_and_non_mapping(tmp_path):
     "old, new, where",
     [
         ('    nodes: ["*mlp.down_proj*"]', '    nodes: ["*mlp.down_proj*"]\n    nodes: []', "'quantize.exclude.nodes'"),
-        ("    max_relative_perplexity_increase: 0.015",
-         "    max_relative_perplexity_increase: 0.015\n    max_relative_perplexity_increase: 9", "'validate.gates.max_rel"),
+        ("    - {metric: relative_perplexity_increase, max: 0.015}",
+         "    - {metric: relative_perplexity_increase, max: 0.015, max: 9}", "'validate.gates.0.max'"),
         ("name: fp8-llm", "name: fp8-llm\nname: other", "'name'"),
         ("        batch:          {min: 1, opt: 4,   max: 8}",
          "        batch:          {min: 1, opt: 4,   max: 8, max: 16}", "'build.profiles.0.dims.batch.max'"),
@@ -77,7 +87,7 @@ def test_duplicate_key_is_refused_naming_path_and_both_lines(tmp_path, old, new,
     path = tmp_path / "dup.yaml"
     path.write_text(text.replace(old, new, 1))
     first = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(old))
-    second = first if "max: 16" in new else first + 1
+    second = first + new.count("\n")
     with pytest.raises(RecipeError) as err:
         load_recipe(path)
     assert str(path) in str(err.value) and where in str(err.value)
@@ -161,10 +171,17 @@ def _profile(name="default", batch=(1, 4, 8), sequence=(1, 64, 256), past=(0, 64
          "triton.instance_group.0.kind: KIND_GPU on target 'python-onnxruntime'"),
         (lambda d: d["triton"].update(dynamic_batching={"preferred_batch_size": [4, 16]}),
          "triton.dynamic_batching.preferred_batch_size.1: 16 is outside 1..max_batch_size (8)"),
-        (lambda d: d["validate"]["gates"].update(min_mean_cosine=0.99),
-         "validate.gates.min_mean_cosine: measures a encoder metric; a causal-lm recipe can gate on"),
-        (lambda d: (d["validate"]["gates"].update(min_token_agreement=0.9), d["validate"].pop("generation")),
-         "validate.gates.min_token_agreement: token agreement is measured by greedy generation"),
+        (lambda d: d["validate"]["gates"].append({"metric": "mean_cosine", "min": 0.99}),
+         "validate.gates.1.metric: 'mean_cosine' is not a metric of a text-generation model; valid: "
+         f"{sorted(kind_metrics('text-generation'))}"),
+        (lambda d: (d["validate"]["gates"].append({"metric": "token_agreement", "min": 0.9}),
+                    d["validate"].pop("generation")),
+         "validate.gates.1.metric: token_agreement is measured by greedy generation: add validate.generation"),
+        (lambda d: d["validate"]["gates"].append({"metric": "relative_perplexity_increase", "max": 0.1}),
+         "validate.gates.1: gate name 'max_relative_perplexity_increase' is also the name of gate 0"),
+        (lambda d: d["validate"].update(data={"type": "corpus", "name": "wordsim353"}),
+         "validate.data.type: built-in corpus wordsim353, word pairs [0, end) gives pairs; a text-generation model "
+         "reads texts here: a corpus (lee_background), text or jsonl source"),
         (lambda d: d["export"]["check_points"][1].update(beam=2),
          "export.check_points.1.beam: 'beam' is not a dynamic dim of the graph"),
         (lambda d: d["export"]["check_points"][0].pop("past_sequence"),
@@ -179,7 +196,7 @@ def _profile(name="default", batch=(1, 4, 8), sequence=(1, 64, 256), past=(0, 64
         (lambda d: d["build"].update(profiles=[_profile(), _profile()]),
          "build.profiles.1.name: 'default' is also the name of profile 0"),
         (lambda d: d["export"]["dynamic_axes"].update(token_type_ids={0: "batch", 1: "sequence"}),
-         "export.dynamic_axes.token_type_ids: a causal-lm graph has no input 'token_type_ids'"),
+         "export.dynamic_axes.token_type_ids: a text-generation graph has no input 'token_type_ids'"),
         (lambda d: d["export"]["dynamic_axes"]["input_ids"].update({2: "x"}),
          "export.dynamic_axes.input_ids.2: input_ids has rank 2: axis 2 does not exist"),
         (lambda d: d["export"]["dynamic_axes"]["attention_mask"].update({0: "rows"}),
@@ -201,13 +218,14 @@ def test_encoder_constraints(tmp_path):
     enc = ROOT / "recipes" / "int8-encoder.yaml"
     data = yaml.safe_load(enc.read_text())
     data["triton"].update(max_batch_size=0, dynamic_batching=None)
-    data["validate"]["gates"]["max_relative_perplexity_increase"] = 0.01
+    data["validate"]["gates"].append({"metric": "relative_perplexity_increase", "max": 0.01})
     path = tmp_path / "enc.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError) as err:
         load_recipe(path)
-    assert "validate.gates.max_relative_perplexity_increase: measures a causal-lm metric; a encoder recipe can gate " \
-           "on ['max_spearman_drop', 'min_mean_cosine']" in str(err.value)
+    assert "validate.gates.2.metric: 'relative_perplexity_increase' is not a metric of a sentence-embedding model; " \
+           "valid: ['mean_cosine', 'min_cosine', 'spearman_drop_max', 'spearman_drop_simlex999', " \
+           "'spearman_drop_wordsim353']" in str(err.value)
     assert "triton.max_batch_size: an encoder's tokenizer model and ensemble batch requests" in str(err.value)
 
 

@@ -38,7 +38,7 @@ def test_cache_reruns_only_what_changed(tmp_path, tiny_model):
     warm = _run(path)
     assert all(_hits(warm.manifest).values())
     assert warm.manifest["metrics"] == cold.manifest["metrics"]
-    gate = _run(path, **{"validate.gates.max_relative_perplexity_increase": 0.4})
+    gate = _run(path, **{"validate.gates.0.max": 0.4})
     assert _hits(gate.manifest) == {"export": True, "quantize": True, "build": True, "validate": False, "triton": True}
     assert gate.manifest["metrics"] == cold.manifest["metrics"]
     calib = _run(path, **{"quantize.calibration.method": "percentile"})
@@ -98,7 +98,7 @@ def test_second_concurrent_build_fails_clearly(tmp_path, tiny_model):
 def test_too_little_calibration_data_is_an_error(tmp_path, tiny_model):
     from pipeline.errors import QuantizationError
 
-    path = tiny_recipe(tmp_path, tiny_model, **{"quantize.calibration.split": {"start": 0, "stop": 1},
+    path = tiny_recipe(tmp_path, tiny_model, **{"quantize.calibration.data.split": {"start": 0, "stop": 1},
                                                 "quantize.calibration.seq_len": 256})
     with pytest.raises(QuantizationError, match="below min_samples=8"):
         _run(path)

@@ -30,7 +30,7 @@ def fake_io(recipe: Recipe) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Graph I/O as the recipe's export would produce it (symbolic dims from dynamic_axes)."""
     axes = recipe.export.dynamic_axes
     inputs = [TensorSpec(name, "int64", [dims[0], dims[1]]) for name, dims in axes.items()]
-    if recipe.model.kind == "encoder":
+    if recipe.model.kind == "sentence-embedding":
         return inputs, [TensorSpec("embeddings", "float32", [axes["input_ids"][0], HIDDEN])]
     batch, seq = axes["input_ids"][0], axes["input_ids"][1]
     past = [TensorSpec(f"past_key_values.{i}.{k}", "float32", [batch, HEADS, "past_sequence", HEAD_DIM])
@@ -60,7 +60,7 @@ def test_shipped_recipe_configs_pass_on_cpu_and_with_an_engine(name, target, gpu
     assert compute.platform == {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}[target]
     assert list(compute.dynamic_batching.preferred_batch_size) == [opt_batch]
 
-    if recipe.model.kind == "causal-lm":  # the generation model: python backend, whatever the target
+    if recipe.model.kind == "text-generation":  # the generation model: python backend, whatever the target
         gen = generate_config(str(recipe.triton.generate_model_name), compute_model=recipe.triton.model_name,
                               num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, kv_dtype="float32",
                               eos_token_ids=[2], default_max_tokens=32)

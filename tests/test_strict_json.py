@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from pipeline import manifest as M
-from pipeline.models import encoder
-from pipeline.recipe import Gates
+from pipeline.models.sentence_embedding import metrics as encoder
+from pipeline.gates import evaluate
+from pipeline.recipe import Gate
 from pipeline.stages import validate
 
 
@@ -109,7 +110,7 @@ def test_encoder_nan_metrics_carry_the_model_that_caused_them(tmp_path):
 
 def test_a_gate_on_a_null_metric_fails():
     metrics = M.strict_jsonable({"relative_perplexity_increase": math.inf})
-    [gate] = validate.evaluate_gates(Gates(max_relative_perplexity_increase=0.015), metrics)
+    [gate] = evaluate([Gate(metric="relative_perplexity_increase", max=0.015)], metrics)
     assert not gate.passed and math.isnan(gate.value)
 
 

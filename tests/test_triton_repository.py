@@ -24,7 +24,9 @@ from pipeline.recipe import Recipe
 from pipeline.triton import repository as repo_mod
 from pipeline.triton.config import graph_io, parse_config
 from pipeline.triton import publish as publish_mod
-from pipeline.triton.repository import kv_layout, resolve_target, write_repository
+from pipeline.models.text_generation.kv import KVLayout
+from pipeline.models.text_generation.triton import kv_layout
+from pipeline.triton.repository import resolve_target, write_repository
 
 LAYERS, HEADS, HEAD_DIM, VOCAB, EOS = 2, 1, 4, 11, 0
 WORDS = ["<eos>", *"abcdefghij"]
@@ -345,7 +347,7 @@ def test_generation_needs_eos_and_tokenizer_json(stage):
 
 def test_kv_layout_needs_complete_past_inputs(stage):
     inputs = stage["export"].inputs
-    assert kv_layout(inputs) == repo_mod.KVLayout(LAYERS, HEADS, HEAD_DIM, "float32")
+    assert kv_layout(inputs) == KVLayout(LAYERS, HEADS, HEAD_DIM, "float32")
     with pytest.raises(TritonConfigError, match=r"past_key_values.\{i\}.key/.value for i in 0..L-1"):
         kv_layout([s for s in inputs if s.name != "past_key_values.1.value"])
 

@@ -16,7 +16,7 @@ def make_tiny_llama(folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.models.llm import load_causal_lm
+    from pipeline.models.text_generation.model import load_causal_lm
     from pipeline.recipe import load_recipe
 
     if (folder / "config.json").exists():
@@ -35,20 +35,20 @@ def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
     """Write a recipe for the tiny model into ``ws``; ``changes`` are dotted overrides."""
     data = yaml.safe_load((ROOT / "recipes" / "fp8-llm.yaml").read_text())
     data["name"] = "tiny-llm"
-    data["model"] = {"kind": "causal-lm", "package": None, "path": str(model_dir)}
+    data["model"] = {"kind": "text-generation", "package": None, "path": str(model_dir)}
     data["export"]["check_points"] = [{"batch": 1, "sequence": 4, "past_sequence": 0},
                                       {"batch": 3, "sequence": 1, "past_sequence": 5},
                                       {"batch": 2, "sequence": 7, "past_sequence": 9}]
     data["quantize"]["calibration"].update(samples=8, seq_len=32, batch_size=4)
     data["validate"].update(seq_len=64, max_windows=4, generation={"prompts": 2, "new_tokens": 4})
-    data["validate"]["gates"] = {"max_relative_perplexity_increase": 0.5}
+    data["validate"]["gates"] = [{"metric": "relative_perplexity_increase", "max": 0.5}]
     data["work_dir"], data["output_dir"] = str(ws / "artifacts"), str(ws / "model_repository")
     for dotted, value in changes.items():
         node = data
         *keys, last = dotted.split(".")
         for k in keys:
-            node = node[k]
-        node[last] = value
+            node = node[int(k)] if isinstance(node, list) else node[k]  # list items by index: gates.0.max
+        node[int(last) if isinstance(node, list) else last] = value
     path = ws / "tiny-llm.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -4,7 +4,7 @@ Closed loop: at concurrency ``c``, ``c`` client threads (one connection each)
 send the level's requests back to back, each waiting for its previous answer.
 A level's duration runs from the first send to the last answer.
 
-* LLM (causal-lm): streamed generations through the generation model, prompts
+* Generation kinds (text-generation): streamed generations through the generation model, prompts
   = the validate stage's prompt token ids, ``serve.max_tokens`` output tokens
   with EOS ignored (every request the same length). Per level: TTFT, TPOT and
   inter-token latency percentiles, output tokens/s, requests/s, goodput. Then
@@ -13,8 +13,9 @@ A level's duration runs from the first send to the last answer.
   sizes during the sweep come from Triton's statistics: decode steps of
   different requests differ in past length, and they are neither bucketed nor
   padded, so only steps of equal shape can share a batch.
-* Encoder: single inferences of the text -> embedding ensemble (held-out
-  sentences): latency percentiles, inferences/s, goodput.
+* Other kinds (sentence-embedding: the text -> embedding ensemble): single
+  inferences of the front model with the kind's bench workload (validate's
+  held-out samples): latency percentiles, inferences/s, goodput.
 * Both: the compute model with dynamic batching off/on x 1/2 instances
   (:func:`pipeline.serve.prepare.write_variants`), loaded one at a time on the
   same server, under one bucketed workload: every request is batch 1 with
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -292,23 +292,21 @@ def write_static_variant(served: Served) -> StaticVariant | None:
 
 
 def llm_prompts(served: Served) -> list[list[int]]:
-    """The validate stage's prompt token ids; else 8 prompts of 16 tokens from the validate split."""
+    """The validate stage's prompt token ids; else the kind's bench workload (the same
+    choice of validate prompts, :meth:`ModelAdapter.bench_workload`)."""
     ids = served.artifacts["validate"].greedy_tokens.get("prompt_ids")
     if ids:
         return [list(p) for p in ids]
-    from pipeline import data
-    from pipeline.models.registry import load_tokenizer
-
-    v = served.recipe.validate_
-    tok = load_tokenizer(served.artifacts["export"].tokenizer_dir)
-    return data.prompts(tok, data.load_documents(v.dataset, v.split), 8).tolist()
+    workload = served.adapter.bench_workload(served.recipe, served.artifacts["export"].tokenizer_dir)
+    return [r["input_ids"].tolist() for r in workload.requests]
 
 
 def bench_encoder(served: Served, server: TritonServer, log: Log) -> dict:
-    """Concurrency sweep of the text -> embedding ensemble (single sentences)."""
+    """Concurrency sweep of the front model (an ensemble: one response per request) with the
+    kind's bench workload (:meth:`ModelAdapter.bench_workload`: validate's held-out samples)."""
     cfg, model = served.recipe.serve, str(served.ensemble_model)
-    sentences = held_out_sentences(served)
-    feeds = [{"text": np.array([[s.encode()]], dtype=np.object_)} for s in sentences]
+    workload = served.adapter.bench_workload(served.recipe, served.artifacts["export"].tokenizer_dir)
+    feeds = workload.requests
     levels = []
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         counted = model_statistics(client, served.compute_model)["inference_count"] + 1
@@ -324,16 +322,8 @@ def bench_encoder(served: Served, server: TritonServer, log: Log) -> dict:
             delta = stats_delta(before, settled_statistics(client, served.compute_model, counted))
             levels.append({"concurrency": c, **latency_level(latencies, duration, cfg.slo.latency_ms),
                            "compute_batches": batch_summary(delta, duration)})
-    return {"kind": "encoder", "model": model, "sentences": len(sentences), "levels": levels}
-
-
-def held_out_sentences(served: Served, limit: int = 64) -> list[str]:
-    """Sentences (20..300 characters) of the recipe's validate split."""
-    from pipeline import data
-
-    v = served.recipe.validate_
-    pieces = (s.strip() for doc in data.load_documents(v.dataset, v.split) for s in re.split(r"(?<=[.!?])\s+", doc))
-    return [s for s in pieces if 20 <= len(s) <= 300][:limit] or ["A short sentence to embed."]
+    return {"kind": "encoder", "model": model, "sentences": len(feeds), "workload": workload.describe,
+            "levels": levels}
 
 
 def bench_variants(served: Served, server: TritonServer, variants: Sequence[Variant], log: Log) -> dict:

@@ -7,16 +7,19 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import load_external_data_for_model
 
-from pipeline import data, graph_checks, onnx_io
+from pipeline import graph_checks, onnx_io
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.context import StageContext
 from pipeline.errors import QuantizationError
+from pipeline.feeds import save_batches
 from pipeline.models import registry
-from pipeline.quant import autocast, calibrate, qdq
+from pipeline.quant import autocast, budget, calibrate, qdq, smoothquant
 
 
 def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
-    """Write ``quantize/model.onnx`` in the recipe's precision.
+    """Write ``quantize/model.onnx`` in the recipe's precision, and the calibration
+    batches it was calibrated on (``quantize/calibration_feeds.npz``,
+    ``QuantizedArtifact.calibration_feeds_path``) for later stages: validate never calls back here.
 
     The FP32 graph is read lazily (weights stay on disk until used), the
     result replaces any earlier ``model.onnx`` by rename (never in place) and
@@ -46,16 +49,28 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     batches, shortfall = calibration_data(ctx, exp)
     if shortfall:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
+    cal_src, extra = src, {}
+    if q.smoothquant is not None or q.tuning is not None:  # issue 10: weights loaded, FP32 graph smoothed
+        model, kept, cal_src, smooth_info = smoothquant.prepare(ctx, src, model, kept, batches)
+        extra = {"smoothquant": smooth_info} if smooth_info else {}
     acts = sorted({t.act for t in kept})
     with ctx.progress.step(f"calibrate: {q.calibration.method} over {len(batches)} batches, {len(acts)} tensors"):
-        amax = calibrate.collect_amax(src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
+        amax = calibrate.collect_amax(cal_src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
                                       scratch_dir=ctx.stage_dir)
+    if q.tuning is not None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
+        kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt)
+        excluded = [t for t in targets if t.node not in {k.node for k in kept}]
+        extra["quantized_fraction"] = len(kept) / len(targets)
+        if found is not None:
+            extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
     model = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights, base_dir=str(src.parent), inplace=True)
     graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
     model = autocast.cast_rest(model, q.rest_precision, base_dir=str(src.parent))  # fp32: unchanged
-    info = {"method": q.calibration.method, "samples": int(sum(b["input_ids"].shape[0] for b in batches)),
-            "seq_len": q.calibration.seq_len, **shortfall, "amax": {k: round(v, 6) for k, v in amax.items()}}
-    art = QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info)
+    feeds_path = save_batches(ctx.stage_dir / CALIBRATION_FEEDS, batches)  # forward to validate's baselines
+    info = {"method": q.calibration.method, "samples": int(sum(_rows(b) for b in batches)),
+            "seq_len": q.calibration.seq_len, **shortfall, "amax": {k: round(v, 6) for k, v in amax.items()}, **extra}
+    art = QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info,
+                            calibration_feeds_path=str(feeds_path))
     return _save(art, model, src)
 
 
@@ -82,42 +97,39 @@ def _fp16(model: onnx.ModelProto, src: Path, out: Path) -> QuantizedArtifact:
     return _save(art, half, src)
 
 
-def calibration_batches(ctx: StageContext, exp: ExportArtifact) -> list[dict[str, np.ndarray]]:
-    """Feed dicts of real text windows from the calibration split (see :func:`calibration_data`).
-
-    Raises:
-        QuantizationError: fewer windows than ``min_samples``.
-    """
-    return calibration_data(ctx, exp)[0]
+CALIBRATION_FEEDS = "calibration_feeds.npz"
 
 
 def calibration_data(ctx: StageContext, exp: ExportArtifact) -> tuple[list[dict[str, np.ndarray]], dict]:
-    """Feed dicts of real text windows from the calibration split, and the shortfall.
+    """Calibration batches from the kind's adapter (:meth:`ModelAdapter.calibration_feeds`
+    on the calibration split), and the shortfall.
 
     Returns ``(batches, shortfall)``: ``shortfall`` is empty when ``samples``
-    windows were found, else ``{"samples_requested": n, "shortfall": text}``
+    samples (rows on axis 0) were found, else ``{"samples_requested": n, "shortfall": text}``
     for the console, the stage summary and the report.
 
     Raises:
-        QuantizationError: fewer windows than ``min_samples`` (the recipe schema
+        QuantizationError: fewer samples than ``min_samples`` (the recipe schema
             already refused batch/sequence sizes outside the first profile).
+        DataError: the calibration data cannot be read.
     """
     cal = ctx.recipe.quantize.calibration
-    tok = registry.load_tokenizer(exp.tokenizer_dir)
-    docs = data.load_documents(cal.dataset, cal.split)
-    windows = data.token_windows(tok, docs, cal.seq_len, cal.samples)
-    where = f"split [{cal.split.start}, {cal.split.stop}) of {cal.dataset}"
-    if len(windows) < cal.min_samples:
+    batches = registry.adapter(ctx.recipe.model).calibration_feeds(exp, cal.data, cal)
+    found = sum(_rows(b) for b in batches)
+    where = cal.data.describe()
+    if found < cal.min_samples:
         raise QuantizationError(
-            f"quantize.calibration: {where} gives {len(windows)} windows of "
+            f"quantize.calibration: {where} gives {found} windows of "
             f"{cal.seq_len} tokens, below min_samples={cal.min_samples}; widen the split or shorten seq_len"
         )
     shortfall: dict = {}
-    if len(windows) < cal.samples:
-        text = (f"calibrated on {len(windows)} of the {cal.samples} requested samples: {where} holds only "
-                f"{len(windows)} windows of {cal.seq_len} tokens (min_samples={cal.min_samples})")
+    if found < cal.samples:
+        text = (f"calibrated on {found} of the {cal.samples} requested samples: {where} holds only "
+                f"{found} windows of {cal.seq_len} tokens (min_samples={cal.min_samples})")
         shortfall = {"samples_requested": cal.samples, "shortfall": text}
-    adapter = registry.adapter(ctx.recipe.model)
-    batches = [adapter.feeds_for_ids(exp, windows[i : i + cal.batch_size])
-               for i in range(0, len(windows), cal.batch_size)]
     return batches, shortfall
+
+
+def _rows(batch: dict[str, np.ndarray]) -> int:
+    """Samples in one feed batch: axis 0 of its first input."""
+    return int(next(iter(batch.values())).shape[0]) if batch else 0

@@ -1,0 +1,152 @@
+"""Issue 10 §2-§3: sensitivity on a tuning split and quantize.accuracy_budget, on the tiny Llama."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+import yaml
+
+from pipeline.datasets import DataError
+from pipeline.errors import GateFailed
+from pipeline.models import registry
+from pipeline.quant import budget, calibrate, qdq, sensitivity as S
+from pipeline.recipe import Gate, load_recipe
+from pipeline.runner import run_pipeline
+from pipeline.runtime import ort_session
+from tiny import make_tiny_llama, tiny_recipe
+
+TUNING = {"type": "corpus", "name": "lee_background", "split": {"start": 200, "stop": 215}}
+
+
+def _recipe(ws: Path, model: Path, **changes) -> Path:
+    ws.mkdir(parents=True, exist_ok=True)
+    base = {"quantize.tuning": {"data": TUNING, "max_windows": 4}, "quantize.sensitivity": {"groups": "per_projection"},
+            "quantize.exclude": {"nodes": []}}  # the search starts from every GEMM quantized
+    return tiny_recipe(ws, model, **{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    ws = tmp_path_factory.mktemp("budget")
+    model = make_tiny_llama(ws / "model")
+    path = tiny_recipe(ws, model)
+    exp = run_pipeline(load_recipe(path), path, quiet=True, only=["export"]).artifacts["export"]
+    return ws, model, exp
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    """A TrialRunner over the tiny FP8 graph with the recipe's calibration, per projection."""
+    ws, model_dir, exp = tiny
+    recipe = load_recipe(_recipe(ws, model_dir))
+    q = recipe.quantize
+    model = onnx.load(exp.onnx_path)
+    targets = qdq.find_targets(model, ["MatMul", "Gemm"])
+    adapter = registry.adapter(recipe.model)
+    batches = adapter.calibration_feeds(exp, q.calibration.data, q.calibration)
+    amax = calibrate.collect_amax(exp.onnx_path, sorted({t.act for t in targets}), batches, "max", qdq.FORMATS["fp8"])
+    tuning = adapter.calibration_feeds(exp, q.tuning.data, q.calibration.model_copy(update={"samples": 4}))
+    return S.TrialRunner(model, targets, S.groups(targets, "per_projection"), amax, qdq.FORMATS["fp8"], False,
+                         tuning, lambda s, f: s.run(["logits"], f)[0], ort_session(exp.onnx_path))
+
+
+def test_groups_per_block_and_per_projection(runner):
+    per_block = S.groups(runner.targets, "per_block")
+    assert sorted(per_block) == ["model.model.layers.0", "model.model.layers.1"]
+    assert all(len(v) == 7 for v in per_block.values())
+    assert sorted(runner.group_nodes) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
+
+
+def test_trials_reuse_the_reference_and_cache(runner):
+    all_fp = runner.measure(list(runner.group_nodes))
+    assert all_fp.metrics["kld_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert all_fp.metrics["relative_perplexity_increase"] == pytest.approx(0.0, abs=1e-6)
+    assert all_fp.metrics["top1_agreement"] == 1.0
+    base = runner.measure([])
+    assert base.metrics["kld_mean"] > 1e-6
+    ref = runner.reference()
+    n = len(runner.trials)
+    assert runner.measure([]) is base and len(runner.trials) == n and runner.reference() is ref
+
+
+def test_sensitivity_ranks_and_writes_chart(runner, tmp_path):
+    sens = S.measure_sensitivity(runner, "kld_mean")
+    assert [r["improvement"] for r in sens.rows] == sorted((r["improvement"] for r in sens.rows), reverse=True)
+    top = sens.rows[0]
+    assert top["metric_value"] == pytest.approx(runner.measure([top["group"]]).metrics["kld_mean"])
+    assert top["improvement"] == pytest.approx(sens.baseline - top["metric_value"])
+    md, png = S.write_report(sens, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"`{top['group']}`" in md.read_text()
+
+
+def test_search_meets_reachable_budget_and_steps_back(runner):
+    sens = S.measure_sensitivity(runner, "kld_mean")
+    bound = (sens.baseline + sens.rows[0]["metric_value"]) / 2  # needs at least the most sensitive group
+    res = budget.search(runner, sens, Gate(metric="kld_mean", max=bound), total_gemms=14, min_fraction=0.0,
+                        max_trials=50, time_limit_s=600)
+    assert res.status == "met" and res.metrics["kld_mean"] <= bound
+    assert res.excluded_groups and runner.measure(res.excluded_groups).metrics == res.metrics
+    for g in res.excluded_groups:  # step back: no reverted group can be re-quantized alone
+        rest = [x for x in res.excluded_groups if x != g]
+        assert runner.measure(rest).metrics["kld_mean"] > bound
+    assert all(any(s.endswith(g) for g in res.excluded_groups) for s in res.excluded_scopes)
+    snippet = yaml.safe_load(res.snippet(["*lm_head*"]))
+    assert snippet["quantize"]["exclude"]["nodes"] == ["*lm_head*", *res.excluded_scopes]
+    assert res.quantized_fraction == pytest.approx(1 - len(res.excluded_scopes) / 14)
+
+
+def test_search_respects_floor_and_limits(runner):
+    sens = S.measure_sensitivity(runner, "kld_mean")
+    res = budget.search(runner, sens, Gate(metric="kld_mean", max=0.0), total_gemms=14, min_fraction=0.8,
+                        max_trials=50, time_limit_s=600)
+    assert res.status == "unreachable" and res.quantized_fraction >= 0.8
+    res = budget.search(runner, sens, Gate(metric="kld_mean", max=0.0), total_gemms=14, min_fraction=0.0,
+                        max_trials=1, time_limit_s=600)
+    assert res.status == "limit reached"
+
+
+def test_pipeline_records_exclusions_of_a_reachable_budget(tiny, runner):
+    ws, model_dir, _ = tiny
+    sens = S.measure_sensitivity(runner, "kld_mean")
+    bound = (sens.baseline + sens.rows[0]["metric_value"]) / 2
+    path = _recipe(ws / "ok", model_dir, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": bound}})
+    result = run_pipeline(load_recipe(path), path, quiet=True)
+    assert result.passed
+    q = result.artifacts["quantize"]
+    found = q.calibration["accuracy_budget"]
+    assert found["status"] == "met" and found["metrics"]["kld_mean"] <= bound
+    assert sorted(q.excluded_nodes) == sorted(n for g in found["excluded_groups"] for n in runner.group_nodes[g])
+    assert yaml.safe_load(found["snippet"])["quantize"]["exclude"]["nodes"] == found["excluded_scopes"]
+    stage = Path(q.onnx_path).parent
+    assert (stage / "sensitivity.png").is_file() and (stage / "budget.md").is_file()
+    manifest = json.loads(result.manifest_path.read_text()) if hasattr(result, "manifest_path") else result.manifest
+    assert manifest["artifacts"]["quantize"]["excluded_nodes"] == q.excluded_nodes
+
+
+def test_unreachable_budget_exits_1_and_publishes_nothing(tiny):
+    ws, model_dir, _ = tiny
+    path = _recipe(ws / "bad", model_dir, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": 0.0},
+                                             "quantize.tuning.min_quantized_fraction": 0.8})
+    with pytest.raises(GateFailed, match=r"kld_mean <= 0.0 not met.*best found") as e:
+        run_pipeline(load_recipe(path), path, quiet=True)
+    assert e.value.exit_code == 1
+    repo = ws / "bad" / "model_repository"
+    assert not repo.exists() or not any(repo.iterdir())
+    run = ws / "bad" / "artifacts" / "tiny-llm"
+    assert (run / "quantize" / "budget_best.onnx").is_file()
+    assert json.loads((run / "quantize" / "budget.json").read_text())["status"] == "unreachable"
+    assert json.loads((run / "manifest.json").read_text())["stages"]["quantize"]["status"] == "failed"
+
+
+@pytest.mark.parametrize("split, other", [({"start": 150, "stop": 210}, "quantize.calibration.data"),
+                                          ({"start": 210, "stop": 230}, "validate.data")])
+def test_tuning_must_be_disjoint(tiny, split, other):
+    ws, model_dir, _ = tiny
+    path = _recipe(ws / f"dj{split['start']}", model_dir,
+                   **{"quantize.tuning": {"data": {**TUNING, "split": split}}})
+    with pytest.raises(DataError, match=rf"{other}.*quantize.tuning.data|quantize.tuning.data.*{other}"):
+        budget.check_data(load_recipe(path))
+    budget.check_data(load_recipe(_recipe(ws / "djok", model_dir)))  # the default tuning split is disjoint
