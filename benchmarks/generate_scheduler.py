@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.triton.config import generate_config, graph_io  # noqa: E402
-from pipeline.triton.repository import eos_token_ids, kv_layout  # noqa: E402
+from pipeline.models.text_generation.triton import kv_layout  # noqa: E402
+from pipeline.triton.repository import eos_token_ids  # noqa: E402
 
 TEMPLATES = ROOT / "pipeline" / "triton" / "templates"
 PROMPTS = ["The history of the city begins", "In 1905 the physicist", "A recipe for bread needs",

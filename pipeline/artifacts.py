@@ -46,6 +46,8 @@ class QuantizedArtifact:
     quantized_nodes: list[str]
     excluded_nodes: list[str]
     calibration: dict[str, Any] = field(default_factory=dict)
+    #: the calibration batches (``.npz``, :mod:`pipeline.feeds`), handed forward; None for fp32 / fp16
+    calibration_feeds_path: str | None = None
 
     @property
     def summary(self) -> str:

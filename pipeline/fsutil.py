@@ -5,7 +5,9 @@ import ctypes
 import ctypes.util
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -73,3 +75,50 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], *, durable: bool = False) -> None:
+    """Replace ``path`` atomically with what ``write(fh)`` writes to a binary file: a temp
+    file in the same folder (mode 0644), then ``os.replace``; a reader sees the old or the
+    new file, never a partial one. The folder is created if missing. The one atomic-write
+    helper (text, JSON, engine plans, feed archives).
+
+    ``durable=True`` also fsyncs the file before the rename and the folder after it
+    (a crash right after return keeps the new file: the publish journal and index).
+
+    Raises:
+        OSError: the folder cannot be created or written; the temp file is removed.
+        Whatever ``write`` raises; the temp file is removed and ``path`` is untouched.
+    """
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide reports and indexes from other users
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes | memoryview, *, durable: bool = False) -> None:
+    """:func:`write_atomic` of ``data``."""
+    write_atomic(path, lambda fh: fh.write(data), durable=durable)
+
+
+def write_text_atomic(path: str | Path, text: str, *, durable: bool = False) -> None:
+    """:func:`write_atomic` of ``text`` encoded as UTF-8."""
+    write_atomic(path, lambda fh: fh.write(text.encode("utf-8")), durable=durable)

@@ -22,12 +22,16 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import onnx
 from onnx import TensorProto, external_data_helper as edh
 
 from pipeline.errors import EnvironmentFault, PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.artifacts import TensorSpec
 
 PROTOBUF_LIMIT = 2**31  # bytes; protobuf cannot serialize a message this large
 THRESHOLD_ENV = "PIPELINE_EXTERNAL_DATA_THRESHOLD"
@@ -268,3 +272,40 @@ def require_loadable(path: str | Path, stage: str) -> None:
     reason = check_loadable(path)
     if reason:
         raise EnvironmentFault(f"{stage}: the ONNX file it wrote cannot be loaded: {reason}")
+
+
+#: ONNX element types -> numpy dtype names (``object`` for strings).
+ONNX_DTYPES: dict[int, str] = {
+    TensorProto.BOOL: "bool", TensorProto.UINT8: "uint8", TensorProto.UINT16: "uint16",
+    TensorProto.UINT32: "uint32", TensorProto.UINT64: "uint64", TensorProto.INT8: "int8",
+    TensorProto.INT16: "int16", TensorProto.INT32: "int32", TensorProto.INT64: "int64",
+    TensorProto.FLOAT16: "float16", TensorProto.FLOAT: "float32", TensorProto.DOUBLE: "float64",
+    TensorProto.BFLOAT16: "bfloat16", TensorProto.STRING: "object",
+}
+#: The dim of a graph input/output that has neither a fixed size nor a name.
+UNKNOWN_DIM = "?"
+
+
+def graph_specs(model: onnx.ModelProto) -> tuple[list["TensorSpec"], list["TensorSpec"]]:
+    """Graph inputs (initializers excluded) and outputs as TensorSpecs: the one graph I/O reader.
+
+    Dims: ``dim_value`` -> int, ``dim_param`` -> its name, neither -> ``"?"``
+    (:data:`UNKNOWN_DIM`: a string, so every check that treats names as dynamic
+    treats it as dynamic too; never ``0``, which would read as a fixed empty axis).
+    Dtypes: numpy names; an element type outside :data:`ONNX_DTYPES` keeps its
+    ONNX name (e.g. ``"FLOAT8E4M3FN"``), which the Triton config refuses by name.
+    """
+    from pipeline.artifacts import TensorSpec
+
+    initializers = {t.name for t in model.graph.initializer}
+
+    def spec(value: onnx.ValueInfoProto) -> TensorSpec:
+        tensor = value.type.tensor_type
+        dtype = ONNX_DTYPES.get(tensor.elem_type, TensorProto.DataType.Name(tensor.elem_type))
+        shape: list[int | str] = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or UNKNOWN_DIM) for d in tensor.shape.dim
+        ]
+        return TensorSpec(value.name, dtype, shape)
+
+    inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
+    return inputs, [spec(v) for v in model.graph.output]

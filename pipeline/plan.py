@@ -5,7 +5,7 @@ Inputs, all read from what the build left under ``artifacts/<recipe>/``:
 * ``export/model.onnx``: parameters (elements of the floating-point
   initializers; weights the exporter de-duplicated count once, as they are
   stored and read once) and the KV layout (``past_key_values.{i}.key/value``
-  [batch, kv_heads, past, head_dim], :func:`pipeline.triton.repository.kv_layout`);
+  [batch, kv_heads, past, head_dim], :func:`pipeline.models.text_generation.kv.kv_layout`);
 * ``quantize/stage.json``: the quantized GEMM nodes (their weights are FP8/INT8
   on a GPU, 1 byte) and ``quantize/model.onnx``: the served KV dtype;
 * the recipe: max batch (``triton.max_batch_size`` and build profile 0's batch
@@ -225,10 +225,11 @@ def model_facts(recipe: Recipe, workspace_bytes: int | None = None) -> ModelFact
         TritonConfigError: the export has no usable ``past_key_values.*`` inputs.
     """
     from pipeline.profiles import resolve_profiles, shape_tensor_inputs
-    from pipeline.stages.export import graph_specs
-    from pipeline.triton.repository import context_limits, kv_layout, profile_batch
+    from pipeline.onnx_io import graph_specs
+    from pipeline.models.text_generation.triton import kv_layout
+    from pipeline.triton.repository import context_limits, profile_batch
 
-    if recipe.model.kind != "causal-lm":
+    if recipe.model.kind != "text-generation":
         raise PipelineError(f"model.kind: plan sizes the KV cache of causal LMs; recipe {recipe.name!r} is "
                             f"{recipe.model.kind!r}")
     run_dir = Path(recipe.work_dir) / recipe.name
@@ -385,8 +386,8 @@ def kv_check(f: ModelFacts, batch: int = 2, sequence: int = 3, past: int = 5) ->
 
 def kv_dtype_of(onnx_path: str) -> str:
     """dtype of a graph's past_key_values inputs."""
-    from pipeline.stages.export import graph_specs
-    from pipeline.triton.repository import kv_layout
+    from pipeline.onnx_io import graph_specs
+    from pipeline.models.text_generation.triton import kv_layout
 
     return kv_layout(graph_specs(onnx.load(onnx_path, load_external_data=False))[0]).dtype
 

@@ -64,13 +64,18 @@ class OrtRunner:
 
         self.session = ort_session(str(onnx_path))
         self.name = name or f"onnxruntime ({Path(onnx_path).name})"
-        self._inputs = [TensorSpec(i.name, _ORT_DTYPES.get(i.type, i.type), [_dim(d) for d in i.shape])
-                        for i in self.session.get_inputs()]
-        self.output_names = [o.name for o in self.session.get_outputs()]
+        self._inputs: list[TensorSpec] | None = None  # read on first use
 
     @property
     def inputs(self) -> list[TensorSpec]:
+        if self._inputs is None:
+            self._inputs = [TensorSpec(i.name, _ORT_DTYPES.get(i.type, i.type), [_dim(d) for d in i.shape])
+                            for i in self.session.get_inputs()]
         return self._inputs
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.session.get_outputs()]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """All graph outputs for ``feeds`` (input name -> array of the input's dtype).
@@ -78,7 +83,7 @@ class OrtRunner:
         Raises:
             RunnerError: an input is missing or unknown (names both lists).
         """
-        check_feed_names(self.name, [s.name for s in self._inputs], feeds)
+        check_feed_names(self.name, [s.name for s in self.inputs], feeds)
         return dict(zip(self.output_names, self.session.run(None, feeds)))
 
 
@@ -355,11 +360,48 @@ class PolygraphyRunner:
 
 class SessionView:
     """A runner seen as an ONNX Runtime session (``run(names, feeds) -> list``), for code
-    written against sessions (pipeline.models.encoder.similarity_metrics)."""
+    written against sessions (the kinds' metrics in pipeline/models/<kind>/metrics.py).
+    An :class:`OrtRunner` runs only the requested outputs, exactly as its session would."""
 
     def __init__(self, runner: Runner):
         self.runner = runner
 
     def run(self, names: Sequence[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if isinstance(self.runner, OrtRunner):
+            return self.runner.session.run(None if names is None else list(names), feeds)
         out = self.runner.run(feeds)
         return list(out.values()) if names is None else [out[n] for n in names]
+
+
+class TorchRunner:
+    """A ``torch.nn.Module`` as a runner: inputs positional in ``input_names`` order,
+    outputs (a tensor or a tuple of tensors) named by ``output_names``; no grad, CPU.
+
+    Used where torch is the reference (the export check; kinds whose source has no ONNX).
+    """
+
+    def __init__(self, module: Any, input_names: Sequence[str], output_names: Sequence[str],
+                 name: str = "torch"):
+        self.module, self.name = module, name
+        self.input_names, self.output_names = list(input_names), list(output_names)
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec(n, "", []) for n in self.input_names]  # dtypes/shapes: whatever the module takes
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Outputs as numpy arrays by name.
+
+        Raises:
+            RunnerError: an input is missing or unknown, or the module returns a
+                different number of outputs than ``output_names``.
+        """
+        import torch
+
+        check_feed_names(self.name, self.input_names, feeds)
+        with torch.no_grad():
+            out = self.module(*(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in self.input_names))
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        if len(out) != len(self.output_names):
+            raise RunnerError(f"{self.name}: the module returned {len(out)} outputs; expected {self.output_names}")
+        return {n: t.detach().numpy() for n, t in zip(self.output_names, out)}

@@ -1,18 +1,53 @@
-"""Pick the adapter for a recipe's ``model.kind``."""
+"""The one mapping of ``model.kind`` to its adapter (:class:`pipeline.models.base.ModelAdapter`).
+
+Every kind of :data:`pipeline.recipe.ModelKind` has an entry (tests check the two
+agree), so the schema refuses an unknown kind and no kind falls back to another.
+"""
 from __future__ import annotations
 
-from pipeline.recipe import ModelSource
+import importlib
+from typing import TYPE_CHECKING
+
+from pipeline.models.base import not_implemented
+
+if TYPE_CHECKING:
+    from pipeline.models.base import ModelAdapter
+    from pipeline.recipe import ModelSource
+
+#: kind -> "module:class" of its adapter, or a factory that refuses a declared, unwritten kind.
+ADAPTERS = {
+    "text-generation": "pipeline.models.text_generation.adapter:TextGenerationAdapter",
+    "sentence-embedding": "pipeline.models.sentence_embedding.adapter:SentenceEmbeddingAdapter",
+    "image-classification": not_implemented("image-classification"),
+    "generic": not_implemented("generic"),
+}
 
 
-def adapter(source: ModelSource):
-    """The adapter object for ``source.kind`` ("causal-lm" or "encoder")."""
-    if source.kind == "causal-lm":
-        from pipeline.models.llm import CausalLMAdapter
+def adapter_class(kind: str):
+    """The adapter class (or refusing factory) of ``kind``.
 
-        return CausalLMAdapter(source)
-    from pipeline.models.encoder import EncoderAdapter
+    Raises:
+        PipelineError: ``kind`` is not a model kind (names the valid ones), or its
+            adapter is not implemented yet.
+    """
+    from pipeline.errors import PipelineError
 
-    return EncoderAdapter(source)
+    target = ADAPTERS.get(kind)
+    if target is None:
+        raise PipelineError(f"model.kind: {kind!r} is not a model kind; valid: {sorted(ADAPTERS)}")
+    if not isinstance(target, str):
+        return target
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def adapter(source: ModelSource) -> ModelAdapter:
+    """The adapter for ``source.kind``, bound to ``source``.
+
+    Raises:
+        PipelineError: the kind's adapter is not implemented yet (see :func:`adapter_class`).
+    """
+    return adapter_class(source.kind)(source)
 
 
 def load_tokenizer(folder: str):

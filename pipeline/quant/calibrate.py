@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import onnx
 from onnxruntime.quantization.calibrate import (
     CalibrationDataReader,
     CalibrationMethod,
@@ -109,3 +110,48 @@ def _fake_quant(x: np.ndarray, amax: float, fmt: QFormat) -> np.ndarray:
     y = np.clip(x / scale, -fmt.qmax, fmt.qmax)
     y = np.round(y) if fmt.np_type is np.int8 else y.astype(fmt.np_type).astype(np.float64)
     return y * scale
+
+
+def collect_channel_amax(model: onnx.ModelProto, tensors: list[str],
+                         batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-channel abs-max of activations (last axis = channel), over all batches.
+
+    ONNX Runtime's calibrators report one range per tensor; SmoothQuant needs one
+    per input channel of each GEMM. The graph is augmented with ``tensors`` as
+    extra outputs and run once per batch in ONNX Runtime (CPU).
+
+    Args:
+        model: FP32 graph with its weights loaded (inline; under 2 GiB serialized).
+        tensors: float activation names; each is ``[..., C]``.
+        batches: feed dicts for the graph.
+
+    Returns:
+        name -> float64 ``[C]`` abs-max over every position of every batch.
+
+    Raises:
+        QuantizationError: no batch, or a tensor is not in the graph.
+    """
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    if not batches:
+        raise QuantizationError("per-channel calibration: no calibration batch")
+    known = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    missing = [t for t in tensors if t not in known]
+    if missing:
+        raise QuantizationError(f"per-channel calibration: tensors {missing[:5]} are not in the graph")
+    aug = onnx.ModelProto()
+    aug.CopyFrom(model)
+    present = {o.name for o in aug.graph.output}
+    aug.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None)
+                            for t in tensors if t not in present)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(aug.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    del aug
+    amax: dict[str, np.ndarray] = {}
+    for feeds in batches:
+        for name, value in zip(tensors, sess.run(tensors, feeds)):
+            m = np.abs(value.reshape(-1, value.shape[-1])).max(axis=0).astype(np.float64)
+            amax[name] = m if name not in amax else np.maximum(amax[name], m)
+    return amax

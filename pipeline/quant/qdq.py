@@ -1,7 +1,8 @@
 """Explicit Q/DQ placement for TensorRT's strongly typed networks.
 
 Policy: quantize the inputs of weight GEMMs (MatMul/Gemm with a 2-D constant
-weight), which TensorRT fuses into FP8/INT8 GEMM kernels:
+weight) and of convolutions (Conv with a constant ``[C_out, C_in/groups, *k]``
+weight), which TensorRT fuses into FP8/INT8 GEMM / convolution kernels:
 
 * activation: ``x -> QuantizeLinear -> DequantizeLinear -> GEMM``, per-tensor
   scale ``amax / qmax`` from calibration, zero point 0;
@@ -62,10 +63,12 @@ def node_scope(node: onnx.NodeProto) -> str:
 
 
 def find_targets(model: onnx.ModelProto, op_types: list[str]) -> list[Target]:
-    """Weight GEMMs of the graph, in graph order.
+    """Weight GEMMs and convolutions of the graph (of ``op_types``), in graph order.
 
     MatMul ``[K, N]`` weights have output channels on axis 1; Gemm weights on
-    axis 0 when ``transB=1`` else axis 1.
+    axis 0 when ``transB=1`` else axis 1; Conv weights ``[C_out, C_in/groups, *kernel]``
+    (1-D to 3-D kernels) on axis 0. Weights must be FP32 initializers (a graph
+    whose weights are ``Constant`` nodes needs them folded into initializers first).
     """
     inits = {i.name: i for i in model.graph.initializer}
     out = []
@@ -73,10 +76,11 @@ def find_targets(model: onnx.ModelProto, op_types: list[str]) -> list[Target]:
         if n.op_type not in op_types or len(n.input) < 2 or n.input[1] not in inits:
             continue
         w = inits[n.input[1]]
-        if len(w.dims) != 2 or w.data_type != TensorProto.FLOAT or n.input[0] in inits:
+        rank_ok = 3 <= len(w.dims) <= 5 if n.op_type == "Conv" else len(w.dims) == 2
+        if not rank_ok or w.data_type != TensorProto.FLOAT or n.input[0] in inits:
             continue
         trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
-        axis = 0 if (n.op_type == "Gemm" and trans_b) else 1
+        axis = 0 if (n.op_type == "Conv" or (n.op_type == "Gemm" and trans_b)) else 1
         out.append(Target(n.name, node_scope(n), n.input[0], n.input[1], axis))
     return out
 
@@ -146,13 +150,16 @@ def _zero_point(fmt: QFormat, name: str, shape: tuple[int, ...] = ()) -> onnx.Te
 
 
 def insert_qdq(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str, float],
-               fmt: QFormat, per_channel: bool, *, base_dir: str = "", inplace: bool = False) -> onnx.ModelProto:
+               fmt: QFormat, per_channel: bool, *, base_dir: str = "", inplace: bool = False,
+               weight_cache: dict | None = None) -> onnx.ModelProto:
     """Return ``model`` (a copy unless ``inplace``) with Q/DQ around every target's inputs.
 
     The model may be loaded lazily (``load_external_data=False``): each FP32
     weight is then read from ``base_dir`` on its own and only its quantized form
     is kept in memory; the FP32 initializers a target replaced are dropped.
-    Works above 2 GiB (nothing is serialized).
+    Works above 2 GiB (nothing is serialized). ``weight_cache`` (a dict the caller
+    keeps) holds each quantized weight by name, so repeated calls on variants of one
+    graph (the sensitivity and budget trials) quantize every weight once.
 
     Raises:
         QuantizationError: an activation has no calibrated amax, or an invalid one.
@@ -170,7 +177,8 @@ def insert_qdq(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str
             if t.act not in done_act:
                 done_act[t.act] = _act_qdq(t.act, act_amax, fmt, nodes, new_inits)
             if t.weight not in done_w:
-                done_w[t.weight] = _weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, base_dir)
+                done_w[t.weight] = _weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, base_dir,
+                                              weight_cache)
             node.input[0], node.input[1] = done_act[t.act], done_w[t.weight]
         nodes.append(node)
     used = {i for n in nodes for i in n.input}
@@ -196,9 +204,15 @@ def _act_qdq(name: str, amax: dict[str, float], fmt: QFormat, nodes: list, inits
 
 
 def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, nodes: list, inits: list,
-               base_dir: str) -> str:
+               base_dir: str, cache: dict | None = None) -> str:
     axis = t.weight_axis if per_channel else None
-    q, scale = quantize_weight(_weight_array(w, base_dir), fmt, axis)
+    key = (w.name, fmt.name, axis)
+    if cache is not None and key in cache:
+        q, scale = cache[key]
+    else:
+        q, scale = quantize_weight(_weight_array(w, base_dir), fmt, axis)
+        if cache is not None:
+            cache[key] = (q, scale)
     zp_shape = () if axis is None else scale.shape
     qi = numpy_helper.from_array(q, f"{w.name}_quantized")
     si = numpy_helper.from_array(scale, f"{w.name}_scale")

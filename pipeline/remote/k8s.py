@@ -106,9 +106,9 @@ def last_published(run_dir: Path) -> dict | None:
 def kv_geometry(recipe) -> tuple[int, int, int] | None:
     """(layers, KV heads, head dim) of a causal LM from its HF ``config.json`` or GGUF
     metadata; None for encoders or when the weights cannot be read."""
-    from pipeline.models.llm import package_file
+    from pipeline.models.sources import package_file
 
-    if recipe.model.kind != "causal-lm":
+    if recipe.model.kind != "text-generation":
         return None
     try:
         path = package_file(recipe.model)
@@ -141,7 +141,7 @@ def max_context(recipe) -> int | None:
     if mask in dims:
         limits.append(dims[mask].max)
     past = next((a.get(2) for n, a in axes.items() if n.startswith("past_key_values")), PAST_DIM)
-    if recipe.model.kind == "causal-lm" and past in dims:
+    if recipe.model.kind == "text-generation" and past in dims:
         limits.append(dims[past].max + 1)
     return min(limits) if limits else None
 
@@ -166,7 +166,7 @@ def model_names(recipe) -> list[str]:
     from pipeline.triton.repository import ensemble_model_name, tokenizer_model_name
 
     name = recipe.triton.model_name
-    if recipe.model.kind == "causal-lm":
+    if recipe.model.kind == "text-generation":
         return [name, *([recipe.triton.generate_model_name] if recipe.triton.generate_model_name else [])]
     return [name, tokenizer_model_name(name), ensemble_model_name(name)]
 
@@ -175,7 +175,7 @@ def queue_target_us(recipe) -> int:
     """HPA target: average queue time per request, 10 % of the recipe's latency SLO
     (LLM: TTFT), in microseconds."""
     slo = recipe.serve.slo
-    budget_ms = slo.ttft_ms if recipe.model.kind == "causal-lm" else slo.latency_ms
+    budget_ms = slo.ttft_ms if recipe.model.kind == "text-generation" else slo.latency_ms
     return int(budget_ms * 1000 * 0.1)
 
 

@@ -454,7 +454,7 @@ def front_models(recipe) -> list[str]:
     """The models clients call first: the LLM's generation model, the encoder's ensemble."""
     from pipeline.triton.repository import ensemble_model_name
 
-    if recipe.model.kind == "causal-lm":
+    if recipe.model.kind == "text-generation":
         return [recipe.triton.generate_model_name] if recipe.triton.generate_model_name else []
     return [ensemble_model_name(recipe.triton.model_name)]
 

@@ -21,9 +21,7 @@ from pipeline.errors import GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.recipe import DynamicBatching, InstanceGroup, Recipe
 from pipeline.triton.repository import (
     INDEX_FILE,
-    ensemble_model_name,
     resolve_target,
-    tokenizer_model_name,
     write_repository,
 )
 
@@ -48,13 +46,21 @@ class Served:
         return self.recipe.triton.model_name
 
     @property
+    def adapter(self):
+        """The recipe's model-kind adapter (:mod:`pipeline.models.registry`)."""
+        from pipeline.models import registry
+
+        return registry.adapter(self.recipe.model)
+
+    @property
     def generate_model(self) -> str | None:
-        name = self.recipe.triton.generate_model_name
-        return name if self.recipe.model.kind == "causal-lm" else None
+        """The streaming generation model, for kinds that generate."""
+        return self.adapter.front_model(self.recipe) if self.adapter.generates else None
 
     @property
     def ensemble_model(self) -> str | None:
-        return ensemble_model_name(self.compute_model) if self.recipe.model.kind == "encoder" else None
+        """The one-response front model (an ensemble), for kinds that do not generate."""
+        return None if self.adapter.generates else self.adapter.front_model(self.recipe)
 
     @property
     def run_dir(self) -> Path:
@@ -63,11 +69,8 @@ class Served:
 
     @property
     def models(self) -> list[str]:
-        """Every model of the repository: compute first, then generate / tokenizer + ensemble."""
-        extra = [self.generate_model] if self.generate_model else []
-        if self.ensemble_model:
-            extra = [tokenizer_model_name(self.compute_model), self.ensemble_model]
-        return [self.compute_model, *extra]
+        """Every model of the repository: compute first, then the kind's (generate / tokenizer + ensemble)."""
+        return [self.compute_model, *self.adapter.served_models(self.recipe)]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,10 +85,7 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
     log(served.note)
     server = launch(served)
     endpoint: EndpointServer | None = None
-    # Installed explicitly: a SIGINT disposition inherited as "ignored" (some
-    # launchers and test runners pass that on) would otherwise make Ctrl-C a no-op.
-    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    try:  # Ctrl-C / SIGTERM: KeyboardInterrupt from the CLI's handler (pipeline.interrupts)
         _print_endpoints(served, server, log)
         if served.generate_model:
             endpoint = start_endpoint(served, server, host=host, port=openai_port, api_key=key)
@@ -107,8 +103,6 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
     except KeyboardInterrupt:
         log("stopping tritonserver ...")
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
         if endpoint is not None:
             endpoint.stop()
         code = server.stop()
@@ -129,10 +123,6 @@ def start_endpoint(served: Served, server: TritonServer, *, host: str = "127.0.0
                          model_folder=find_model_folder(served.repository, served.generate_model),
                          api_key=resolve_api_key(host, api_key))
     return EndpointServer(cfg, host=host, port=DEFAULT_OPENAI_PORT if port is None else port).start()
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _print_endpoints(served: Served, server: TritonServer, log: Log) -> None:

@@ -39,6 +39,7 @@ import onnx
 from pipeline import profiles, serving
 from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
 from pipeline.errors import PipelineError
+from pipeline.fsutil import write_bytes_atomic
 from pipeline.graph_checks import check_qdq_graph
 from pipeline.manifest import sha256_file
 from pipeline.recipe import BuildConfig, Recipe
@@ -362,9 +363,7 @@ def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str)
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, data)
 
 
 # --- TensorRT (type-checked against tensorrt-stubs) --------------------------------------

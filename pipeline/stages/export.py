@@ -18,18 +18,8 @@ from pipeline.runtime import ort_session
 log = logging.getLogger(__name__)
 
 
-def graph_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of an ONNX graph as TensorSpecs (symbolic dims as names)."""
-
-    def spec(v: onnx.ValueInfoProto) -> TensorSpec:
-        t = v.type.tensor_type
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
-        dims: list[int | str] = [d.dim_param or d.dim_value for d in t.shape.dim]
-        return TensorSpec(v.name, dtype, dims)
-
-    inits = {i.name for i in model.graph.initializer}
-    ins = [spec(v) for v in model.graph.input if v.name not in inits]
-    return ins, [spec(v) for v in model.graph.output]
+#: The one graph I/O reader (pipeline.onnx_io): kept under this name for callers.
+graph_specs = onnx_io.graph_specs
 
 
 def check_dynamic(inputs: list[TensorSpec], dynamic_axes: dict[str, dict[int, str]]) -> None:
@@ -71,7 +61,8 @@ def run(ctx: StageContext) -> ExportArtifact:
         EnvironmentFault: the written ONNX file cannot be loaded back.
     """
     adapter = registry.adapter(ctx.recipe.model)
-    module, tokenizer = adapter.load(ctx)
+    loaded = adapter.load(ctx)
+    module = loaded.module
     out = ctx.stage_dir / "model.onnx"
     with ctx.progress.step("export: torch.onnx.export(dynamo=True)"):
         with onnx_io.replacing(out) as tmp:  # new files renamed into place, never rewritten
@@ -81,20 +72,13 @@ def run(ctx: StageContext) -> ExportArtifact:
     inputs, outputs = graph_specs(model)
     # Static axes, baked Reshapes and unrolled per-sample loops, named (export_checks).
     axes = adapter.dynamic_axes(ctx.recipe.export)
-    export_checks.check_symbolic(model, axes, _example_sizes(adapter, ctx.recipe.export))
+    export_checks.check_symbolic(model, axes, export_checks.example_sizes(loaded.example_feeds, axes))
     # Profiles must fit the graph before any expensive work (checks, calibration).
     profiles.resolve_profiles(list(ctx.recipe.build.profiles), inputs, set(profiles.shape_tensor_inputs(model)))
     checks = verify_shapes(ctx, adapter, module, out, inputs, model)
     tok_dir = ctx.stage_dir / "tokenizer"
-    tokenizer.save_pretrained(str(tok_dir))
+    loaded.processor.save_pretrained(str(tok_dir))
     return ExportArtifact(str(out), inputs, outputs, str(tok_dir), checks)
-
-
-def _example_sizes(adapter, export_cfg) -> dict[str, int] | None:
-    """``{dim: size}`` of the adapter's export example when it exposes ``example_feeds``
-    (numpy arrays by input name), else None: the checks then read sizes from the graph."""
-    feeds = getattr(adapter, "example_feeds", None)
-    return None if feeds is None else export_checks.example_sizes(feeds, adapter.dynamic_axes(export_cfg))
 
 
 def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: list[TensorSpec],

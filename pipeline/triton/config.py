@@ -27,6 +27,7 @@ Device rule (``instance_group.kind``), checked by :func:`check_config`:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -37,6 +38,7 @@ from pipeline.artifacts import TensorSpec
 from pipeline.errors import TritonConfigError
 from pipeline.onnx_io import graph_specs
 from pipeline.recipe import TritonConfig
+from pipeline.runtime import optimization_level
 
 if TYPE_CHECKING:  # the generated protobuf module ships no type stubs
     ModelConfig = Any
@@ -144,6 +146,7 @@ def compute_config(
     profile_opt_batch: int | None = None,
     qdq: bool = False,
     profile_count: int = 1,
+    graph: str | Path | onnx.ModelProto | None = None,
 ) -> ModelConfig:
     """Config of the compute model named ``triton.model_name``.
 
@@ -161,26 +164,32 @@ def compute_config(
             in ``profile`` (Triton's ``ModelInstanceGroup.profile``: indices as
             strings; unset, the TensorRT backend uses profile 0 only) and
             Triton picks one per request by its shapes.
-        qdq: the graph holds QuantizeLinear/DequantizeLinear nodes. ONNX
-            Runtime then gets basic graph optimizations only: its level-2+ QDQ
-            fusions turn FP8 Q/DQ + MatMul into an invalid MatMulIntegerToFloat
-            on CPU (onnxruntime 1.31; same rule as pipeline/runtime.py).
-            ``onnxruntime``: ``optimization.graph.level: -1`` (the Triton
-            backend's ORT_ENABLE_BASIC); ``python-onnxruntime``: parameter
-            ``graph_optimization_level`` ``basic`` (else ``all``) and
-            ``dequantize_weights`` ``once`` (constant weight DequantizeLinear
-            run once at load; bit-identical outputs, see the template).
+        graph: the served ONNX graph: its path (preferred: INT8 weights are read
+            from its folder), or a ModelProto with its weights. Its ONNX Runtime
+            optimization level is :func:`pipeline.runtime.optimization_level`, the
+            one validate ran it at: ``basic`` for FP8 Q/DQ graphs (ORT's level-2+
+            QDQ fusions build an invalid MatMulIntegerToFloat for FP8 on CPU,
+            onnxruntime 1.31) and for INT8 Q/DQ graphs whose weights exceed +-64
+            (int16 saturation in ORT's non-VNNI integer kernels), ``all`` otherwise.
+            ``onnxruntime``: ``optimization.graph.level: -1`` (the Triton backend's
+            ORT_ENABLE_BASIC) for ``basic``, unset (all) otherwise;
+            ``python-onnxruntime``: parameter ``graph_optimization_level`` and, at
+            ``basic``, ``dequantize_weights`` ``once`` (constant weight
+            DequantizeLinear run once at load; bit-identical outputs, see the template).
+        qdq: used only without ``graph`` (older callers): the graph holds
+            Q/DQ nodes, taken as ``basic``.
 
     Raises:
         TritonConfigError: unknown target or a dtype Triton has no type for.
     """
     cfg = ModelConfig(name=triton.model_name, max_batch_size=triton.max_batch_size)
     _set_runtime(cfg, target)
-    if target == "onnxruntime" and qdq:
+    level = optimization_level(graph) if graph is not None else ("basic" if qdq else "all")
+    if target == "onnxruntime" and level == "basic":
         cfg.optimization.graph.level = -1
     if target == "python-onnxruntime":
-        cfg.parameters["graph_optimization_level"].string_value = "basic" if qdq else "all"
-        if qdq:
+        cfg.parameters["graph_optimization_level"].string_value = level
+        if level == "basic":
             cfg.parameters["dequantize_weights"].string_value = "once"
     batched = triton.max_batch_size > 0
     for kind, entries, specs in (("input", cfg.input, inputs), ("output", cfg.output, outputs)):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pipeline.errors import RepositoryCorrupt, TritonConfigError
 from pipeline.faults import fault_point
-from pipeline.fsutil import exchange, file_sha256
+from pipeline.fsutil import exchange, file_sha256, write_text_atomic
 
 INDEX_FILE = "repository.json"
 JOURNAL_FILE = ".publish-journal.json"
@@ -210,18 +210,8 @@ def _inode(path: Path) -> int | None:
 
 
 def _write_json(path: Path, data: dict, indent: int | None = None) -> None:
-    """Write ``path`` atomically and durably (temp file, fsync, rename, fsync of the folder)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(data, indent=indent, sort_keys=True, allow_nan=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Write ``path`` atomically and durably (:func:`pipeline.fsutil.write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=indent, sort_keys=True, allow_nan=False) + "\n", durable=True)
 
 
 @contextlib.contextmanager

@@ -39,32 +39,19 @@ from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact,
 from pipeline.errors import TritonConfigError
 from pipeline.fsutil import copy_file
 from pipeline.models import registry
-from pipeline.models.text_generation import kv as _kv  # moves to models/text_generation/ with _stage_generate
-from pipeline.models.text_generation.kv import KVLayout
 from pipeline.triton import publish
 from pipeline.recipe import Recipe
 from pipeline.triton.config import (
-    GENERATE_INPUTS,
-    GENERATE_OUTPUTS,
     RUNTIMES,
-    TOKENIZER_INPUT,
     ModelConfig,
     check_config,
-    check_ensemble,
-    check_tokenizer_outputs,
     compute_config,
-    ensemble_config,
-    generate_config,
     graph_io,
     parse_config,
     to_text,
-    tokenizer_config,
 )
 
 INDEX_FILE = publish.INDEX_FILE
-DEFAULT_MAX_TOKENS = 32  # generation default when the recipe has no validate.generation
-DEFAULT_MAX_LENGTH = 512  # encoder tokenizer truncation when the profile gives no input_ids max
-PAD_TO_MULTIPLE_OF = 16  # encoder tokenizer: row length rounded up to this (shape buckets for batching)
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
@@ -201,180 +188,9 @@ def _stage_compute(
     else:
         _copy_onnx(source, model, version_dir / "model.onnx")
     if target == "python-onnxruntime":
-        _write_template("onnxruntime_model.py", version_dir / "model.py")
-    _write_config(staging / cfg.name, cfg)
-    if any(_PAST.match(s.name) for s in inputs):  # a KV-cache graph: size its shared memory
-        write_deploy_notes(recipe, inputs, outputs, build.profiles)
+        write_template("onnxruntime_model.py", version_dir / "model.py")
+    write_config(staging / cfg.name, cfg)
     return StagedModel(cfg, inputs, outputs, target, max_batch, len(build.profiles))
-
-
-DEPLOY_NOTES = "deploy_notes.md"
-DOCKER_DEFAULT_SHM = 64 << 20  # bytes of /dev/shm under a plain `docker run`
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def shm_bytes(kv: KVLayout, batch: int, context: int, vocab: int) -> dict[str, int]:
-    """Shared memory (bytes) the python backend needs at the worst generation step.
-
-    The KV cache of ``batch`` sequences of ``context`` tokens is
-    ``2 (K, V) x B x S x L x H_kv x D x bytes``; one step holds it twice (the
-    past it sends, the present it receives), plus ``last_logits`` float32
-    ``[B, V]``. ``total`` adds 25 % headroom for Triton's own tensors.
-    """
-    cache = 2 * batch * context * kv.num_layers * kv.kv_heads * kv.head_dim * _DTYPE_BYTES.get(kv.dtype, 4)
-    logits = batch * vocab * 4
-    need = 2 * cache + logits
-    return {"kv_cache": cache, "last_logits": logits, "step": need, "total": need + need // 4}
-
-
-def write_deploy_notes(recipe: Recipe, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-                       profiles: Sequence[ResolvedProfile]) -> Path:
-    """``<work_dir>/<recipe>/triton/deploy_notes.md``: the ``--shm-size`` the repository needs
-    (:func:`shm_bytes` at max_batch_size sequences of the max context). Outside the
-    model folders, so it is not part of their published hashes. Returns its path."""
-    kv = kv_layout(inputs)
-    vocab = next((int(s.shape[-1]) for s in outputs if s.name == "logits" and isinstance(s.shape[-1], int)), 0)
-    batch = max(1, recipe.triton.max_batch_size)
-    context = context_limits(profiles)["max_context"] or DEFAULT_SHM_CONTEXT
-    need = shm_bytes(kv, batch, context, vocab)
-    shm_mib = max(64, -(-need["total"] // (1 << 20)))
-    mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
-    text = (
-        f"# Deploying {recipe.name}\n\n"
-        f"Run Triton with `--shm-size={shm_mib}m` (e.g. `docker run --gpus all --shm-size={shm_mib}m ...`).\n\n"
-        "The python-backend generation model moves the KV cache through /dev/shm at every step:\n\n"
-        f"- KV cache: 2 x B {batch} x S {context} x L {kv.num_layers} x H_kv {kv.kv_heads} x D {kv.head_dim} "
-        f"x {_DTYPE_BYTES.get(kv.dtype, 4)} bytes ({kv.dtype}) = {mib(need['kv_cache'])}\n"
-        f"- one step holds it twice (past in, present out), plus `last_logits` [B {batch}, V {vocab}] float32 "
-        f"= {mib(need['last_logits'])}: {mib(need['step'])}\n"
-        f"- with 25 % headroom: {mib(need['total'])}; Docker's default /dev/shm is 64 MiB"
-        + (" (too small)" if need["total"] > DOCKER_DEFAULT_SHM else "") + ".\n\n"
-        f"B is triton.max_batch_size (concurrent generations), S the max context of the optimization profiles. "
-        f"Request `last_logits` ([batch, vocab]) rather than `logits` ([batch, sequence, vocab]) per step: a "
-        f"{context}-token prefill's full logits alone are {mib(batch * context * vocab * 4)}.\n"
-    )
-    path = Path(recipe.work_dir) / recipe.name / "triton" / DEPLOY_NOTES
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
-
-
-DEFAULT_SHM_CONTEXT = 2048  # tokens assumed when no profile bounds the context
-
-
-def _stage_generate(
-    recipe: Recipe, export: ExportArtifact, graph_inputs: list[TensorSpec], build: BuildArtifact, staging: Path
-) -> StagedModel:
-    """Generation model: model.py template, tokenizer files and KV numbers in parameters."""
-    kv = kv_layout(export.inputs)
-    _check_kv(recipe.triton.model_name, kv, graph_inputs)
-    name = str(recipe.triton.generate_model_name)
-    version_dir = staging / name / str(recipe.triton.version)
-    _copy_tokenizer(Path(export.tokenizer_dir), version_dir)
-    _write_template("generate_model.py", version_dir / "model.py")
-    generation = recipe.validate_.generation
-    cfg = generate_config(
-        name,
-        compute_model=recipe.triton.model_name,
-        num_layers=kv.num_layers,
-        kv_heads=kv.kv_heads,
-        head_dim=kv.head_dim,
-        kv_dtype=kv.dtype,
-        eos_token_ids=eos_token_ids(version_dir),
-        default_max_tokens=generation.new_tokens if generation else DEFAULT_MAX_TOKENS,
-        max_concurrent_generations=max(1, recipe.triton.max_batch_size),
-        continuous_batching=recipe.triton.continuous_batching,
-        kv_cache_budget_mib=recipe.triton.kv_cache_budget_mib,
-        **_generate_compute_runtime(recipe, staging, last_logits=any(s.name == "last_logits" for s in export.outputs)),
-        **context_limits(build.profiles),
-    )
-    _write_config(staging / name, cfg)
-    return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None)
-
-
-def _generate_compute_runtime(recipe: Recipe, staging: Path, *, last_logits: bool) -> dict:
-    """How the generation model runs the compute graph: in its own process with ONNX Runtime when
-    the staged compute model is the python-onnxruntime one (it ships model.py + model.onnx), else
-    through BLS (``tensorrt_plan`` / ``onnxruntime_onnx``). ``last_logits``: the graph has that
-    output ([batch, vocab]), which each step then requests instead of ``logits``."""
-    version = str(recipe.triton.version)
-    compute_dir = staging / recipe.triton.model_name
-    logits = {"logits_output": "last_logits"} if last_logits else {}
-    if not (compute_dir / version / "model.py").is_file():
-        return {"compute_runtime": "bls", "compute_parameters": logits}
-    params = parse_config((compute_dir / "config.pbtxt").read_text()).parameters
-    onnx_file = params["onnx_file"].string_value if "onnx_file" in params else "model.onnx"
-    forwarded = {k: params[k].string_value for k in ("graph_optimization_level", "dequantize_weights") if k in params}
-    return {"compute_runtime": "onnxruntime",
-            "compute_parameters": {"compute_onnx": f"{recipe.triton.model_name}/{version}/{onnx_file}", **forwarded,
-                                   **logits}}
-
-
-def _stage_encoder_text(
-    recipe: Recipe, export: ExportArtifact, compute: StagedModel, build: BuildArtifact, staging: Path
-) -> list[StagedModel]:
-    """Tokenizer model (template + tokenizer files) and the text -> embedding ensemble."""
-    name = recipe.triton.model_name
-    version = str(recipe.triton.version)
-    tok_dir = staging / tokenizer_model_name(name) / version
-    check_tokenizer_outputs(tokenizer_model_name(name), [s.name for s in compute.inputs], recipe.triton.max_batch_size)
-    _copy_tokenizer(Path(export.tokenizer_dir), tok_dir)
-    _write_template("tokenizer_model.py", tok_dir / "model.py")
-    tokenizer = tokenizer_config(
-        tokenizer_model_name(name), max_batch_size=recipe.triton.max_batch_size, outputs=[s.name for s in compute.inputs],
-        max_length=context_limits(build.profiles)["max_prompt_tokens"] or DEFAULT_MAX_LENGTH,
-        pad_id=pad_token_id(tok_dir), pad_to_multiple_of=PAD_TO_MULTIPLE_OF,
-    )
-    ensemble = ensemble_config(ensemble_model_name(name), tokenizer, compute.config)
-    check_ensemble(ensemble, {m.name: m for m in (tokenizer, compute.config)})
-    (staging / ensemble.name / version).mkdir(parents=True)
-    for cfg in (tokenizer, ensemble):
-        _write_config(staging / cfg.name, cfg)
-    text = [TensorSpec(TOKENIZER_INPUT, "object", ["batch", 1])]
-    ids = [TensorSpec(s.name, "int64", ["batch", "sequence"]) for s in compute.inputs]
-    return [StagedModel(tokenizer, text, ids, "python", None), StagedModel(ensemble, text, compute.outputs, "ensemble", None)]
-
-
-def pad_token_id(tokenizer_dir: Path) -> int:
-    """Pad id: ``pad_token`` of tokenizer_config.json / special_tokens_map.json looked up in
-    tokenizer.json, else tokenizer.json's ``padding.pad_id``.
-
-    Raises:
-        TritonConfigError: no pad token named, or the named one is not in the vocabulary.
-    """
-    token_id = _special_token_id(tokenizer_dir, "pad_token")
-    if token_id is not None:
-        return token_id
-    padding = _json_field(tokenizer_dir / "tokenizer.json", "padding")
-    if isinstance(padding, dict) and "pad_id" in padding:
-        return int(padding["pad_id"])
-    raise TritonConfigError(f"{tokenizer_dir}: no pad_token in tokenizer_config.json or special_tokens_map.json and "
-                            "no padding in tokenizer.json; the encoder tokenizer model pads batches with it")
-
-
-def kv_layout(inputs: Sequence[TensorSpec]) -> KVLayout:
-    """:func:`pipeline.models.text_generation.kv.kv_layout` of the export's inputs (the one KV layout).
-
-    Raises:
-        TritonConfigError: no past inputs, layers not numbered 0..L-1 with a key
-            and a value each, non-rank-4 or symbolic kv_heads/head_dim, or
-            layers that disagree.
-    """
-    return _kv.kv_layout(inputs, error=TritonConfigError)
-
-
-def _check_kv(model_name: str, kv: KVLayout, graph_inputs: Sequence[TensorSpec]) -> None:
-    """The served graph must take the past tensors the generation model will send."""
-    graph = {s.name: s for s in graph_inputs}
-    for i in range(kv.num_layers):
-        for kind in ("key", "value"):
-            spec = graph.get(f"past_key_values.{i}.{kind}")
-            if spec is None or len(spec.shape) != 4 or spec.shape[1] != kv.kv_heads or spec.shape[3] != kv.head_dim:
-                raise TritonConfigError(
-                    f"model '{model_name}': input past_key_values.{i}.{kind}: the served graph has "
-                    f"{spec.shape if spec else 'no such input'}, the export has [batch, {kv.kv_heads}, "
-                    f"past_sequence, {kv.head_dim}]"
-                )
 
 
 def context_limits(profiles: Sequence[ResolvedProfile]) -> dict[str, int]:
@@ -411,11 +227,11 @@ def eos_token_ids(tokenizer_dir: Path) -> list[int]:
         TritonConfigError: none of these files names an EOS token, or the named
             token is not in tokenizer.json's vocabulary.
     """
-    ids = _json_field(tokenizer_dir / "generation_config.json", "eos_token_id")
+    ids = json_field(tokenizer_dir / "generation_config.json", "eos_token_id")
     if ids is None:
         ids = _eos_from_token(tokenizer_dir)
     if ids is None:
-        ids = _json_field(tokenizer_dir / "config.json", "eos_token_id")
+        ids = json_field(tokenizer_dir / "config.json", "eos_token_id")
     if ids is None:
         raise TritonConfigError(
             f"{tokenizer_dir}: no EOS token in generation_config.json, tokenizer_config.json, "
@@ -425,10 +241,10 @@ def eos_token_ids(tokenizer_dir: Path) -> list[int]:
 
 
 def _eos_from_token(tokenizer_dir: Path) -> int | None:
-    return _special_token_id(tokenizer_dir, "eos_token")
+    return special_token_id(tokenizer_dir, "eos_token")
 
 
-def _special_token_id(tokenizer_dir: Path, key: str) -> int | None:
+def special_token_id(tokenizer_dir: Path, key: str) -> int | None:
     """Id of the special token ``key`` ("eos_token", "pad_token") named in the
     tokenizer's config files, or None when none names it.
 
@@ -438,7 +254,7 @@ def _special_token_id(tokenizer_dir: Path, key: str) -> int | None:
     from tokenizers import Tokenizer
 
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        token = _json_field(tokenizer_dir / name, key)
+        token = json_field(tokenizer_dir / name, key)
         token = token.get("content") if isinstance(token, dict) else token
         if token:
             token_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(token)
@@ -448,11 +264,11 @@ def _special_token_id(tokenizer_dir: Path, key: str) -> int | None:
     return None
 
 
-def _json_field(path: Path, key: str):
+def json_field(path: Path, key: str):
     return json.loads(path.read_text()).get(key) if path.is_file() else None
 
 
-def _copy_tokenizer(tokenizer_dir: Path, version_dir: Path) -> None:
+def copy_tokenizer(tokenizer_dir: Path, version_dir: Path) -> None:
     """Copy every file of the tokenizer folder; tokenizer.json is required."""
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise TritonConfigError(
@@ -510,11 +326,11 @@ def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield from _tensors(sub)
 
 
-def _write_template(name: str, dest: Path) -> None:
+def write_template(name: str, dest: Path) -> None:
     dest.write_text((resources.files("pipeline.triton") / "templates" / name).read_text())
 
 
-def _write_config(model_dir: Path, cfg: ModelConfig) -> None:
+def write_config(model_dir: Path, cfg: ModelConfig) -> None:
     (model_dir / "config.pbtxt").write_text(to_text(cfg))
 
 

@@ -1,0 +1,93 @@
+"""Wall time of the accuracy-budget search for fp8-llm (issue 10 §7: under 10 minutes on 2 cores).
+
+Runs what the quantize stage runs for ``quantize.accuracy_budget`` (calibration,
+then :func:`pipeline.quant.budget.tune`: FP32 reference once, per-block
+sensitivity, greedy revert, step back) on an exported FP32 graph, and prints one
+JSON object: seconds per phase, trials, the GEMMs left in high precision and the
+tuning-split metrics. Not a test: timing depends on the machine.
+
+    .venv/bin/python benchmarks/budget_time.py [--recipe recipes/fp8-llm.yaml]
+        [--work-dir /tmp/budget-bench] [--budget 0.008] [--groups per_block]
+
+The export stage runs first unless ``<work-dir>/<recipe>/export/export.pkl`` holds it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TUNING = {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 200, "stop": 220}},
+          "max_windows": 8}
+
+
+def main() -> int:
+    import onnx
+
+    from pipeline.context import Progress, StageContext
+    from pipeline.quant import budget, calibrate, qdq
+    from pipeline.recipe import load_recipe
+    from pipeline.stages import export, quantize
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "fp8-llm.yaml"))
+    ap.add_argument("--work-dir", default="/tmp/budget-bench")
+    ap.add_argument("--budget", type=float, default=0.008, help="relative_perplexity_increase bound (tuning split)")
+    ap.add_argument("--groups", default="per_block", choices=["per_block", "per_projection"])
+    ap.add_argument("--keep-exclusions", action="store_true", help="keep the recipe's own quantize.exclude")
+    args = ap.parse_args()
+    over = {"work_dir": args.work_dir, "output_dir": f"{args.work_dir}/repo", "quantize.tuning": TUNING,
+            "quantize.sensitivity": {"groups": args.groups},
+            "quantize.accuracy_budget": {"metric": "relative_perplexity_increase", "max": args.budget}}
+    if not args.keep_exclusions:
+        over["quantize.exclude"] = {"nodes": []}
+    path = Path(args.recipe)
+    recipe = load_recipe(path, over)
+    run_dir = Path(args.work_dir) / recipe.name
+    progress = Progress(False)
+    times: dict[str, float] = {}
+    cached = run_dir / "export" / "export.pkl"
+    t = time.perf_counter()
+    if cached.is_file():
+        exp = pickle.loads(cached.read_bytes())
+    else:
+        exp = export.run(StageContext(recipe, path, run_dir, "export", progress))
+        cached.write_bytes(pickle.dumps(exp))
+    times["export_s"] = time.perf_counter() - t
+    ctx = StageContext(recipe, path, run_dir, "quantize", progress)
+    q = recipe.quantize
+    t = time.perf_counter()
+    model = onnx.load(exp.onnx_path)
+    targets = qdq.find_targets(model, list(q.quantize_op_types))
+    kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
+    fmt = qdq.FORMATS[q.precision]
+    batches, _ = quantize.calibration_data(ctx, exp)
+    amax = calibrate.collect_amax(exp.onnx_path, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
+                                  q.calibration.percentile, scratch_dir=ctx.stage_dir)
+    times["calibration_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    status, result = "met", None
+    try:
+        chosen, result, sens = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt)
+    except Exception as e:  # GateFailed: report the numbers anyway
+        status = f"{type(e).__name__}: {e}"
+    times["sensitivity_and_search_s"] = time.perf_counter() - t
+    found = json.loads((ctx.stage_dir / "budget.json").read_text()) if (ctx.stage_dir / "budget.json").is_file() else {}
+    out = {"recipe": recipe.name, "budget": over["quantize.accuracy_budget"], "groups": args.groups,
+           "status": found.get("status", status), "error": None if status == "met" else status,
+           **{k: round(v, 1) for k, v in times.items()},
+           "trials": len(found.get("trials", [])), "gemms_high_precision": len(found.get("excluded_scopes", [])),
+           "excluded_groups": found.get("excluded_groups"), "tuning_metrics": found.get("metrics"),
+           "quantized_fraction": found.get("quantized_fraction"), "folder": str(ctx.stage_dir)}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

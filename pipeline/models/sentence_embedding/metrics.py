@@ -1,0 +1,256 @@
+"""Sentence-embedding metrics: Spearman correlation between the cosine similarity of
+embedded word pairs and human scores (WordSim353, SimLex-999), for FP32 and the
+candidate; the drop in points (x100); the mean FP32-vs-candidate cosine on held-out
+sentences; and the same numbers for ONNX Runtime's ``quantize_static`` defaults
+(``naive_ort_*``), calibrated on the quantize stage's own calibration feeds.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+from onnxruntime.quantization import CalibrationDataReader
+
+from pipeline import runners
+from pipeline.errors import AccuracyError
+from pipeline.models.base import ENGINE_PREFIX
+from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT
+
+WORD_SETS = ("wordsim353", "simlex999")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
+
+
+def tokenize(tok, texts: list[str], max_len: int) -> dict[str, np.ndarray]:
+    """Tokenizer feeds (with [CLS]/[SEP], padded to the longest, truncated at ``max_len``).
+
+    Returns int64 ``[len(texts), S]`` arrays for every name in ``INPUTS``.
+    """
+    enc = tok(texts, padding=True, truncation=True, max_length=max_len, return_tensors="np")
+    ids = enc["input_ids"].astype(np.int64)
+    types = enc.get("token_type_ids")
+    return {"input_ids": ids, "attention_mask": enc["attention_mask"].astype(np.int64),
+            "token_type_ids": np.zeros_like(ids) if types is None else types.astype(np.int64)}
+
+
+def embed(sess, tok, texts: list[str], batch: int, max_len: int) -> np.ndarray:
+    """Embeddings of ``texts`` from an ORT session: float32 ``[len(texts), H]``."""
+    out = [sess.run([OUTPUT], tokenize(tok, texts[i : i + batch], max_len))[0] for i in range(0, len(texts), batch)]
+    return np.concatenate(out, axis=0)
+
+
+def row_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine of matching rows of two float ``[N, H]`` arrays: float64 ``[N]``."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    norm = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return (a * b).sum(1) / np.maximum(norm, 1e-12)
+
+
+def held_out_sentences(docs: list[str], limit: int, min_chars: int = 20) -> list[str]:
+    """Up to ``limit`` sentences (at least ``min_chars`` characters) of ``docs``, in order.
+
+    Raises:
+        AccuracyError: the documents give no sentence.
+    """
+    out = [s for d in docs for s in _SENTENCE_END.split(d) if len(s) >= min_chars][:limit]
+    if not out:
+        raise AccuracyError("validate.split gives no sentence; nothing would be compared")
+    return out
+
+
+def word_vectors(sess, tok, words: list[str], batch: int) -> dict[str, np.ndarray]:
+    """Embedding (float32 ``[H]``) of each word, embedded alone as ``[CLS] word [SEP]``."""
+    vecs = embed(sess, tok, words, batch, max_len=32)
+    return dict(zip(words, vecs))
+
+
+def pair_spearman(vectors: dict[str, np.ndarray], pairs: list[tuple[str, str]], human: np.ndarray) -> float:
+    """Spearman rho between pair cosines and human scores (float64 ``[n]``); NaN when a
+    cosine is not finite (a broken candidate model)."""
+    from scipy.stats import spearmanr
+
+    a = np.stack([vectors[x] for x, _ in pairs])
+    b = np.stack([vectors[y] for _, y in pairs])
+    cos = row_cosine(a, b)
+    return float(spearmanr(cos, human).statistic) if np.isfinite(cos).all() else math.nan
+
+
+def _one_model(sess, tok, sets: dict, sentences: list[str], batch: int, max_len: int) -> tuple[dict, np.ndarray]:
+    """Spearman per word set and the count of non-finite embedding rows (words and
+    sentences) for one session; also the sentence embeddings, float32 ``[N, H]``."""
+    words = sorted({w for pairs, _ in sets.values() for p in pairs for w in p})
+    vecs = word_vectors(sess, tok, words, batch)
+    res: dict = {f"spearman_{n}": pair_spearman(vecs, pairs, human) for n, (pairs, human) in sets.items()}
+    emb = embed(sess, tok, sentences, batch, max_len)
+    bad_words = int((~np.isfinite(np.stack(list(vecs.values())))).any(1).sum())
+    res["nonfinite_rows"] = bad_words + int((~np.isfinite(emb)).any(1).sum())
+    return res, emb
+
+
+def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, max_len: int) -> dict[str, dict]:
+    """Per label of ``sessions`` (the first is the FP32 reference): Spearman per word set,
+    non-finite row count and, for the others, mean / min cosine to the reference on
+    ``sentences`` (a non-finite row counts as cosine -1).
+
+    Returns ``{label: {"spearman_<set>": rho, "nonfinite_rows": n, "mean_cosine": c, "min_cosine": c}}``.
+
+    Raises:
+        AccuracyError: the reference embeddings hold NaN or Inf.
+    """
+    from pipeline import data
+
+    sets = {name: data.word_pairs(name) for name in WORD_SETS}
+    out: dict[str, dict] = {}
+    ref = None
+    for label, sess in sessions.items():
+        res, emb = _one_model(sess, tok, sets, sentences, batch, max_len)
+        if ref is None:
+            if res["nonfinite_rows"]:
+                raise AccuracyError(f"validate: the FP32 reference produced {res['nonfinite_rows']} non-finite embeddings")
+            ref = emb
+        else:
+            cos = np.nan_to_num(row_cosine(ref, emb), nan=-1.0)
+            res.update(mean_cosine=float(cos.mean()), min_cosine=float(cos.min()))
+        out[label] = res
+    return out
+
+
+def drop_points(ref: dict, cand: dict) -> dict[str, float]:
+    """Spearman drop per word set in points (``100 * (ref - cand)``) and their max (NaN if any is)."""
+    drops = {f"spearman_drop_{n}": 100.0 * (ref[f"spearman_{n}"] - cand[f"spearman_{n}"]) for n in WORD_SETS}
+    return {**drops, "spearman_drop_max": float(np.max(list(drops.values())))}
+
+
+class _FeedReader(CalibrationDataReader):
+    """ORT calibration reader over a list of feed dicts."""
+
+    def __init__(self, batches: list[dict[str, np.ndarray]]):
+        self._it = iter(batches)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+
+def _softmax_nodes(onnx_path: str) -> list[str]:
+    import onnx
+
+    return [n.name for n in onnx.load(onnx_path, load_external_data=False).graph.node if n.op_type == "Softmax"]
+
+
+def naive_ort_model(ctx, exp, q) -> str:
+    """ONNX Runtime ``quantize_static`` with its QDQ defaults on the FP32 export and the
+    quantize stage's calibration feeds (``q.calibration_feeds_path``); FP8 uses E4M3FN activation
+    and weight types, the Distribution calibrator (the only one ``quantize_static`` accepts
+    for float8) and leaves Softmax nodes unquantized (ORT's float8 path fails on them).
+
+    Returns the path of the written model (in the validate stage folder).
+
+    Raises:
+        PipelineError: the quantize artifact holds no calibration feeds (re-run quantize).
+    """
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    from pipeline.errors import PipelineError
+    from pipeline.feeds import load_batches
+
+    precision = q.precision
+    if not getattr(q, "calibration_feeds_path", None):
+        raise PipelineError(f"{q.onnx_path}: the quantize artifact has no calibration feeds; re-run the quantize stage")
+    out = ctx.stage_dir / f"naive_ort_{precision}.onnx"
+    kw: dict = {"quant_format": QuantFormat.QDQ}
+    if precision == "fp8":
+        # quantize_static accepts only the Distribution calibrator for float8 types, and its
+        # fixed [0, 1] range for Softmax outputs carries no avg/std, which float8 scales need
+        # (AttributeError in ORT 1.31): Softmax nodes are left out, everything else is default.
+        kw.update(activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN,
+                  calibrate_method=CalibrationMethod.Distribution, nodes_to_exclude=_softmax_nodes(exp.onnx_path))
+    with ctx.progress.step(f"validate: naive ORT quantize_static ({precision})"):
+        quantize_static(exp.onnx_path, str(out), _FeedReader(load_batches(q.calibration_feeds_path)), **kw)
+    return str(out)
+
+
+def validate_sentences(validate_cfg, limit: int | None = None) -> list[str]:
+    """The held-out sentences of ``validate`` (documents of its split, at most
+    ``max_windows`` sentences, or ``limit``): the one choice shared by validate and the bench.
+
+    Raises:
+        AccuracyError: the documents give no sentence.
+        DataError: the split reaches past the corpus.
+    """
+    from pipeline import data
+
+    docs = data.documents(validate_cfg.data)
+    return held_out_sentences(docs, validate_cfg.max_windows if limit is None else limit)
+
+
+def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: runners.Runner | None = None,
+                    candidate: runners.Runner | None = None) -> dict:
+    """Accuracy of the candidate encoder vs the FP32 reference, and of ORT's naive PTQ.
+
+    Reads ``validate.split`` (held-out sentences: at most ``max_windows`` of them,
+    ``seq_len`` tokens max, ``batch_size`` rows per run) and the word-similarity sets.
+    ``reference`` / ``candidate`` default to both graphs in ONNX Runtime; with
+    ``engine``, the same eval runs with the engine as the candidate (keys ``engine.*``).
+
+    Returns a flat dict: ``spearman_<set>_fp32``, ``spearman_<set>_<precision>``,
+    ``spearman_drop_<set>`` and ``spearman_drop_max`` (points), ``mean_cosine``,
+    ``min_cosine``, ``nonfinite_rows``, ``eval_sentences``, and the same with a
+    ``naive_ort_`` prefix (int8/fp8 only). A broken candidate gives NaN, never an error.
+
+    Raises:
+        AccuracyError: NaN/Inf in the FP32 reference, or no held-out sentence.
+        DataError: the split reaches past the corpus.
+    """
+    from pipeline.models import registry
+
+    v = ctx.recipe.validate_
+    tok = registry.load_tokenizer(exp.tokenizer_dir)
+    sentences = validate_sentences(v)
+    reference = reference or runners.OrtRunner(exp.onnx_path)
+    candidate = candidate or runners.OrtRunner(q.onnx_path)
+    sessions = {"reference": runners.SessionView(reference), "candidate": runners.SessionView(candidate)}
+    if q.precision in ("int8", "fp8"):
+        sessions["naive_ort"] = runners.SessionView(runners.OrtRunner(naive_ort_model(ctx, exp, q)))
+    with ctx.progress.step(f"validate: word similarity + cosine ({len(sessions)} models)"):
+        res = similarity_metrics(sessions, tok, sentences, v.batch_size, v.seq_len)
+    out = _flatten(res, q.precision, len(sentences))
+    if engine is not None:
+        models = {"reference": sessions["reference"], "candidate": runners.SessionView(engine)}
+        with ctx.progress.step("validate: word similarity + cosine (engine)"):
+            res = similarity_metrics(models, tok, sentences, v.batch_size, v.seq_len)
+        flat = _flatten(res, q.precision, len(sentences))
+        out.update({f"{ENGINE_PREFIX}{k}": val for k, val in flat.items() if not k.endswith("_fp32")})
+    return out
+
+
+def _flatten(res: dict[str, dict], precision: str, n_sentences: int) -> dict:
+    ref, cand = res["reference"], res["candidate"]
+    out: dict = {"eval_sentences": n_sentences}
+    for n in WORD_SETS:
+        out[f"spearman_{n}_fp32"] = ref[f"spearman_{n}"]
+        out[f"spearman_{n}_{precision}"] = cand[f"spearman_{n}"]
+    out.update(drop_points(ref, cand))
+    out.update({k: cand[k] for k in ("mean_cosine", "min_cosine", "nonfinite_rows")})
+    if "naive_ort" in res:
+        naive = res["naive_ort"]
+        out.update({f"naive_ort_spearman_{n}": naive[f"spearman_{n}"] for n in WORD_SETS})
+        out.update({f"naive_ort_{k}": val for k, val in drop_points(ref, naive).items()})
+        out.update({f"naive_ort_{k}": naive[k] for k in ("mean_cosine", "min_cosine", "nonfinite_rows")})
+    return {**out, **nan_reasons(out, res, precision)}
+
+
+def nan_reasons(flat: dict, res: dict[str, dict], precision: str) -> dict[str, str]:
+    """``<metric>_reason`` for each NaN metric of :func:`_flatten`'s output: the model
+    whose embeddings were non-finite, else an undefined (constant-input) Spearman.
+    The JSON writer turns the NaN into ``null`` and keeps this reason."""
+    out = {}
+    for key, value in flat.items():
+        if not (isinstance(value, float) and math.isnan(value)):
+            continue
+        label = "naive_ort" if key.startswith("naive_ort_") else "candidate"
+        who = "ONNX Runtime's naive quantize_static model" if label == "naive_ort" else f"the {precision} model"
+        bad = res[label]["nonfinite_rows"]
+        out[f"{key}_reason"] = (
+            f"{who} gave {bad} non-finite embedding row(s), so the Spearman correlation is undefined" if bad
+            else f"the Spearman correlation of {who} is undefined (constant similarities)")
+    return out

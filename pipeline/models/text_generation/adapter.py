@@ -1,0 +1,183 @@
+"""The text-generation adapter (:class:`pipeline.models.base.ModelAdapter`): a causal LM
+exported with its KV cache as graph I/O, measured by perplexity and greedy agreement,
+served by a decoupled generation model."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from pipeline.artifacts import TensorSpec
+from pipeline.errors import ExportError
+from pipeline.models import quiet_export
+from pipeline.models.base import BenchWorkload, LoadedModel
+from pipeline.models.common import OnnxRuntimeRunners, text_batches as _text_batches
+from pipeline.models.text_generation import kv as kv_mod
+from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout
+from pipeline.models.text_generation.model import (
+    KVCacheLM, complete_point, kv_layout, load_causal_lm, package_file, prefill_feeds, sample_feeds,
+)
+from pipeline.recipe import ModelSource
+
+
+class TextGenerationAdapter(OnnxRuntimeRunners):
+    """A causal LM with its KV cache as graph I/O (``model.kind: text-generation``).
+
+    One instance serves one run: :meth:`load` records the KV layout that the
+    export members (:meth:`dynamic_axes`, :meth:`export`, :meth:`sample_feeds`)
+    then read; everything after export reads the layout back from the graph.
+    """
+
+    kind: ClassVar[str] = "text-generation"
+    generates: ClassVar[bool] = True
+    metric_names: ClassVar[frozenset[str]] = frozenset(
+        {"relative_perplexity_increase", "token_agreement", "perplexity_fp32", "prompts_identical",
+         "mean_common_prefix_tokens"})
+
+    def __init__(self, source: ModelSource | None):
+        self.source = source
+        self.layout: KVLayout | None = None
+
+    def load(self, ctx) -> LoadedModel:
+        """The FP32 model wrapped as :class:`KVCacheLM`, its tokenizer and the export example
+        (batch 2, sequence 5, past 3: sizes above 1 and distinct, so nothing is specialised).
+
+        Raises:
+            ExportError: the package or file is missing.
+        """
+        with ctx.progress.step(f"load {package_file(self.source)}"):
+            model, tok = load_causal_lm(self.source)
+        self.layout = kv_layout(model)
+        module = KVCacheLM(model, self.layout).eval()
+        names = ("input_ids", "attention_mask", *self.layout.past_names())
+        return LoadedModel(module, tok, sample_feeds(self.layout, batch=2, sequence=5, past=3), names,
+                           tuple(module.output_names()))
+
+    def graph_io(self, loaded: LoadedModel, export_cfg) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """Inputs ``input_ids`` / ``attention_mask`` int64, the past float32; outputs ``logits``,
+        the presents and ``last_logits`` (dims named by :meth:`dynamic_axes`; see ``kv``)."""
+        layout, axes = self.layout, self.dynamic_axes(export_cfg)
+
+        def shape(name: str, rank: int, fixed: dict[int, int]) -> list[int | str]:
+            return [axes.get(name, {}).get(a, fixed.get(a, -1)) for a in range(rank)]
+
+        kv = {1: layout.kv_heads, 3: layout.head_dim}
+        ins = [TensorSpec("input_ids", "int64", shape("input_ids", 2, {})),
+               TensorSpec("attention_mask", "int64", shape("attention_mask", 2, {}))]
+        ins += [TensorSpec(n, "float32", shape(n, 4, kv)) for n in layout.past_names()]
+        batch, seq = ins[0].shape
+        outs = [TensorSpec("logits", "float32", [batch, seq, layout.vocab])]
+        outs += [TensorSpec(n, "float32", [batch, layout.kv_heads, -1, layout.head_dim]) for n in layout.present_names()]
+        return ins, outs + [TensorSpec(LAST_LOGITS, "float32", [batch, layout.vocab])]
+
+    def dynamic_axes(self, export_cfg) -> dict[str, dict[int, str]]:
+        """Recipe axes plus ``{0: batch, 2: past_sequence}`` on every past input."""
+        axes = {k: dict(v) for k, v in export_cfg.dynamic_axes.items()}
+        batch = axes["input_ids"][0]
+        for name in self.layout.past_names():
+            axes.setdefault(name, {0: batch, 2: "past_sequence"})
+        return axes
+
+    def export(self, module: KVCacheLM, export_cfg, out: Path) -> None:
+        """torch.onnx.export(dynamo=True) with named dynamic dims.
+
+        Raises:
+            ExportError: the exporter failed; its message is kept.
+        """
+        layout = self.layout
+        axes = self.dynamic_axes(export_cfg)
+        dims: dict[str, torch.export.Dim] = {}
+
+        def dim(name: str):
+            return dims.setdefault(name, torch.export.Dim(name, min=0 if "past" in name else 1, max=8192))
+
+        names = ["input_ids", "attention_mask", *layout.past_names()]
+        shapes = {"input_ids": {a: dim(d) for a, d in axes["input_ids"].items()},
+                  "attention_mask": {a: dim(d) for a, d in axes["attention_mask"].items()},
+                  "past": tuple({a: dim(d) for a, d in axes[n].items()} for n in layout.past_names())}
+        # Example sizes above 1 and distinct, so the exporter specialises nothing.
+        feeds = sample_feeds(layout, batch=2, sequence=5, past=3)
+        args = tuple(torch.from_numpy(feeds[n]) for n in names)
+        try:
+            with quiet_export():
+                torch.onnx.export(
+                    module, args, str(out), dynamo=True, dynamic_shapes=shapes, input_names=names,
+                    output_names=module.output_names(), opset_version=export_cfg.opset,
+                    external_data=True, verbose=False,  # weights beside it: ~3 GB lower peak RSS
+                )
+        except Exception as e:  # the exporter raises many types; keep its text
+            raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
+
+    def sample_feeds(self, module, inputs, point: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+        """Random feeds at ``point`` (``batch``, ``sequence``, ``past_sequence``; all-ones mask)."""
+        p = complete_point(point)
+        return sample_feeds(self.layout, p["batch"], p["sequence"], p["past_sequence"], seed)
+
+    def calibration_feeds(self, exp, data, cal) -> list[dict[str, np.ndarray]]:
+        """Prefill batches of real text: ``cal.samples`` windows int64 ``[<=cal.batch_size,
+        cal.seq_len]`` of the documents of ``data`` (:func:`pipeline.data.token_windows`),
+        each with an all-ones mask and an empty past."""
+        return _text_batches(exp, data, cal, prefill_feeds)
+
+    def metrics(self, ctx, exp, q, engine=None) -> tuple[dict, dict]:
+        """:func:`pipeline.models.text_generation.metrics.llm_metrics` of :meth:`candidate_runner`
+        against :meth:`reference_runner`: perplexity, greedy agreement and the tokens."""
+        from pipeline.models.text_generation.metrics import llm_metrics
+
+        return llm_metrics(ctx, exp, q, engine, self.reference_runner(exp), self.candidate_runner(q))
+
+    def triton_models(self, recipe, export, compute, build, staging: Path) -> list:
+        """The decoupled generation model (tokenizer, KV cache through the compute model),
+        when the recipe names ``triton.generate_model_name``; for a KV-cache graph also
+        ``<work_dir>/<recipe>/triton/deploy_notes.md`` (its shared-memory size)."""
+        from pipeline.models.text_generation import triton
+
+        if any(kv_mod.PAST_RE.match(s.name) for s in compute.inputs):
+            triton.write_deploy_notes(recipe, compute.inputs, compute.outputs, build.profiles)
+        if not recipe.triton.generate_model_name:
+            return []
+        return [triton.stage_generate(recipe, export, compute.inputs, build, staging)]
+
+    def served_models(self, recipe) -> list[str]:
+        """``[triton.generate_model_name]`` when set, else ``[]``."""
+        return [recipe.triton.generate_model_name] if recipe.triton.generate_model_name else []
+
+    def front_model(self, recipe) -> str | None:
+        """The generation model (None: the recipe serves the compute model alone)."""
+        return recipe.triton.generate_model_name or None
+
+    def bench_workload(self, recipe, tokenizer_dir: str) -> BenchWorkload:
+        """Streamed generations of validate's prompts (:func:`validate_prompts`, as served token
+        ids: ``input_ids`` int64 ``[n]``) through the generation model."""
+        prompts = validate_prompts(recipe.validate_, tokenizer_dir)
+        requests = [{"input_ids": np.asarray(p, np.int64)} for p in prompts]
+        return BenchWorkload(str(recipe.triton.generate_model_name), True, requests,
+                             f"{len(prompts)} validate prompts")
+
+    def torch_outputs(self, module: KVCacheLM, feeds: dict[str, np.ndarray]):
+        """``(logits, *present, last_logits)`` torch tensors on ``feeds``."""
+        names = ["input_ids", "attention_mask", *self.layout.past_names()]
+        return module(*(torch.from_numpy(feeds[n]) for n in names))
+
+
+
+
+BENCH_PROMPTS = 8  # prompts when the recipe has no validate.generation
+
+
+def validate_prompts(validate_cfg, tokenizer_dir: str) -> list[list[int]]:
+    """The held-out prompts (token ids, as the served model tokenizes them) of ``validate``:
+    the one choice shared by validate's greedy check, ``serve --check`` and the bench;
+    ``validate.generation.prompts`` of them (8 without generation).
+
+    Raises:
+        DataError: the split reaches past the corpus.
+    """
+    from pipeline import data
+    from pipeline.models.registry import load_tokenizer
+
+    count = validate_cfg.generation.prompts if validate_cfg.generation else BENCH_PROMPTS
+    docs = data.documents(validate_cfg.data)
+    return data.prompts(load_tokenizer(tokenizer_dir), docs, count).tolist()

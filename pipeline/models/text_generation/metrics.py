@@ -1,0 +1,156 @@
+"""Text-generation metrics: perplexity of the FP32 reference and the candidate on
+held-out token windows, and greedy-generation agreement (token ids per prompt).
+
+Metric names (``validate/metrics.json``): ``perplexity_fp32``,
+``perplexity_<precision>``, ``relative_perplexity_increase`` (fraction),
+``token_agreement`` (fraction of generated positions equal to FP32's),
+``prompts_identical``, ``mean_common_prefix_tokens``, ``eval_windows``,
+``eval_tokens``, ``perplexity_convention``; ``engine.<name>`` where an engine ran.
+Against FP32 (not the engine): :data:`pipeline.metrics.llm_quality.QUALITY_KEYS`
+(perplexity ratio and its stderr, KL divergence, teacher-forced top-1, delta p);
+``speedup_vs_fp32`` and its context (:mod:`pipeline.metrics.speed`).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.special import logsumexp
+
+from pipeline import data, runners
+from pipeline.errors import AccuracyError
+from pipeline.metrics import llm_quality, speed
+from pipeline.models import registry
+from pipeline.models.base import ENGINE_PREFIX as ENGINE
+from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
+
+def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood (nats) and token count.
+
+    Args:
+        logits: float32 ``[batch, seq, vocab]``.
+        ids: int64 ``[batch, seq]``; position t predicts token t+1.
+        context: leading tokens of each row that are never scored (at least 1:
+            the first token has no prediction; a BOS prefix is context only).
+
+    Raises:
+        ValueError: ``context`` is below 1 or leaves nothing to score.
+    """
+    if not 1 <= context < ids.shape[1]:
+        raise ValueError(f"context={context} must be in [1, {ids.shape[1]}) for windows of {ids.shape[1]} tokens")
+    total, count = 0.0, 0
+    for row, tokens in zip(logits, ids):  # one row at a time keeps float64 copies small
+        lg = row[context - 1 : -1].astype(np.float64)
+        picked = np.take_along_axis(lg, tokens[context:, None], axis=-1)[:, 0]
+        nll = logsumexp(lg, axis=-1) - picked
+        total, count = total + float(nll.sum()), count + int(nll.size)
+    return total, count
+
+
+def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str, context: int = 1) -> float:
+    """``exp(mean NLL)`` over all windows (Jelinek et al., 1977; the usual LM metric);
+    ``context`` as in :func:`mean_nll`.
+
+    Raises:
+        AccuracyError: NaN logits from the reference model.
+    """
+    total, count = 0.0, 0
+    starts = list(range(0, len(windows), batch))
+    for i in progress.track(starts, f"validate: perplexity ({label})"):
+        logits = run_logits(windows[i : i + batch])
+        if label == "fp32" and np.isnan(logits).any():
+            raise AccuracyError("validate: the FP32 reference produced NaN logits")
+        s, n = mean_nll(logits, windows[i : i + batch], context)
+        total, count = total + s, count + n
+    return math.exp(total / count) if math.isfinite(total) else math.inf
+
+
+def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: runners.Runner | None = None,
+                candidate: runners.Runner | None = None) -> tuple[dict, dict]:
+    """Perplexity (and greedy agreement) of the FP32 reference and the optimized graph;
+    with ``engine``, the engine's as ``engine.*`` against the same FP32 reference.
+
+    Args:
+        ctx: the validate stage context (``recipe.validate``: split, seq_len, max_windows, batch_size, generation).
+        exp, q: the export and quantize artifacts.
+        reference, candidate: runners (default: both graphs in ONNX Runtime).
+
+    Returns:
+        ``(metrics, tokens)``: see the module docstring; ``tokens`` holds
+        ``prompt_ids`` and the greedy ids per label (int lists ``[prompts, new_tokens]``).
+
+    Raises:
+        AccuracyError: no window of ``seq_len`` tokens, or NaN logits from the reference.
+    """
+    v = ctx.recipe.validate_
+    tok = registry.load_tokenizer(exp.tokenizer_dir)
+    docs = data.documents(v.data)
+    windows = data.token_windows(tok, docs, v.seq_len, v.max_windows)
+    if len(windows) == 0:
+        raise AccuracyError(f"validate.split gives no window of {v.seq_len} tokens; nothing would be compared")
+    layout = layout_from_specs(exp.inputs, exp.outputs)
+    # ONNX Runtime sessions, and the engine seen as one: run(names, feeds) -> list
+    reference = reference or runners.OrtRunner(exp.onnx_path)
+    candidate = candidate or runners.OrtRunner(q.onnx_path)
+    sessions: dict = {"fp32": runners.SessionView(reference), q.precision: runners.SessionView(candidate)}
+    if engine is not None:
+        sessions[ENGINE] = runners.SessionView(engine)
+    conv = data.window_convention(tok, v.seq_len)
+    context = v.seq_len - conv["scored_per_window"]
+    metrics: dict = {"eval_windows": len(windows), "eval_tokens": len(windows) * conv["scored_per_window"],
+                     "perplexity_convention": convention_text(conv)}
+    logits_of = {label: (lambda ids, s=sess: s.run(["logits"], prefill_feeds(exp, ids))[0])  # noqa: E731
+                 for label, sess in sessions.items()}
+    # both graphs per window batch, into one accumulator (pipeline.metrics.llm_quality)
+    metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"], stats = llm_quality.paired_perplexity(
+        logits_of["fp32"], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context)
+    metrics.update(stats)
+    metrics.update(speed.llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
+    if engine is not None:
+        metrics[f"{ENGINE}perplexity_{q.precision}"] = perplexity(
+            logits_of[ENGINE], windows, v.batch_size, ctx.progress, ENGINE, context)
+    ref, cand = metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"]
+    metrics["relative_perplexity_increase"] = (cand - ref) / ref
+    if engine is not None:
+        metrics[f"{ENGINE}relative_perplexity_increase"] = (metrics[f"{ENGINE}perplexity_{q.precision}"] - ref) / ref
+    tokens: dict = {}
+    if v.generation is not None:
+        metrics.update(_greedy(ctx, tok, docs, layout, {k: s for k, s in sessions.items() if k != ENGINE}, tokens))
+        if engine is not None:
+            engine_tokens: dict = {"fp32": tokens["fp32"]}
+            metrics.update(_greedy(ctx, tok, docs, layout, {ENGINE: sessions[ENGINE]}, engine_tokens, prefix=ENGINE))
+            tokens["engine"] = engine_tokens[ENGINE]
+    return metrics, tokens
+
+
+def convention_text(conv: dict) -> str:
+    """One line naming the perplexity convention of :func:`pipeline.data.window_convention`."""
+    bos = "yes (prepended to each window, context only)" if conv["bos"] else "no (the tokenizer adds none)"
+    return (f"token-level exp(mean next-token NLL); non-overlapping windows of {conv['window_tokens']} tokens, "
+            f"stride {conv['stride_tokens']} text tokens, documents joined by EOS; "
+            f"{conv['scored_per_window']} scored tokens per window; BOS: {bos}")
+
+
+def _greedy(ctx, tok, docs, layout, sessions: dict, tokens: dict, prefix: str = "") -> dict:
+    """Greedy tokens of each runner into ``tokens``; agreement of the last one with
+    ``tokens["fp32"]`` (measured here when "fp32" is among ``sessions``)."""
+    gen = ctx.recipe.validate_.generation
+    prompt_ids = data.prompts(tok, docs, gen.prompts)
+    tokens["prompt_ids"] = prompt_ids.tolist()
+    for label, sess in sessions.items():
+        with ctx.progress.step(f"validate: greedy generation ({label}, {gen.prompts} x {gen.new_tokens} tokens)"):
+            # One prompt at a time, as the served generation model runs: batched
+            # FP8 kernels can flip near-tie argmaxes and the tokens would differ.
+            names = ["logits", *layout.present_names()]
+            step = lambda f, s=sess: s.run(names, f)  # noqa: E731
+            out = np.concatenate([greedy_generate(step, layout, p[None], gen.new_tokens) for p in prompt_ids])
+        tokens[label] = out.tolist()
+    ref, cand = np.asarray(tokens["fp32"]), np.asarray(tokens[list(sessions)[-1]])
+    same = ref == cand
+    common = np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
+    return {
+        f"{prefix}token_agreement": float(same.mean()),
+        f"{prefix}prompts_identical": int(same.all(1).sum()),
+        f"{prefix}mean_common_prefix_tokens": float(common.mean()),
+        **({} if prefix else {"generation_prompts": int(same.shape[0]), "generation_new_tokens": int(same.shape[1])}),
+    }

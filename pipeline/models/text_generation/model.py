@@ -1,0 +1,147 @@
+"""Text-generation model code: loading a causal LM, the KV-cache export wrapper,
+feeds and greedy decoding. Graph I/O: :mod:`pipeline.models.text_generation.kv`.
+
+* ``input_ids`` int64 ``[batch, sequence]``
+* ``attention_mask`` int64 ``[batch, total_sequence]`` with
+  ``total_sequence = past_sequence + sequence``
+* ``past_key_values.{i}.key|value`` float32 ``[batch, H, past_sequence, D]``
+* outputs ``logits`` float32 ``[batch, sequence, V]``,
+  ``present.{i}.key|value`` float32 ``[batch, H, past_sequence + sequence, D]``
+  and ``last_logits`` float32 ``[batch, V]`` (the last position's logits: what a
+  generation step needs, without moving ``sequence x V`` floats through Triton's
+  shared memory)
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline.models.sources import package_file
+from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs, layout_of_config
+from pipeline.recipe import ModelSource
+
+__all__ = ["LAST_LOGITS", "KVLayout", "KVCacheLM", "load_causal_lm", "kv_layout", "sample_feeds", "complete_point",
+           "greedy_generate", "prefill_feeds", "layout_from_specs", "package_file", "Step"]
+
+
+def load_causal_lm(source: ModelSource):
+    """Load the model (FP32, eval mode) and its tokenizer, offline.
+
+    A ``.gguf`` path is dequantized to FP32 by transformers (needs ``gguf``).
+    Returns ``(model, tokenizer)``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = package_file(source)
+    kw: dict = {"local_files_only": True}
+    if path.suffix == ".gguf":
+        folder, kw["gguf_file"] = str(path.parent), path.name
+    else:
+        folder = str(path)
+    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    return model.eval(), tok
+
+
+def kv_layout(model) -> KVLayout:
+    """The KV layout of a loaded transformers causal LM (its config)."""
+    return layout_of_config(model.config)
+
+
+class KVCacheLM(torch.nn.Module):
+    """Flat-tensor wrapper: ``(input_ids, attention_mask, *past) -> (logits, *present, last_logits)``.
+
+    ``last_logits`` (``logits[:, -1, :]``) comes last, so code that unpacks
+    ``logits, *present`` and zips ``present`` with the past names is unaffected.
+
+    Position ids are derived from the attention mask so left padding and a
+    non-empty past both give the right rotary positions.
+    """
+
+    def __init__(self, model, layout: KVLayout):
+        super().__init__()
+        self.model, self.layout = model, layout
+
+    def output_names(self) -> list[str]:
+        """Graph output names, in :meth:`forward`'s order (for ``torch.onnx.export``)."""
+        return ["logits", *self.layout.present_names(), LAST_LOGITS]
+
+    def forward(self, input_ids, attention_mask, *past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for i in range(self.layout.num_layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        past_len = past[0].shape[2]
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        flat = []
+        for layer in out.past_key_values.layers:
+            flat += [layer.keys, layer.values]
+        return (out.logits, *flat, out.logits[:, -1, :])
+
+
+def sample_feeds(layout: KVLayout, batch: int, sequence: int, past: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random but valid feeds for one shape point (all-ones attention mask)."""
+    rng = np.random.default_rng(seed)
+    feeds = {
+        "input_ids": rng.integers(0, layout.vocab, (batch, sequence), dtype=np.int64),
+        "attention_mask": np.ones((batch, past + sequence), np.int64),
+    }
+    shape = (batch, layout.kv_heads, past, layout.head_dim)
+    for n in layout.past_names():
+        feeds[n] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def complete_point(point: dict[str, int]) -> dict[str, int]:
+    """Fill in ``total_sequence = past_sequence + sequence`` when absent."""
+    out = dict(point)
+    if "total_sequence" not in out and {"sequence", "past_sequence"} <= out.keys():
+        out["total_sequence"] = out["sequence"] + out["past_sequence"]
+    return out
+
+
+Step = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+
+
+def greedy_generate(step: Step, layout: KVLayout, prompt_ids: np.ndarray, new_tokens: int) -> np.ndarray:
+    """Greedy decoding with the KV cache: one prefill, then one token per step.
+
+    Args:
+        step: runs the graph on a feed dict and returns ``[logits, *present]``.
+        prompt_ids: int64 ``[batch, prompt_len]``; all rows the same length, no padding.
+        new_tokens: number of tokens to generate per row.
+
+    Returns:
+        int64 ``[batch, new_tokens]``.
+    """
+    batch, plen = prompt_ids.shape
+    feeds = {"input_ids": prompt_ids.astype(np.int64), "attention_mask": np.ones((batch, plen), np.int64)}
+    feeds.update(layout.empty_past(batch))
+    out = np.zeros((batch, new_tokens), np.int64)
+    for t in range(new_tokens):
+        logits, *present = step(feeds)
+        nxt = logits[:, -1, :].argmax(-1).astype(np.int64)
+        out[:, t] = nxt
+        total = feeds["attention_mask"].shape[1] + 1
+        feeds = {"input_ids": nxt[:, None], "attention_mask": np.ones((batch, total), np.int64)}
+        feeds.update(dict(zip(layout.past_names(), present)))
+    return out
+
+
+def prefill_feeds(exp, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Prefill feeds for token windows int64 ``[batch, seq]`` (empty past)."""
+    layout = layout_from_specs(exp.inputs, exp.outputs)
+    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones(ids.shape, np.int64)}
+    feeds.update(layout.empty_past(ids.shape[0]))
+    return feeds
+

@@ -1,0 +1,155 @@
+"""Triton models of the text-generation kind: the decoupled generation model
+(``templates/generate_model.py``: tokenizer, prefill and decode with the KV cache
+through the compute model) and the deploy notes that size its shared memory.
+Written into the staging folder of :func:`pipeline.triton.repository.write_repository`,
+which checks and publishes them."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeline.artifacts import BuildArtifact, ExportArtifact, ResolvedProfile, TensorSpec
+from pipeline.errors import TritonConfigError
+from pipeline.models.text_generation import kv as _kv
+from pipeline.models.text_generation.kv import KVLayout
+from pipeline.recipe import Recipe
+from pipeline.triton.config import GENERATE_INPUTS, GENERATE_OUTPUTS, generate_config, parse_config
+from pipeline.triton.repository import (
+    StagedModel,
+    context_limits,
+    copy_tokenizer,
+    eos_token_ids,
+    write_config,
+    write_template,
+)
+
+DEFAULT_MAX_TOKENS = 32  # generation default when the recipe has no validate.generation
+
+
+DEPLOY_NOTES = "deploy_notes.md"
+DOCKER_DEFAULT_SHM = 64 << 20  # bytes of /dev/shm under a plain `docker run`
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def shm_bytes(kv: KVLayout, batch: int, context: int, vocab: int) -> dict[str, int]:
+    """Shared memory (bytes) the python backend needs at the worst generation step.
+
+    The KV cache of ``batch`` sequences of ``context`` tokens is
+    ``2 (K, V) x B x S x L x H_kv x D x bytes``; one step holds it twice (the
+    past it sends, the present it receives), plus ``last_logits`` float32
+    ``[B, V]``. ``total`` adds 25 % headroom for Triton's own tensors.
+    """
+    cache = 2 * batch * context * kv.num_layers * kv.kv_heads * kv.head_dim * _DTYPE_BYTES.get(kv.dtype, 4)
+    logits = batch * vocab * 4
+    need = 2 * cache + logits
+    return {"kv_cache": cache, "last_logits": logits, "step": need, "total": need + need // 4}
+
+
+def write_deploy_notes(recipe: Recipe, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                       profiles: Sequence[ResolvedProfile]) -> Path:
+    """``<work_dir>/<recipe>/triton/deploy_notes.md``: the ``--shm-size`` the repository needs
+    (:func:`shm_bytes` at max_batch_size sequences of the max context). Outside the
+    model folders, so it is not part of their published hashes. Returns its path."""
+    kv = kv_layout(inputs)
+    vocab = next((int(s.shape[-1]) for s in outputs if s.name == "logits" and isinstance(s.shape[-1], int)), 0)
+    batch = max(1, recipe.triton.max_batch_size)
+    context = context_limits(profiles)["max_context"] or DEFAULT_SHM_CONTEXT
+    need = shm_bytes(kv, batch, context, vocab)
+    shm_mib = max(64, -(-need["total"] // (1 << 20)))
+    mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
+    text = (
+        f"# Deploying {recipe.name}\n\n"
+        f"Run Triton with `--shm-size={shm_mib}m` (e.g. `docker run --gpus all --shm-size={shm_mib}m ...`).\n\n"
+        "The python-backend generation model moves the KV cache through /dev/shm at every step:\n\n"
+        f"- KV cache: 2 x B {batch} x S {context} x L {kv.num_layers} x H_kv {kv.kv_heads} x D {kv.head_dim} "
+        f"x {_DTYPE_BYTES.get(kv.dtype, 4)} bytes ({kv.dtype}) = {mib(need['kv_cache'])}\n"
+        f"- one step holds it twice (past in, present out), plus `last_logits` [B {batch}, V {vocab}] float32 "
+        f"= {mib(need['last_logits'])}: {mib(need['step'])}\n"
+        f"- with 25 % headroom: {mib(need['total'])}; Docker's default /dev/shm is 64 MiB"
+        + (" (too small)" if need["total"] > DOCKER_DEFAULT_SHM else "") + ".\n\n"
+        f"B is triton.max_batch_size (concurrent generations), S the max context of the optimization profiles. "
+        f"Request `last_logits` ([batch, vocab]) rather than `logits` ([batch, sequence, vocab]) per step: a "
+        f"{context}-token prefill's full logits alone are {mib(batch * context * vocab * 4)}.\n"
+    )
+    path = Path(recipe.work_dir) / recipe.name / "triton" / DEPLOY_NOTES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+DEFAULT_SHM_CONTEXT = 2048  # tokens assumed when no profile bounds the context
+
+
+def stage_generate(
+    recipe: Recipe, export: ExportArtifact, graph_inputs: list[TensorSpec], build: BuildArtifact, staging: Path
+) -> StagedModel:
+    """Generation model: model.py template, tokenizer files and KV numbers in parameters."""
+    kv = kv_layout(export.inputs)
+    _check_kv(recipe.triton.model_name, kv, graph_inputs)
+    name = str(recipe.triton.generate_model_name)
+    version_dir = staging / name / str(recipe.triton.version)
+    copy_tokenizer(Path(export.tokenizer_dir), version_dir)
+    write_template("generate_model.py", version_dir / "model.py")
+    generation = recipe.validate_.generation
+    cfg = generate_config(
+        name,
+        compute_model=recipe.triton.model_name,
+        num_layers=kv.num_layers,
+        kv_heads=kv.kv_heads,
+        head_dim=kv.head_dim,
+        kv_dtype=kv.dtype,
+        eos_token_ids=eos_token_ids(version_dir),
+        default_max_tokens=generation.new_tokens if generation else DEFAULT_MAX_TOKENS,
+        max_concurrent_generations=max(1, recipe.triton.max_batch_size),
+        continuous_batching=recipe.triton.continuous_batching,
+        kv_cache_budget_mib=recipe.triton.kv_cache_budget_mib,
+        **_generate_compute_runtime(recipe, staging, last_logits=any(s.name == "last_logits" for s in export.outputs)),
+        **context_limits(build.profiles),
+    )
+    write_config(staging / name, cfg)
+    return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None)
+
+
+def _generate_compute_runtime(recipe: Recipe, staging: Path, *, last_logits: bool) -> dict:
+    """How the generation model runs the compute graph: in its own process with ONNX Runtime when
+    the staged compute model is the python-onnxruntime one (it ships model.py + model.onnx), else
+    through BLS (``tensorrt_plan`` / ``onnxruntime_onnx``). ``last_logits``: the graph has that
+    output ([batch, vocab]), which each step then requests instead of ``logits``."""
+    version = str(recipe.triton.version)
+    compute_dir = staging / recipe.triton.model_name
+    logits = {"logits_output": "last_logits"} if last_logits else {}
+    if not (compute_dir / version / "model.py").is_file():
+        return {"compute_runtime": "bls", "compute_parameters": logits}
+    params = parse_config((compute_dir / "config.pbtxt").read_text()).parameters
+    onnx_file = params["onnx_file"].string_value if "onnx_file" in params else "model.onnx"
+    forwarded = {k: params[k].string_value for k in ("graph_optimization_level", "dequantize_weights") if k in params}
+    return {"compute_runtime": "onnxruntime",
+            "compute_parameters": {"compute_onnx": f"{recipe.triton.model_name}/{version}/{onnx_file}", **forwarded,
+                                   **logits}}
+
+
+def kv_layout(inputs: Sequence[TensorSpec]) -> KVLayout:
+    """:func:`pipeline.models.text_generation.kv.kv_layout` of the export's inputs (the one KV layout).
+
+    Raises:
+        TritonConfigError: no past inputs, layers not numbered 0..L-1 with a key
+            and a value each, non-rank-4 or symbolic kv_heads/head_dim, or
+            layers that disagree.
+    """
+    return _kv.kv_layout(inputs, error=TritonConfigError)
+
+
+def _check_kv(model_name: str, kv: KVLayout, graph_inputs: Sequence[TensorSpec]) -> None:
+    """The served graph must take the past tensors the generation model will send."""
+    graph = {s.name: s for s in graph_inputs}
+    for i in range(kv.num_layers):
+        for kind in ("key", "value"):
+            spec = graph.get(f"past_key_values.{i}.{kind}")
+            if spec is None or len(spec.shape) != 4 or spec.shape[1] != kv.kv_heads or spec.shape[3] != kv.head_dim:
+                raise TritonConfigError(
+                    f"model '{model_name}': input past_key_values.{i}.{kind}: the served graph has "
+                    f"{spec.shape if spec else 'no such input'}, the export has [batch, {kv.kv_heads}, "
+                    f"past_sequence, {kv.head_dim}]"
+                )
+
+

@@ -1,0 +1,227 @@
+"""``quantize.accuracy_budget``: automatic mixed precision that meets a budget or fails (issue 10 §3).
+
+1. Measure every group's sensitivity on the tuning split (:mod:`pipeline.quant.sensitivity`).
+2. Start from everything quantized; revert groups to high precision, most sensitive
+   first, until the budget holds on the tuning split (a group whose reverting would
+   take the quantized fraction below ``tuning.min_quantized_fraction`` is skipped).
+3. Step back: re-quantize each reverted group, last reverted first, and keep it
+   quantized if the budget still holds.
+
+The budget is a :class:`pipeline.recipe.Gate` on a trial metric (``kld_mean``,
+``relative_perplexity_increase``, ``top1_agreement``). Margin: the budget applies
+to the *tuning* split and the validate gate to another split, so a recipe sets
+the budget tighter than its gate (fp8-llm: budget 0.008 for a 0.010 gate, 20 %
+headroom, about three times the tuning/validate difference measured on the
+same model). The search is bounded by ``tuning.max_trials`` and
+``tuning.time_limit_s``; a search stopped by them says ``limit reached``.
+An unreachable budget raises :class:`GateFailed` (exit 1) naming the best
+configuration found and its numbers; its graph is kept as ``budget_best.onnx``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import onnx
+import yaml
+
+from pipeline import gates as gate_eval
+from pipeline.errors import GateFailed, QuantizationError
+from pipeline.quant import qdq, sensitivity as S
+
+
+@dataclass
+class BudgetResult:
+    """The outcome: ``excluded_groups`` / ``excluded_nodes`` (module scopes) left in
+    high precision, the chosen trial's metrics, every trial, and the status
+    (``met``, ``limit reached``, ``unreachable``)."""
+
+    status: str
+    metric: str
+    bound: str
+    excluded_groups: list[str]
+    excluded_scopes: list[str]
+    quantized_fraction: float
+    metrics: dict[str, float]
+    trials: list[dict] = field(default_factory=list)
+
+    def snippet(self, forced: list[str]) -> str:
+        """A ready recipe snippet (YAML) that pins this result without a search:
+        the recipe's own exclusions plus the found scopes, and no budget."""
+        return yaml.safe_dump({"quantize": {"exclude": {"nodes": [*forced, *self.excluded_scopes]}}},
+                              sort_keys=False)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def passes(budget, metrics: dict[str, float]) -> bool:
+    """Whether ``metrics`` meet the budget gate (:func:`pipeline.gates.evaluate`)."""
+    return gate_eval.evaluate([budget], metrics)[0].passed
+
+
+def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: int, min_fraction: float,
+           max_trials: int, time_limit_s: float) -> BudgetResult:
+    """Greedy revert in sensitivity order, then step back (module docstring).
+
+    Args:
+        runner: measures configurations; its trials made for ``sens`` count too.
+        sens: the ranked groups.
+        budget: a Gate on a trial metric.
+        total_gemms: weight GEMMs of the graph (denominator of the quantized fraction),
+            including those the recipe excludes itself.
+        min_fraction: floor on quantized GEMMs / ``total_gemms``.
+        max_trials, time_limit_s: search bounds (trials measured by this call).
+
+    Returns:
+        A :class:`BudgetResult`; ``status`` is ``unreachable`` when no configuration met the budget.
+    """
+    start, used = time.perf_counter(), 0
+    size = {g: len(n) for g, n in runner.group_nodes.items()}
+    forced = total_gemms - sum(size.values())
+    lower = budget.max is not None
+
+    def frac(groups: list[str]) -> float:
+        return (total_gemms - forced - sum(size[g] for g in groups)) / total_gemms
+
+    def limited() -> bool:
+        return used >= max_trials or time.perf_counter() - start >= time_limit_s
+
+    def trial(groups: list[str]) -> S.Trial:
+        nonlocal used
+        before = len(runner.trials)
+        t = runner.measure(groups)
+        used += len(runner.trials) - before
+        return t
+
+    excluded: list[str] = []
+    current = trial(excluded)
+    best = current
+    status = "met" if passes(budget, current.metrics) else "unreachable"
+    for row in sens.rows:
+        if status == "met":
+            break
+        cand = [*excluded, row["group"]]
+        if frac(cand) < min_fraction:
+            continue
+        if limited():
+            status = "limit reached"
+            break
+        current, excluded = trial(cand), cand
+        value = current.metrics[budget.metric]
+        if (value < best.metrics[budget.metric]) == lower:
+            best = current
+        if passes(budget, current.metrics):
+            status = "met"
+    if status != "met":
+        status = status if status == "limit reached" else "unreachable"
+        return _result(runner, status, budget, best, frac(best.excluded_groups))
+    for g in reversed(excluded[:]):  # step back
+        if limited():
+            status = "limit reached"
+            break
+        cand = [x for x in excluded if x != g]
+        t = trial(cand)
+        if passes(budget, t.metrics):
+            excluded, current = cand, t
+    met = runner.measure(excluded)
+    return _result(runner, status, budget, met, frac(excluded))
+
+
+def _result(runner: S.TrialRunner, status: str, budget, chosen: S.Trial, fraction: float) -> BudgetResult:
+    scopes_of = {t.node: (t.scope or t.node) for t in runner.targets}
+    scopes = [scopes_of[n] for g in chosen.excluded_groups for n in runner.group_nodes[g]]
+    bound = f"{budget.metric} {'<=' if budget.max is not None else '>='} {budget.max if budget.max is not None else budget.min}"
+    trials = [{"excluded_groups": t.excluded_groups, "excluded_gemms": t.excluded_nodes,
+               **{k: round(v, 8) for k, v in t.metrics.items()}, "wall_s": round(t.wall_s, 2)} for t in runner.trials]
+    return BudgetResult(status, budget.metric, bound, chosen.excluded_groups, scopes, fraction, chosen.metrics, trials)
+
+
+def check_data(recipe) -> None:
+    """Calibration, tuning and validate data must be pairwise disjoint.
+
+    Raises:
+        DataError: (exit 2) two uses overlap, naming both keys and ranges.
+    """
+    from pipeline import datasets
+
+    q = recipe.quantize
+    datasets.check_disjoint({"quantize.calibration.data": q.calibration.data, "quantize.tuning.data": q.tuning.data,
+                             "validate.data": recipe.validate_.data})
+
+
+def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: int, amax: dict[str, float],
+         fmt: qdq.QFormat) -> tuple[list[qdq.Target], BudgetResult | None, S.Sensitivity]:
+    """Sensitivity and (with ``quantize.accuracy_budget``) the budget search for the quantize stage.
+
+    Args:
+        ctx: the quantize stage context (``recipe.quantize.tuning``, ``sensitivity``, ``accuracy_budget``).
+        exp: the export artifact (tokenizer, FP32 reference graph).
+        model: the FP32 graph to quantize (smoothed if SmoothQuant is on), weights loaded.
+        targets: GEMMs the recipe leaves quantizable; ``forced``: GEMMs it excludes itself.
+        amax: per-tensor amax of every target's input.
+
+    Returns:
+        ``(targets to quantize, budget result or None, sensitivity)``; writes
+        ``sensitivity.md``/``.png`` and ``budget.json``/``budget_snippet.yaml`` to the stage folder.
+
+    Raises:
+        DataError: tuning data overlaps calibration or validate data, or gives no window.
+        GateFailed: the budget is unreachable within the floor and limits.
+    """
+    from pipeline.models import registry
+    from pipeline.runtime import ort_session
+
+    q = ctx.recipe.quantize
+    check_data(ctx.recipe)
+    tun = q.tuning
+    cal = q.calibration.model_copy(update={"samples": tun.max_windows, "min_samples": 1})
+    feeds = registry.adapter(ctx.recipe.model).calibration_feeds(exp, tun.data, cal)
+    if not feeds:
+        raise QuantizationError(f"quantize.tuning.data: {tun.data.describe()} gives no window of {cal.seq_len} tokens")
+    grouping = q.sensitivity.groups if q.sensitivity else "per_block"
+    runner = S.TrialRunner(model, targets, S.groups(targets, grouping), amax, fmt, q.per_channel_weights, feeds,
+                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path))
+    metric = q.accuracy_budget.metric if q.accuracy_budget else "kld_mean"
+    with ctx.progress.step(f"sensitivity: {len(runner.group_nodes)} groups ({grouping}) on {tun.data.describe()}"):
+        sens = S.measure_sensitivity(runner, metric)
+    S.write_report(sens, ctx.stage_dir)
+    if q.accuracy_budget is None:
+        return targets, None, sens
+    total = len(targets) + forced
+    with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
+        res = search(runner, sens, q.accuracy_budget, total_gemms=total, min_fraction=tun.min_quantized_fraction,
+                     max_trials=tun.max_trials, time_limit_s=tun.time_limit_s)
+    _write(ctx.stage_dir, res, list(q.exclude.nodes))
+    if res.status != "met":
+        best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
+                              q.per_channel_weights)
+        onnx.save(best, str(ctx.stage_dir / "budget_best.onnx"))
+        raise GateFailed(
+            f"quantize.accuracy_budget: {res.bound} not met on {tun.data.describe()} ({res.status}); best found: "
+            f"{res.metric} = {res.metrics[res.metric]:.6g} with {len(res.excluded_scopes)} GEMMs in high precision "
+            f"({res.quantized_fraction:.1%} quantized, floor {tun.min_quantized_fraction:.0%}), graph "
+            f"{ctx.stage_dir / 'budget_best.onnx'}; see {ctx.stage_dir / 'budget.json'}")
+    skip = _nodes(runner, res)
+    return [t for t in targets if t.node not in skip], res, sens
+
+
+def _nodes(runner: S.TrialRunner, res: BudgetResult) -> set[str]:
+    return {n for g in res.excluded_groups for n in runner.group_nodes[g]}
+
+
+def _write(folder: Path, res: BudgetResult, forced: list[str]) -> None:
+    import json
+
+    (folder / "budget.json").write_text(json.dumps(res.to_json(), indent=1, default=float))
+    (folder / "budget_snippet.yaml").write_text(res.snippet(forced))
+    lines = [f"Accuracy budget `{res.bound}` on the tuning split: **{res.status}**; "
+             f"{len(res.excluded_scopes)} GEMMs in high precision, {res.quantized_fraction:.1%} quantized.", "",
+             "| trial | groups in high precision | GEMMs | kld_mean | relative_perplexity_increase | top1_agreement | s |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {i} | {', '.join(t['excluded_groups']) or '(none)'} | {t['excluded_gemms']} | {t['kld_mean']:.4g} | "
+              f"{t['relative_perplexity_increase']:.4g} | {t['top1_agreement']:.4f} | {t['wall_s']} |"
+              for i, t in enumerate(res.trials, 1)]
+    lines += ["", "Recipe snippet (pins this result without a search):", "", "```yaml", res.snippet(forced), "```"]
+    (folder / "budget.md").write_text("\n".join(lines) + "\n")
