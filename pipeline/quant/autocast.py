@@ -64,7 +64,39 @@ def cast_rest(model: onnx.ModelProto, precision: str, base_dir: str | None = Non
     half = convert_float_to_float16(model, keep_io_types=True, op_block_list=FP32_OPS,
                                     node_block_list=qdq_gemms(model), disable_shape_infer=True)
     _drop_duplicate_casts(half)
+    _toposort(half.graph)
     return to_bf16(half) if precision == "bf16" else half
+
+
+def _toposort(graph: onnx.GraphProto) -> None:
+    """Reorder ``graph.node`` so every node follows the producers of its inputs (the
+    converter appends the Casts it inserts after their consumers); stable otherwise.
+
+    Raises:
+        QuantizationError: the graph has a cycle.
+    """
+    producer = {out: i for i, n in enumerate(graph.node) for out in n.output if out}
+    deps = [{producer[x] for x in n.input if x in producer and producer[x] != i} for i, n in enumerate(graph.node)]
+    users: dict[int, list[int]] = {}
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users.setdefault(d, []).append(i)
+    waiting = [len(ds) for ds in deps]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    order: list[int] = []
+    while ready:
+        i = min(ready)
+        ready.remove(i)
+        order.append(i)
+        for u in users.get(i, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                ready.append(u)
+    if len(order) != len(graph.node):
+        raise QuantizationError("quantize.rest_precision: the converted graph has a cycle")
+    nodes = [graph.node[i] for i in order]
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _drop_duplicate_casts(model: onnx.ModelProto) -> None:
