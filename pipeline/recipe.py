@@ -175,7 +175,7 @@ class QuantizeConfig(Strict):
     per_channel_weights: bool = Field(
         False, description="per output channel weight scales (INT8 default in recipes)"
     )
-    quantize_op_types: list[Literal["MatMul", "Gemm"]] = ["MatMul", "Gemm"]
+    quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = ["MatMul", "Gemm"]
     rest_precision: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32", description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
         "(pipeline.quant.autocast); bf16 is validated only through a TensorRT engine")

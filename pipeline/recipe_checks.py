@@ -60,6 +60,8 @@ def constraint_problems(r: Recipe) -> list[Problem]:
 
 
 def _batch_dim(r: Recipe) -> str:
+    if r.model.kind not in TEXT_KINDS:  # any input's axis 0 (one batch name is checked below)
+        return next((dims[0] for dims in r.export.dynamic_axes.values() if 0 in dims), "batch")
     return r.export.dynamic_axes.get("input_ids", {}).get(0, "batch")
 
 
@@ -77,6 +79,8 @@ def _export_problems(r: Recipe) -> list[Problem]:
     axes = r.export.dynamic_axes
     at: Loc = ("export", "dynamic_axes")
     out: list[Problem] = []
+    if r.model.kind not in TEXT_KINDS:  # the graph's own inputs are checked at export
+        return _batch_name_problems(axes, at)
     if 0 not in axes.get("input_ids", {}):
         out.append((at, "needs input_ids with a dynamic batch axis, e.g. input_ids: {0: batch, 1: sequence}"))
     allowed = ENCODER_INPUTS if r.model.kind == "sentence-embedding" else LLM_INPUTS
@@ -90,10 +94,14 @@ def _export_problems(r: Recipe) -> list[Problem]:
             if not 0 <= axis < rank:
                 out.append(((*at, name, axis), f"{name} has rank {rank}: axis {axis} does not exist "
                             f"(valid: 0..{rank - 1})"))
+    return out + _batch_name_problems(axes, at)
+
+
+def _batch_name_problems(axes: dict, at: Loc) -> list[Problem]:
     batch_names = sorted({dims[0] for dims in axes.values() if 0 in dims})
     if len(batch_names) > 1:
-        out.append((at, f"axis 0 is one batch dim shared by every input; got the names {batch_names}"))
-    return out
+        return [(at, f"axis 0 is one batch dim shared by every input; got the names {batch_names}")]
+    return []
 
 
 def _check_point_problems(r: Recipe) -> list[Problem]:
@@ -105,7 +113,8 @@ def _check_point_problems(r: Recipe) -> list[Problem]:
     if len(points) < 3:
         out.append((at, f"give at least 3 shape points (min, a middle one, max), got {len(points)}"))
     known = _known_dims(r)
-    required = {"batch", "sequence"} | ({PAST_DIM} if r.model.kind == "text-generation" else set())
+    required = {_batch_dim(r)} if r.model.kind not in TEXT_KINDS else (
+        {"batch", "sequence"} | ({PAST_DIM} if r.model.kind == "text-generation" else set()))
     for i, point in enumerate(points):
         for dim, size in point.items():
             if dim not in known:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 ADAPTERS = {
     "text-generation": "pipeline.models.text_generation.adapter:TextGenerationAdapter",
     "sentence-embedding": "pipeline.models.sentence_embedding.adapter:SentenceEmbeddingAdapter",
-    "image-classification": not_implemented("image-classification"),
+    "image-classification": "pipeline.models.image_classification.adapter:ImageClassificationAdapter",
     "generic": not_implemented("generic"),
 }
 

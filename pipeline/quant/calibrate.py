@@ -70,7 +70,7 @@ def collect_amax(onnx_path: str | Path, tensors: list[str], batches: list[dict[s
     large = onnx_io.files_on_disk_bytes(onnx_path) >= onnx_io.external_data_threshold()
     with tempfile.TemporaryDirectory(dir=scratch_dir, prefix="calibrate-") as tmp:
         cal = create_calibrator(
-            Path(onnx_path), op_types_to_calibrate=["MatMul", "Gemm"],
+            Path(onnx_path), op_types_to_calibrate=["MatMul", "Gemm", "Conv"],
             augmented_model_path=str(Path(tmp) / "augmented.onnx"),
             calibrate_method=_ORT_METHOD[method], extra_options=extra,
             use_external_data_format=large, providers=["CPUExecutionProvider"],

@@ -65,6 +65,7 @@ class StagedModel:
     target: str
     profile_max_batch: int | None
     profile_count: int | None = None  # engine optimization profiles (compute model)
+    required_files: tuple[str, ...] = ()  # besides the model file: e.g. tokenizer.json of a tokenizing model
 
 
 def tokenizer_model_name(model_name: str) -> str:
@@ -356,12 +357,11 @@ def _verify(models: Sequence[StagedModel], staging: Path, version: int, gpu: boo
 
 
 def _required_files(m: StagedModel) -> list[str]:
-    """Files the version folder must hold: the model file, the python model's ONNX, the tokenizer."""
+    """Files the version folder must hold: the model file, the python model's ONNX, what the kind requires."""
     names = [RUNTIMES[m.target][2]] if RUNTIMES[m.target][2] else []
     if "onnx_file" in m.config.parameters:
         names.append(m.config.parameters["onnx_file"].string_value)
-    if m.target == "python":
-        names.append("tokenizer.json")
+    names += list(m.required_files)
     return names
 
 

@@ -54,7 +54,8 @@ def stage_text_models(
         write_config(staging / cfg.name, cfg)
     text = [TensorSpec(TOKENIZER_INPUT, "object", ["batch", 1])]
     ids = [TensorSpec(s.name, "int64", ["batch", "sequence"]) for s in compute.inputs]
-    return [StagedModel(tokenizer, text, ids, "python", None), StagedModel(ensemble, text, compute.outputs, "ensemble", None)]
+    return [StagedModel(tokenizer, text, ids, "python", None, required_files=("tokenizer.json",)),
+            StagedModel(ensemble, text, compute.outputs, "ensemble", None)]
 
 
 def pad_token_id(tokenizer_dir: Path) -> int:

@@ -107,7 +107,8 @@ def stage_generate(
         **context_limits(build.profiles),
     )
     write_config(staging / name, cfg)
-    return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None)
+    return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None,
+                       required_files=("tokenizer.json",))
 
 
 def _generate_compute_runtime(recipe: Recipe, staging: Path, *, last_logits: bool) -> dict:
