@@ -19,7 +19,7 @@ ADAPTERS = {
     "text-generation": "pipeline.models.text_generation.adapter:TextGenerationAdapter",
     "sentence-embedding": "pipeline.models.sentence_embedding.adapter:SentenceEmbeddingAdapter",
     "image-classification": "pipeline.models.image_classification.adapter:ImageClassificationAdapter",
-    "generic": not_implemented("generic"),
+    "generic": "pipeline.models.generic.adapter:GenericAdapter",
 }
 
 

@@ -72,12 +72,14 @@ def run(ctx: StageContext) -> ExportArtifact:
     inputs, outputs = graph_specs(model)
     # Static axes, baked Reshapes and unrolled per-sample loops, named (export_checks).
     axes = adapter.dynamic_axes(ctx.recipe.export)
-    export_checks.check_symbolic(model, axes, export_checks.example_sizes(loaded.example_feeds, axes))
+    sizes = export_checks.example_sizes(loaded.example_feeds, axes) if loaded.example_feeds else None
+    export_checks.check_symbolic(model, axes, sizes)
     # Profiles must fit the graph before any expensive work (checks, calibration).
     profiles.resolve_profiles(list(ctx.recipe.build.profiles), inputs, set(profiles.shape_tensor_inputs(model)))
     checks = verify_shapes(ctx, adapter, module, out, inputs, model)
     tok_dir = ctx.stage_dir / "tokenizer"
-    loaded.processor.save_pretrained(str(tok_dir))
+    if loaded.processor is not None:  # a tokenizer or image processor; a generic model may have none
+        loaded.processor.save_pretrained(str(tok_dir))
     return ExportArtifact(str(out), inputs, outputs, str(tok_dir), checks)
 
 
