@@ -88,19 +88,16 @@ def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
 
 
 def data_uses(recipe: Recipe, base_dir: Path) -> dict:
-    """Recipe key -> bound data source of each data use: a section's ``data``
-    source, or, in the older shape, its built-in ``dataset`` with its ``split``."""
+    """Recipe key -> bound data source of each data use (calibration, tuning, validate)."""
     from pipeline import datasets
 
     uses = {}
-    for key, section in (("quantize.calibration", recipe.quantize.calibration), ("validate", recipe.validate_)):
-        if section is None:  # no calibration at fp16/fp32
+    sections = (("quantize.calibration", recipe.quantize.calibration), ("quantize.tuning", recipe.quantize.tuning),
+                ("validate", recipe.validate_))
+    for key, section in sections:
+        if section is None:  # no calibration at fp16/fp32; no tuning without an accuracy budget
             continue
-        spec = getattr(section, "data", None)
-        if spec is None:
-            spec = {"type": "corpus", "name": section.dataset,
-                    "split": {"start": section.split.start, "stop": section.split.stop}}
-        uses[f"{key}.data"] = datasets.load(spec, base_dir, where=f"{key}.data")
+        uses[f"{key}.data"] = datasets.load(section.data, base_dir, where=f"{key}.data")
     return uses
 
 

@@ -229,7 +229,9 @@ def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:
 
 
 #: report.md sections that stages leave as Markdown files in their folders.
-_SECTION_FILES = {"Engine vs ONNX Runtime": "validate/engine_vs_onnxruntime.md",
+_SECTION_FILES = {"Quantization sensitivity": "quantize/sensitivity.md",
+                  "Accuracy budget": "quantize/budget.md",
+                  "Engine vs ONNX Runtime": "validate/engine_vs_onnxruntime.md",
                   "Deploy notes": "triton/deploy_notes.md"}
 
 
