@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -304,27 +304,15 @@ def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path) -> None:
 
 
 def _external_files(model: onnx.ModelProto) -> set[str]:
+    from pipeline.onnx_io import tensors
+
     return {
         entry.value
-        for tensor in _tensors(model.graph)
+        for tensor in tensors(model)
         if tensor.data_location == onnx.TensorProto.EXTERNAL
         for entry in tensor.external_data
         if entry.key == "location"
     }
-
-
-def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Initializers and attribute tensors of ``graph`` and its subgraphs."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _tensors(attr.g)
-            for sub in attr.graphs:
-                yield from _tensors(sub)
 
 
 def write_template(name: str, dest: Path) -> None:
