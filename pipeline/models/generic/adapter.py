@@ -46,7 +46,7 @@ class GenericAdapter(OnnxRuntimeRunners):
 
     def __init__(self, model_section):
         source = getattr(model_section, "source", None)
-        if not isinstance(source, (EntrySource, OnnxSource)):
+        if model_section is not None and not isinstance(source, (EntrySource, OnnxSource)):  # None: unbound
             raise RecipeError("model.source: a generic model comes from entry: ./my_model.py:make_model "
                               f"(returning (nn.Module, example inputs)) or onnx: ./model.onnx; got "
                               f"{source.describe() if source is not None else 'none'}")
