@@ -202,6 +202,14 @@ class GenericAdapter(OnnxRuntimeRunners):
         """None: the compute model alone serves a generic model."""
         return []
 
+    def served_models(self, recipe) -> list[str]:
+        """No model besides the compute model."""
+        return []
+
+    def front_model(self, recipe) -> str | None:
+        """None: clients call the compute model."""
+        return None
+
     def bench_workload(self, recipe, tokenizer_dir: str) -> BenchWorkload:
         """The compute model, one request per validate sample (batch 1, recorded feeds).
 
