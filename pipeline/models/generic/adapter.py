@@ -42,6 +42,7 @@ class GenericAdapter(OnnxRuntimeRunners):
     """Adapter of ``kind: generic`` (see the module docstring)."""
 
     kind: ClassVar[str] = "generic"
+    generates: ClassVar[bool] = False
     metric_names: ClassVar[frozenset[str]] = METRIC_NAMES
 
     def __init__(self, model_section):
