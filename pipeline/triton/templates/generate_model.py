@@ -409,8 +409,15 @@ class TritonPythonModel:
         self.logits_name = p.get("logits_output", "logits")  # last_logits [B, V] where the graph has it
         outputs = [self.logits_name, *self.present_names]
         self.runtime = p.get("compute_runtime", "bls")
+        root = os.path.dirname(os.path.abspath(args["model_repository"]))
+        if self.runtime == "onnxruntime" and not os.path.isfile(os.path.join(root, p.get("compute_onnx", ""))):
+            # A repository in cloud storage is downloaded model by model into separate temporary
+            # folders, so the sibling compute model's graph is not beside this one: use BLS.
+            print(f"{args['model_name']}: compute graph not found beside this model ({root}); "
+                  f"calling the compute model through BLS", flush=True)
+            self.runtime = "bls"
         if self.runtime == "onnxruntime":
-            self.compute = InProcessCompute(os.path.dirname(os.path.abspath(args["model_repository"])), p, outputs)
+            self.compute = InProcessCompute(root, p, outputs)
         else:
             self.compute = BLSCompute(self.compute_model, outputs)
         self.max_batch = max(1, int(p.get("max_concurrent_generations", "1")))
