@@ -261,7 +261,10 @@ def settled_statistics(client: grpcclient.InferenceServerClient, model: str, at_
     deadline = time.monotonic() + timeout_s
     while True:
         stats = model_statistics(client, model)
-        if stats["inference_count"] >= at_least:
+        batched = sum(int(k) * n for k, n in stats["batches"].items())
+        # Triton updates the count and the per-batch-size executions separately: wait for both.
+        settled = not stats["batches"] or batched >= stats["inference_count"]
+        if stats["inference_count"] >= at_least and (settled or time.monotonic() > deadline):
             return stats
         if time.monotonic() > deadline:
             raise ServeClientError(f"{model}: statistics count {stats['inference_count']} inferences, "
