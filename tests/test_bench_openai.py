@@ -22,8 +22,6 @@ def test_bench_measures_batching_on_and_off_plots_and_runs_aiperf(tmp_path):
     from pipeline.serve.run import bench
 
     recipe = llm_recipe(tmp_path, serve=SERVE)
-    if not hasattr(recipe.triton, "continuous_batching"):
-        pytest.skip("the recipe has no triton.continuous_batching yet")
     served = prepare(recipe, llm_artifacts(tmp_path), backends=["python"])
     lines: list[str] = []
     result = bench(served, log=lines.append, aiperf=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 
 import pytest
@@ -114,10 +113,6 @@ def test_internal_error_before_the_recipe_is_read_goes_to_the_cwd(capsys, monkey
     assert "AttributeError" in (tmp_path / "pipeline-error.log").read_text()
 
 
-HAS_PUBLISH = importlib.util.find_spec("pipeline.triton.publish") is not None
-
-
-@pytest.mark.skipif(not HAS_PUBLISH, reason="pipeline.triton.publish not written yet")
 def test_verify_repo(capsys, tmp_path):
     repo = tmp_path / "repo"
     (repo / "m" / "1").mkdir(parents=True)

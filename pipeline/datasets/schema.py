@@ -21,6 +21,8 @@ Every source has ``files()``, ``sha256()``, ``items()``, ``describe()``,
 """
 from __future__ import annotations
 
+import abc
+
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -57,7 +59,7 @@ class Range(Strict):
         return f"[{self.start}, {'end' if self.stop is None else self.stop})"
 
 
-class _Source(Strict):
+class _Source(Strict, abc.ABC):
     """Shared behaviour; each subclass says which reader module implements it."""
 
     split: Range = Field(Range(start=0, stop=None), description="records [start, stop) to use; default all")
@@ -78,6 +80,7 @@ class _Source(Strict):
         out._base_dir, out._where = (Path(base_dir) if base_dir is not None else None), where
         return out
 
+    @abc.abstractmethod
     def _reader(self):
         raise NotImplementedError
 
@@ -124,6 +127,7 @@ class _Source(Strict):
         return self._reader().describe(self)
 
     @property
+    @abc.abstractmethod
     def record_kind(self) -> RecordKind:
         """What :meth:`items` returns: ``documents`` (``list[str]``),
         ``labeled_documents`` (``list[Labeled(str, label)]``), ``pairs``

@@ -27,6 +27,8 @@ Only ``package`` and ``path`` sources are Hugging Face models that
 """
 from __future__ import annotations
 
+import abc
+
 import importlib.util
 import os
 import sys
@@ -100,7 +102,7 @@ def manifest_input(model) -> dict[str, str]:
     return {"path": str(path), "sha256": files_sha256(files, path if path.is_dir() else files[0])}
 
 
-class _ModelSource(BaseModel):
+class _ModelSource(BaseModel, abc.ABC):
     """Shared behaviour: binding to the recipe folder, hashing, describing."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -140,6 +142,7 @@ class _ModelSource(BaseModel):
                                  f"recipe's folder {base})")
         return path
 
+    @abc.abstractmethod
     def location(self) -> Path:
         """The file or folder the manifest names for this source (absolute or recipe-relative).
 
@@ -167,6 +170,7 @@ class _ModelSource(BaseModel):
         root = Path(os.path.commonpath(files)) if len(files) > 1 else files[0]
         return files_sha256(files, root)
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """One line for people: the source type and what it reads."""
         raise NotImplementedError
