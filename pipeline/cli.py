@@ -90,7 +90,7 @@ def preflight(args):
 
     Raises:
         RecipeError: the recipe or a ``--set`` value is invalid.
-        PipelineError: the weights are missing (names model.package / model.path).
+        PipelineError: the model's files are missing (names the model.source key).
         DataError: two data uses overlap (names both) or a data file is missing.
     """
     from pipeline.models.sources import package_file
@@ -98,11 +98,7 @@ def preflight(args):
     recipe = load(args)
     from pipeline import datasets, manifest
     datasets.check_disjoint(manifest.data_uses(recipe, Path(args.recipe).parent))  # calibration vs eval data
-    try:
-        weights = package_file(recipe.model)  # raises, naming model.package/path, when missing
-    except (ImportError, ValueError) as e:  # a parent package that is missing or broken
-        raise RecipeError(f"model.package: {recipe.model.package!r} cannot be located ({type(e).__name__}: {e})") from None
-    return recipe, weights
+    return recipe, package_file(recipe.model)  # raises, naming the model.source key, when missing
 
 
 def cmd_build(args) -> int:

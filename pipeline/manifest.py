@@ -71,15 +71,14 @@ def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
     Raises:
         DataError: a data file is missing.
     """
-    from pipeline.models.sources import package_file
+    from pipeline.models.sources import manifest_input
 
-    model = package_file(recipe.model)
     return {
         "recipe_path": str(recipe_path),
         "recipe_hash": recipe.digest,
         "recipe": recipe.model_dump(mode="json", by_alias=True),
         "inputs": {
-            "model_file": {"path": str(model), "sha256": _tree_hash(model)},
+            "model_file": manifest_input(recipe.model),
             **data_inputs(recipe, Path(recipe_path).parent),
         },
         "versions": versions,
@@ -106,15 +105,6 @@ def data_inputs(recipe: Recipe, base_dir: Path) -> dict[str, dict[str, str]]:
     from pipeline import datasets
 
     return datasets.manifest_inputs(data_uses(recipe, base_dir))
-
-
-def _tree_hash(path: Path) -> str:
-    if path.is_file():
-        return sha256_file(path)
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{f.relative_to(path)}:{sha256_file(f)}".encode())
-    return h.hexdigest()
 
 
 def stage_record(status: str, reason: str = "", wall_s: float = 0.0, peak_rss_mib: float | None = None) -> dict:

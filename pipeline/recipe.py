@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from pipeline.datasets.schema import DataSource
 from pipeline.errors import RecipeError
+from pipeline.models.sources import ModelSourceSpec, legacy_problem
 
 Precision = Literal["fp8", "int8", "fp16", "fp32"]
 CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
@@ -35,14 +36,26 @@ class Strict(BaseModel):
 
 
 class ModelSource(Strict):
-    """Where the weights come from: a file inside an installed Python package."""
+    """The model: its task (``kind``) and where it comes from (``source``, one of
+    package / path / entry / onnx; see :mod:`pipeline.models.sources`)."""
 
     kind: ModelKind = Field(description="the task: selects the adapter in pipeline/models/<kind>/")
-    package: str | None = Field(
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
-        description="importable package that ships the weights; null: `path` is a local path",
+    source: ModelSourceSpec = Field(
+        description="{package: P, file: F} | {path: ./hf-folder-or.gguf} | {entry: ./file.py:fn} | "
+        "{onnx: ./model.onnx, tokenizer: ./tok}; relative paths are read from the recipe's folder"
     )
-    path: str = Field(description="file (GGUF) or folder (HF layout) inside the package")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data):
+        """``model.package`` / ``model.path`` of older recipes fail with the ``source:`` form."""
+        from pipeline.recipe_checks import ConstraintErrors
+
+        problem = legacy_problem(data)
+        if problem:
+            field = "package" if "package" in data else "path"
+            raise ConstraintErrors([(("model", field), problem)])
+        return data
 
     @field_validator("kind", mode="before")
     @classmethod

@@ -36,8 +36,8 @@ def hf_location(recipe) -> Path:
     """
     from pipeline.models.sources import package_file
 
-    source = getattr(recipe.model, "source", None)
-    if source is not None and not source.hf_loadable:
+    source = recipe.model.source
+    if not source.hf_loadable:
         raise PipelineError(f"build --test: model.source is {source.describe()}; a randomly initialised 2-layer "
                             "copy can only be made of a Hugging Face folder or GGUF file (package: or path: "
                             "sources), so no copy can be made of it. Run `build` without --test")
@@ -95,10 +95,7 @@ def overrides(recipe, copy: Path) -> dict[str, object]:
     ``output_dir`` inside the test area."""
     area = test_area(recipe)
     out: dict[str, object] = {"name": f"{recipe.name}-test", "output_dir": str(area / "model_repository")}
-    if "source" in type(recipe.model).model_fields:
-        out["model.source"] = {"path": str(copy.resolve())}
-    else:  # older schema: package + path at the top of model:
-        out.update({"model.package": None, "model.path": str(copy.resolve())})
+    out["model.source"] = {"path": str(copy.resolve())}
     return out
 
 

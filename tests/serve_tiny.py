@@ -105,7 +105,7 @@ def encoder_recipe(ws: Path, serve: dict | None = None, **triton) -> Recipe:
     """An encoder recipe writing into ``ws`` (work_dir, output_dir); ``triton`` overrides."""
     data = {
         "name": "tiny-encoder",
-        "model": {"kind": "sentence-embedding", "package": None, "path": "tiny"},
+        "model": {"kind": "sentence-embedding", "source": {"path": "tiny"}},
         "export": {"dynamic_axes": {n: {0: "batch", 1: "sequence"} for n in ENC_INPUTS}},
         "quantize": {"precision": "fp32"},
         "build": {"profiles": [{"name": "default"}]},

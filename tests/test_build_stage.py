@@ -39,7 +39,7 @@ def make_recipe(tmp_path: Path, profiles: list[dict]) -> Recipe:
     return Recipe.model_validate(
         {
             "name": "tiny",
-            "model": {"kind": "text-generation", "package": "none", "path": "none.gguf"},
+            "model": {"kind": "text-generation", "source": {"package": "none", "file": "none.gguf"}},
             "export": {"dynamic_axes": {"input_ids": {0: "batch", 1: "sequence"}}},
             "quantize": {"precision": "fp16"},
             "build": {

@@ -16,23 +16,6 @@ from pipeline.models.sources import EntrySource, check_entry_axes
 EXAMPLE = ROOT / "examples" / "custom-model"
 
 
-def _generic_wired() -> list[str]:
-    """What the recipe schema and the registry still lack to run a generic ``entry:`` recipe."""
-    from pipeline.models import registry
-    from pipeline.recipe import ModelSource
-
-    missing = []
-    if "source" not in ModelSource.model_fields:
-        missing.append("pipeline/recipe.py ModelSource has no `source` field (pipeline.models.sources.ModelSourceSpec)")
-    if registry.ADAPTERS.get("generic") != "pipeline.models.generic.adapter:GenericAdapter":
-        missing.append("pipeline/models/registry.py does not map generic to GenericAdapter")
-    return missing
-
-
-#: The end-to-end runs need the recipe and registry wiring (owned elsewhere); they run as soon as it lands.
-needs_wiring = pytest.mark.skipif(bool(_generic_wired()), reason="; ".join(_generic_wired()))
-
-
 def test_data_file_is_real_text_encoded_as_the_model_reads_it():
     records = [json.loads(line) for line in (EXAMPLE / "data.jsonl").read_text().splitlines()]
     assert len(records) == 320
@@ -68,7 +51,6 @@ def _workspace(tmp_path: Path) -> Path:
     return ws / "recipe.yaml"
 
 
-@needs_wiring
 def test_example_builds_end_to_end_and_passes_its_agreement_gates(tmp_path):
     from pipeline.recipe import load_recipe
     from pipeline.runner import run_pipeline
@@ -97,7 +79,6 @@ def test_example_builds_end_to_end_and_passes_its_agreement_gates(tmp_path):
         "byte_ids": ((1, 64), "int64"), "attention_mask": ((1, 64), "int64")}
 
 
-@needs_wiring
 def test_example_graph_as_an_onnx_source_is_verified_not_exported(tmp_path):
     """The example's exported graph, saved with external data, as ``source: {onnx: ...}``:
     ONNX Runtime FP32 is the reference and the metrics say no torch comparison was made."""

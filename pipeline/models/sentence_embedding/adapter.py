@@ -38,9 +38,9 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners):
         example (batch 2, sequence 7; row 1 padded).
 
         Raises:
-            ExportError: the package or folder is missing.
+            ModelFileError: the package or folder is missing.
         """
-        with ctx.progress.step(f"load {self.source.package}/{self.source.path}"):
+        with ctx.progress.step(f"load {self.source.source.describe()}"):
             model, tok = load_encoder(self.source)
         self.vocab = int(model.config.vocab_size)
         return LoadedModel(MeanPooledEncoder(model).eval(), tok, random_feeds(self.vocab, batch=2, sequence=7),
