@@ -78,6 +78,15 @@ def test_example_builds_end_to_end_and_passes_its_agreement_gates(tmp_path):
     assert {k: (v.shape, v.dtype.name) for k, v in work.requests[0].items()} == {
         "byte_ids": ((1, 64), "int64"), "attention_mask": ((1, 64), "int64")}
 
+    # The stage keys hash the entry file and every .py beside it: a helper edit re-exports.
+    again = run_pipeline(load_recipe(path), path, quiet=True).manifest["stages"]
+    assert all(again[s]["cache_hit"] for s in again)
+    with (path.parent / "make_data.py").open("a") as f:
+        f.write("# edited\n")
+    edited = run_pipeline(load_recipe(path), path, quiet=True).manifest
+    assert edited["stages"]["export"]["cache_hit"] is False
+    assert edited["inputs"]["model_file"]["sha256"] != man["inputs"]["model_file"]["sha256"]
+
 
 def test_example_graph_as_an_onnx_source_is_verified_not_exported(tmp_path):
     """The example's exported graph, saved with external data, as ``source: {onnx: ...}``:

@@ -111,7 +111,7 @@ class _ModelSource(BaseModel, abc.ABC):
             path = base / path
         if not path.exists():
             raise ModelFileError(f"{self._where}.{field}: {path} not found (relative paths are read from the "
-                                 f"recipe's folder {base})")
+                                 f"recipe's folder {base.resolve()})")
         return path
 
     @abc.abstractmethod
