@@ -84,7 +84,8 @@ def install_pb_utils():
         Logger=SimpleNamespace(log_info=lambda m: print(f"[model] {m}")))
 
 
-def load_model(onnx_path: Path, tokenizer: Path, root: Path, max_batch: int, dequantize: bool):
+def load_model(onnx_path: Path, tokenizer: Path, root: Path, max_batch: int, dequantize: bool,
+               continuous: bool = True):
     """A repository in ``root`` (a copy of the graph, symlinks to the tokenizer) and the generation model on it."""
     compute = root / "llm" / "1"
     compute.mkdir(parents=True)
@@ -105,7 +106,8 @@ def load_model(onnx_path: Path, tokenizer: Path, root: Path, max_batch: int, deq
     cfg = generate_config("gen", compute_model="llm", num_layers=kv.num_layers, kv_heads=kv.kv_heads,
                           head_dim=kv.head_dim, kv_dtype=kv.dtype, eos_token_ids=eos_token_ids(tokenizer),
                           default_max_tokens=32, max_context=1024, max_prompt_tokens=512,
-                          max_concurrent_generations=max_batch, compute_runtime="onnxruntime",
+                          max_concurrent_generations=max_batch, continuous_batching=continuous,
+                          compute_runtime="onnxruntime",
                           compute_parameters=params)
     spec = importlib.util.spec_from_file_location("generate_bench_model", gen / "model.py")
     module = importlib.util.module_from_spec(spec)

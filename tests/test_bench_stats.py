@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,7 +174,7 @@ def test_greedy_comparison_cuts_at_eos_and_requires_exact_tokens():
 
 def test_report_renders_llm_and_batching_tables():
     level = {"concurrency": 1, **llm_level([gen(0, 0.1, 0.05, 4)], 1.0, ServeSLO()),
-             "compute_batches": {"executions_by_batch_size": {"1": 4}, "mean_batch": 1.0}}
+             "compute_batches": {"executions_by_batch_size": {"1": 4}, "executions": 4, "mean_batch": 1.0}}
     row = {"variant": "m__db_on_i2", "dynamic_batching": True, "instances": 2, "inferences_per_s": 9.5,
            "latency_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0},
            "batches": {"executions_by_batch_size": {"1": 2, "4": 3}, "mean_batch": 2.8, "busy_instances": 1.7}}
@@ -193,3 +194,40 @@ def test_report_renders_llm_and_batching_tables():
     assert "dynamic batching on over off 1 instance = **1.50x**" in text
     skipped = render({**result, "batching": {"skipped": "max_batch_size is 0"}})
     assert "Not measured: max_batch_size is 0." in skipped
+    assert "| 1 | 1: 4 | 1.00 |" in text  # the compute model's executions (BLS targets)
+
+
+def test_report_renders_the_serving_overhead_and_an_in_process_compute_model():
+    level = {"concurrency": 1, **llm_level([gen(0, 0.1, 0.05, 4)], 1.0, ServeSLO()),
+             "compute_batches": {"executions_by_batch_size": {}, "executions": 0, "mean_batch": float("nan")}}
+    llm = {"prompt_tokens": 16, "levels": [level],
+           "tpot_by_position": {"tokens": 260, "tpot_ms": {"16": 40.0, "256": 44.0}, "ratio": 1.1},
+           "serving_overhead": {"served_tpot_ms": 21.0, "graph_step_ms": 20.0, "ratio": 1.05, "contexts": [17, 47]}}
+    result = {"recipe": "r", "serve": ServeConfig().model_dump(mode="json"),
+              "environment": {"tritonserver": "2.51.0", "cpus": 2, "loadavg_1m": 0.5},
+              "served": {"target": "python-onnxruntime", "note": "serving x"}, "llm": llm,
+              "batching": {"skipped": "not here"}}
+    text = render(result)
+    assert ("Served batch-1 TPOT 21.0 ms (median of a request before and after) vs the served graph's own decode "
+            "step 20.0 ms (ONNX Runtime alone, batch 1, contexts 17-47, same run): ratio **1.05**.") in text
+    assert "count no executions during the sweep" in text and "| concurrency | executions by batch size" not in text
+    skipped = render({**result, "llm": {**llm, "serving_overhead": {"skipped": "target 'tensorrt': ..."}}})
+    assert "Served TPOT vs the graph's own decode step: not measured (target 'tensorrt': ...)." in skipped
+
+
+def test_offline_tokenizer_is_a_hub_cache_entry_that_offline_lookup_finds(tmp_path):
+    from huggingface_hub import snapshot_download
+
+    from pipeline.serve.bench import offline_tokenizer
+
+    folder = tmp_path / "gen" / "1"
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "model.py").write_text("")
+    name, cache = offline_tokenizer(folder, "gen", tmp_path / "hf_cache")
+    assert name == "local/gen" and cache.is_absolute()
+    found = Path(snapshot_download(name, cache_dir=cache, local_files_only=True))  # what AIPerf does offline
+    assert sorted(p.name for p in found.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert (found / "tokenizer.json").resolve() == (folder / "tokenizer.json").resolve()
+    assert offline_tokenizer(folder, "gen", tmp_path / "hf_cache")[0] == name  # rebuilt in place

@@ -40,6 +40,10 @@ def test_bench_llm_reports_percentiles_goodput_positions_and_batches(tmp_path):
     pos = llm["tpot_by_position"]
     assert pos["tokens"] == 20 and len(pos["gaps_ms"]) == 19 and set(pos["tpot_ms"]) == {"5", "15"}
     assert pos["ratio"] == pytest.approx(pos["tpot_ms"]["15"] / pos["tpot_ms"]["5"])
+    overhead = llm["serving_overhead"]  # served TPOT vs the served graph's own step, same run
+    assert overhead["graph"].endswith("tiny/1/model.onnx") and overhead["graph_step_ms"] > 0
+    assert overhead["ratio"] == pytest.approx(overhead["served_tpot_ms"] / overhead["graph_step_ms"])
+    assert overhead["contexts"] == [llm["prompt_tokens"] + 1, llm["prompt_tokens"] + 4]  # max_tokens 5
 
     batching = result["batching"]
     assert batching["bucket_shapes"] == {"input_ids": [1, 8], "attention_mask": [1, 8]}
@@ -58,5 +62,6 @@ def test_bench_llm_reports_percentiles_goodput_positions_and_batches(tmp_path):
     assert written["llm"]["levels"] == json.loads(json.dumps(strict_jsonable(llm["levels"])))  # NaN -> null + reason
     markdown = (served.run_dir / "bench" / "bench.md").read_text()
     assert markdown == result["markdown"] and "TPOT by output position" in markdown and "Throughput ratios" in markdown
+    assert "the served graph's own decode step" in markdown
     assert any(line.startswith("tiny__db_on_i2:") for line in lines)
     assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(f"trtpipe{os.getpid()}-")]

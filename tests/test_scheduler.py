@@ -292,6 +292,41 @@ def test_a_cancelled_request_frees_its_slot_for_a_queued_one(masked):
     assert all(len(tokens(r)) == 30 for r in long)
 
 
+class FlagRequest(FakeRequest):
+    """A request whose client disconnects when the test sets ``gone``."""
+
+    gone = False
+
+    def is_cancelled(self) -> bool:
+        return self.gone
+
+
+def test_a_disconnect_during_a_step_frees_the_slot_before_the_next_step(masked):
+    model, _ = masked  # max_batch_size 4
+    long = [ids_request([1 + i], 30, ignore_eos=np.array([True])) for i in range(3)]
+    victim = ids_request([9], 30, cls=FlagRequest, ignore_eos=np.array([True]))
+    queued = ids_request([5], 3, ignore_eos=np.array([True]))
+    steps, forward, left_at = [], model._forward, []
+
+    def spy(seqs, n):  # each step: its batch and the active sequences; the client leaves during a decode step
+        batch = [s.request for s in seqs]
+        steps.append((batch, [s.request for s in model.active]))
+        if victim in batch and len(tokens(victim)) >= 3 and not victim.gone:
+            victim.gone = True
+            left_at.append((len(steps) - 1, len(tokens(victim))))
+        return forward(seqs, n)
+
+    model._forward = spy
+    run(model, *long, victim, queued)
+    k, produced = left_at[0]
+    assert queued not in steps[k][1] and len(steps[k][1]) == 4  # the batch was full: the queued request waited
+    batch, active = steps[k + 1]  # the next step: the victim has left and the queued request took its slot
+    assert victim not in active and queued in active and len(active) == 4
+    assert all(victim not in b for b, _ in steps[k + 1:])
+    assert victim.sent[-1][0].error.code == "CANCELLED" and len(tokens(victim)) == produced + 1  # step k's token
+    assert final(queued)["finish_reason"] == "length" and all(len(tokens(r)) == 30 for r in long)
+
+
 def test_a_failing_request_does_not_stop_the_others(masked):
     model, onnx_path = masked
     Recorder(model, poison=[7, 7])
@@ -515,4 +550,60 @@ def test_steps_request_last_logits_where_the_graph_has_them(tmp_path, monkeypatc
                    ids_request([4], 6, ignore_eos=np.array([True])))
     for request, prompt in zip(requests, ([1, 2, 3], [4])):
         assert tokens(request) == reference_generate_all(path, prompt, 6)
+    model.finalize()
+
+
+# --- in-process compute: reused output buffers ------------------------------------------------------
+
+
+class OutputWatch:
+    """Wraps an InProcessCompute: records, per call, the present outputs' memory (on the calling thread)."""
+
+    def __init__(self, model):
+        self.inner, self.presents = model.compute, []
+        model.compute = self
+
+    def __call__(self, feeds):
+        outputs = self.inner(feeds)
+        self.presents.append(outputs[1:])
+        return outputs
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_in_process_outputs_reuse_two_buffer_sets_and_keep_the_tokens(tmp_path, monkeypatch):
+    repo = repository(tmp_path, target="python-onnxruntime")
+    onnx_path = tmp_path / "work" / "masked.onnx"
+    fake_backend(monkeypatch, None)
+    model = load_template(repo / "tiny_generate")
+    assert type(model.compute).__name__ == "InProcessCompute"
+    watch = OutputWatch(model)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 1], [2, 2]]
+    first = ids_request(prompts[0], 20, ignore_eos=np.array([True]))
+    model.execute([first])
+    wait_for(lambda: len(first.sent) >= 5, "the first request's 5th token")  # the others join at other positions
+    rest = run(model, *[ids_request(p, 12, ignore_eos=np.array([True])) for p in prompts[1:]])
+    model.drain(timeout=120)
+    for prompt, request in zip(prompts, [first, *rest]):
+        assert tokens(request) == reference_generate_all(onnx_path, prompt, len(tokens(request)))
+    # One call's outputs never share memory with the next call's (which may read them as its past) ...
+    for a, b in zip(watch.presents, watch.presents[1:]):
+        assert not np.shares_memory(a[0], b[0])
+    # ... and the memory is reused: two sets (large enough here never to grow), not fresh arrays every step.
+    bases = {p[0].__array_interface__["data"][0] for p in watch.presents}
+    assert len(watch.presents) >= 20 and len(bases) == 2
+    model.finalize()
+
+
+def test_in_process_compute_with_batching_off_keeps_each_thread_s_buffers(tmp_path, monkeypatch):
+    repo = repository(tmp_path, target="python-onnxruntime", continuous_batching=False)
+    onnx_path = tmp_path / "work" / "masked.onnx"
+    fake_backend(monkeypatch, None)
+    model = load_template(repo / "tiny_generate")
+    prompts = [[1 + i, 3, 2 + i] for i in range(4)]
+    requests = run(model, *[ids_request(p, 15, ignore_eos=np.array([True])) for p in prompts])
+    for prompt, request in zip(prompts, requests):  # 4 threads at once, each with its own output buffers
+        assert tokens(request) == reference_generate_all(onnx_path, prompt, 15)
+    assert model.stats()["executions_by_batch_size"] == {"1": 60}
     model.finalize()

@@ -169,7 +169,8 @@ def bench_llm(served: Served, server: TritonServer, log: Log, static: StaticVari
     positions = {"tokens": len(long.tokens), "tpot_ms": tpot, "ratio": ratio(tpot[str(second)], tpot[str(first)]),
                  "ttft_ms": long.ttft_ms, "gaps_ms": [round(g, 2) for g in long.gaps_ms]}
     out = {"kind": "llm", "prompt_tokens": len(prompts[0]), "continuous_batching": batching_on,
-           "levels": served_levels, "tpot_by_position": positions}
+           "levels": served_levels, "tpot_by_position": positions,
+           "serving_overhead": serving_overhead(served, server, prompts[0], log)}
     if other is not None:  # levels: continuous batching on; levels_static: off
         out["levels"], out["levels_static"] = (served_levels, other) if batching_on else (other, served_levels)
         out["continuous_batching"] = True
@@ -180,6 +181,71 @@ def bench_llm(served: Served, server: TritonServer, log: Log, static: StaticVari
         out["levels_static_skipped"] = ("the recipe has no triton.continuous_batching field" if batching_on is None
                                         else "the generation model's config has no continuous_batching parameter")
     return out
+
+
+def serving_overhead(served: Served, server: TritonServer, prompt: list[int], log: Log) -> dict:
+    """Served batch-1 TPOT against the served graph's own decode step, measured side by side:
+    one streamed request of ``serve.max_tokens`` tokens (EOS ignored), then the graph alone in
+    ONNX Runtime in this process (:func:`graph_decode_ms`) at the same contexts, then the request
+    again. Times in ms; ``ratio`` = median TPOT of the two requests / median graph step (issue 11
+    target <= 1.15). ``{"skipped": why}`` for targets whose graph is not ONNX Runtime's."""
+    graph = served_graph(served)
+    if graph is None:
+        return {"skipped": f"target {served.target!r}: the served graph does not run in ONNX Runtime here"}
+    cfg = served.recipe.serve
+    log(f"serving overhead: batch-1 TPOT of {served.generate_model} vs {graph.name} alone in ONNX Runtime")
+
+    def tpot() -> float:
+        with StreamClient(server.grpc_url) as client:
+            gen = client.generate(served.generate_model, input_ids=prompt, max_tokens=cfg.max_tokens, ignore_eos=True)
+        return float(np.median(gen.gaps_ms))
+
+    before = tpot()
+    steps = graph_decode_ms(graph, prompt, max(1, cfg.max_tokens - 1))
+    after = tpot()
+    served_ms, graph_ms = float(np.median([before, after])), float(np.median(steps))
+    return {"served_tpot_ms": served_ms, "served_tpot_ms_before_after": [before, after],
+            "graph_step_ms": graph_ms, "ratio": ratio(served_ms, graph_ms), "graph": str(graph),
+            "contexts": [len(prompt) + 1, len(prompt) + cfg.max_tokens - 1]}
+
+
+def graph_decode_ms(graph: Path, prompt: list[int], steps: int) -> list[float]:
+    """Greedy batch-1 decoding of ``prompt`` with the graph alone, as the python-onnxruntime model
+    runs it (weight Q/DQ dequantized once, its ONNX Runtime level): a prefill, then ``steps``
+    one-token steps fed with the returned KV cache; each step's ms."""
+    from pipeline.plan_measure import _served_weights, _session
+
+    weights, model = _served_weights(graph)
+    session = _session(model, weights)
+    outputs = [o.name for o in session.get_outputs()]
+    logits = "last_logits" if "last_logits" in outputs else "logits"
+    names = [n for n in outputs if n.startswith("present.")]
+    past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float16 if "float16" in i.type else np.float32)
+            for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+    ids, times = list(prompt), []
+    for step in range(steps + 1):
+        feeds = {"input_ids": np.array([ids], np.int64),
+                 "attention_mask": np.ones((1, len(prompt) + step), np.int64), **weights, **past}
+        start = time.perf_counter()
+        result = dict(zip([logits, *names], session.run([logits, *names], feeds)))
+        if step:  # step 0 is the prefill
+            times.append((time.perf_counter() - start) * 1e3)
+        ids = [int(np.argmax(result[logits].reshape(-1, result[logits].shape[-1])[-1]))]
+        past = {n.replace("present.", "past_key_values."): result[n] for n in names}
+    return times
+
+
+def served_graph(served: Served) -> Path | None:
+    """The ONNX file of a python-onnxruntime compute model (config ``onnx_file``), else None."""
+    from pipeline.triton.config import parse_config
+
+    if served.target != "python-onnxruntime":
+        return None
+    folder = served.repository / served.compute_model
+    params = parse_config((folder / "config.pbtxt").read_text()).parameters
+    name = params["onnx_file"].string_value if "onnx_file" in params else "model.onnx"
+    path = folder / str(served.recipe.triton.version) / name
+    return path if path.is_file() else None
 
 
 def llm_sweep(served: Served, server: TritonServer, stats_client: grpcclient.InferenceServerClient, model: str,
@@ -412,20 +478,21 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
     if not Path(exe).is_file():
         return {"skipped": "the aiperf CLI is not installed (pip install aiperf)"}
     cfg = served.recipe.serve
-    tokenizer = find_model_folder(served.repository, str(served.generate_model))
+    tokenizer, cache = offline_tokenizer(find_model_folder(served.repository, str(served.generate_model)),
+                                         str(served.generate_model), out_dir / "hf_cache")
     isl = len(llm_prompts(served)[0])
     levels, command = [], []
     for c in cfg.concurrency:
         folder = out_dir / f"c{c}"
         shutil.rmtree(folder, ignore_errors=True)
         command = [exe, "profile", "--model", str(served.generate_model), "--url", endpoint_url.removesuffix("/v1"),
-                   "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tokenizer),
+                   "--endpoint-type", "completions", "--streaming", "--tokenizer", tokenizer,
                    "--concurrency", str(c), "--request-count", str(cfg.requests_per_level),
                    "--isl", str(isl), "--isl-stddev", "0", "--osl", str(cfg.max_tokens), "--osl-stddev", "0",
                    "--extra-inputs", "ignore_eos:true", "--random-seed", "0", "--ui-type", "none",
                    "--output-artifact-dir", str(folder)]
         log(f"aiperf: concurrency {c}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
         export = next(iter(sorted(folder.rglob("profile_export_aiperf.json"))), None)
         if done.returncode != 0 or export is None:
@@ -434,6 +501,26 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
                     "command": command, "levels": levels}
         levels.append({"concurrency": c, **aiperf_metrics(json.loads(export.read_text()))})
     return {"levels": levels, "command": command}
+
+
+#: the snapshot hash of :func:`offline_tokenizer`'s cache entry (any 40 hex digits).
+LOCAL_SNAPSHOT = "0" * 40
+
+
+def offline_tokenizer(folder: Path, model: str, cache: Path) -> tuple[str, Path]:
+    """A Hugging Face hub cache under ``cache`` whose repo ``local/<model>`` is ``folder``'s tokenizer
+    files (symlinks); returns (that repo id, ``cache``). AIPerf in offline mode looks a tokenizer up
+    with ``snapshot_download(local_files_only=True)``, which refuses a folder path."""
+    repo = cache / f"models--local--{model}"
+    shutil.rmtree(repo, ignore_errors=True)
+    snapshot = repo / "snapshots" / LOCAL_SNAPSHOT
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(LOCAL_SNAPSHOT)
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "model.py":
+            (snapshot / f.name).symlink_to(f.resolve())
+    return f"local/{model}", cache.resolve()
 
 
 def aiperf_metrics(export: dict) -> dict:

@@ -90,9 +90,16 @@ def llm_tables(llm: dict, serve: dict) -> list[str]:
         f"~{first}: {_n(pos['tpot_ms'][str(first)])} ms, ~{second}: {_n(pos['tpot_ms'][str(second)])} ms, "
         f"ratio {second}/{first} = **{_n(pos['ratio'], 2)}** (KV cache: near 1; recomputing the prefix would grow "
         "with position).",
+        *_overhead_line(llm.get("serving_overhead")),
+    ]
+    if not any(lv["compute_batches"].get("executions") for lv in llm["levels"]):
+        return out + ["", "The compute model's Triton statistics count no executions during the sweep: the "
+                          "generation model runs the graph in its own process (python-onnxruntime), so its "
+                          "scheduler steps above are the batches.", ""]
+    out += [
         "",
-        "Compute-model executions by batch size during the sweep (Triton statistics). Decode steps of different "
-        "requests have different past lengths and are not padded or bucketed, so only equal shapes share a batch:",
+        "Compute-model executions by batch size during the sweep (Triton statistics; with the generation model's "
+        "scheduler, each is one step of the batched sequences, past padded on the left):",
         "",
         "| concurrency | executions by batch size | mean batch |",
         "|---:|---|---:|",
@@ -100,6 +107,18 @@ def llm_tables(llm: dict, serve: dict) -> list[str]:
     out += [f"| {lv['concurrency']} | {_batches(lv['compute_batches'])} | {_n(lv['compute_batches']['mean_batch'], 2)} |"
             for lv in llm["levels"]]
     return out + [""]
+
+
+def _overhead_line(overhead: dict | None) -> list[str]:
+    """The served batch-1 TPOT against the graph's own decode step (bench.serving_overhead)."""
+    if not overhead:
+        return []
+    if "skipped" in overhead:
+        return ["", f"Served TPOT vs the graph's own decode step: not measured ({overhead['skipped']})."]
+    lo, hi = overhead["contexts"]
+    return ["", f"Served batch-1 TPOT {_n(overhead['served_tpot_ms'])} ms (median of a request before and after) vs "
+                f"the served graph's own decode step {_n(overhead['graph_step_ms'])} ms (ONNX Runtime alone, batch 1, "
+                f"contexts {lo}-{hi}, same run): ratio **{_n(overhead['ratio'], 2)}**."]
 
 
 def encoder_tables(enc: dict, serve: dict) -> list[str]:

@@ -52,7 +52,9 @@ padded: only the past is, on the left, to the longest past of the batch, with
 ``attention_mask`` 0 over the padding (the exported graph derives position
 ids from the mask's cumulative sum, so positions stay right). Each sequence
 keeps its own KV (preallocated [kv_heads, prompt + max_tokens, head_dim] per
-layer) and receives its new entries after the step. Finished, failed and
+layer) and receives its new entries after the step; while the batch stays the same, a step's
+present tensors are the next step's past as they are (no gather), and the in-process runtime
+writes them into two reused buffer sets per thread (:class:`OutputBuffers`). Finished, failed and
 cancelled sequences leave at once. When a batched call fails, its sequences are
 retried one at a time so only the failing ones get an error. With
 ``continuous_batching`` 0 each request decodes alone on one of
@@ -300,6 +302,27 @@ def _import_file(path, name):
     return module
 
 
+class OutputBuffers:
+    """Reused memory for a compute call's outputs, two sets used in turn (``turn`` flips per
+    call), so the outputs of one call stay intact while the next call, which may read them as
+    inputs, writes the other set. A set's array for an output grows by ``GROWTH`` when a call
+    needs more (at least ``MIN_ELEMENTS``), so a decode step, one position longer each time,
+    reallocates rarely."""
+
+    GROWTH, MIN_ELEMENTS = 1.25, 4096
+
+    def __init__(self):
+        self.sets, self.turn = ({}, {}), 0
+
+    def array(self, name, shape, dtype):
+        """An uninitialised contiguous array ``shape`` of ``dtype`` in the current set's memory."""
+        size, store = math.prod(shape), self.sets[self.turn]
+        flat = store.get(name)
+        if flat is None or flat.dtype != dtype or flat.size < size:
+            flat = store[name] = np.empty(max(int(size * self.GROWTH), self.MIN_ELEMENTS), dtype)
+        return flat[:size].reshape(shape)
+
+
 class InProcessCompute:
     """The compute graph in this process with ONNX Runtime (target python-onnxruntime): no BLS
     round trip of the KV cache. FP8/INT8 weights are dequantized once at load with the sibling
@@ -328,11 +351,16 @@ class InProcessCompute:
             raise ValueError(f"{path}: outputs {unknown} are missing or not float32/float16/float64; the "
                              f"generation model needs {output_names}")
         self.output_dtypes = [np.dtype(_ORT_TYPES[types[n]]) for n in output_names]
+        self.local = threading.local()
 
     def __call__(self, feeds):
         """feeds {name: array} -> outputs in ``output_names`` order. Inputs are read and outputs
         written in place (IOBinding on numpy buffers): no copy of the KV cache in or out.
-        Output shapes: logits [B, n, vocab], present [B, H, P + n, D] (from the feeds)."""
+        Output shapes: logits [B, n, vocab], present [B, H, P + n, D] (from the feeds).
+
+        The outputs are views of this thread's :class:`OutputBuffers`: valid until this thread's
+        call after next, so one call's present can be the next call's past (no copy, and no
+        fresh pages for the kernel to zero at every step)."""
         batch, n = feeds["input_ids"].shape
         total = feeds["attention_mask"].shape[1]
         binding = self.session.io_binding()
@@ -340,6 +368,8 @@ class InProcessCompute:
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
         for name, value in self.weights.items():
             binding.bind_ortvalue_input(name, value)
+        buffers = self._buffers()
+        buffers.turn ^= 1
         outputs = []
         for name, dtype in zip(self.output_names, self.output_dtypes):
             if name == "logits":
@@ -349,11 +379,18 @@ class InProcessCompute:
             else:
                 past = feeds[name.replace("present.", "past_key_values.")]
                 shape = (batch, past.shape[1], total, past.shape[3])
-            array = np.empty(shape, dtype)
+            array = buffers.array(name, shape, dtype)
             binding.bind_output(name, "cpu", 0, dtype, list(shape), array.ctypes.data)
             outputs.append(array)
         self.session.run_with_iobinding(binding)
         return outputs
+
+    def _buffers(self):
+        """This thread's output buffers (scheduler thread, or each request's thread when
+        continuous batching is off)."""
+        if not hasattr(self.local, "buffers"):
+            self.local.buffers = OutputBuffers()
+        return self.local.buffers
 
     def vocab(self, feeds):
         """Vocabulary size: the logits output's last dim (symbolic: found by one run, then kept)."""
@@ -428,7 +465,8 @@ class TritonPythonModel:
         self.waiting, self.active, self.inflight = collections.deque(), [], set()
         self.reserved, self.stopping, self.turn = 0, False, 0
         self.histogram = collections.Counter()
-        self.last_step = None  # (sequence ids, their lengths after it, mask, present) of the last step
+        self.thread_state = threading.local()  # .last_step: (sequence ids, their lengths after it, mask,
+        # present) of this thread's last step (the scheduler's, or each request thread's with batching off)
         self.stats_lock = threading.Lock()
         mode = "continuous batching on" if self.continuous else "continuous batching off (one thread per request)"
         self._log(f"{self.model_name}: {mode}; max batch {self.max_batch}; {budget}; compute: "
@@ -736,16 +774,16 @@ class TritonPythonModel:
         present tensors and mask are this step's past and mask (the padded layout is unchanged):
         no gather of the whole KV cache."""
         longest = max(s.length for s in seqs)
-        key, last = [id(s) for s in seqs], self.last_step
+        key, last = [id(s) for s in seqs], getattr(self.thread_state, "last_step", None)
         if last is not None and last[0] == key and last[1] == [s.length for s in seqs]:
             feeds = {"input_ids": np.array([s.pending[:n] for s in seqs], np.int64),
                      "attention_mask": np.concatenate([last[2], np.ones((len(seqs), n), np.int64)], axis=1)}
             feeds.update(zip(self.past_names, last[3]))
         else:
             feeds = self.feeds(seqs, n)
-        self.last_step = None
+        self.thread_state.last_step = None
         logits, *present = self.compute(feeds)
-        self.last_step = (key, [s.length + n for s in seqs], feeds["attention_mask"], present)
+        self.thread_state.last_step = (key, [s.length + n for s in seqs], feeds["attention_mask"], present)
         for b, seq in enumerate(seqs):
             for kv, new in zip(seq.kv, present):
                 kv[:, seq.length:seq.length + n] = new[b, :, longest:longest + n]
