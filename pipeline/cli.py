@@ -113,6 +113,10 @@ def cmd_build(args) -> int:
     run_dir = result.manifest_path.parent
     for g in result.manifest["gates"]:
         print(g["message"])
+    if not result.manifest["gates"]:
+        from pipeline.manifest import NO_GATES
+
+        print(NO_GATES)
     print(f"manifest: {result.manifest_path}\nreport:   {run_dir / 'report.md'}\njunit:    {run_dir / 'junit.xml'}")
     if not result.passed:
         print(f"accuracy gate failed; see {run_dir / 'report.md'}", file=sys.stderr)

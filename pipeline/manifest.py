@@ -209,6 +209,10 @@ def write_outputs(man: dict, run_dir: Path) -> Path:
     return run_dir / "manifest.json"
 
 
+#: console and report line of a build whose recipe has no gates.
+NO_GATES = "no gates: validate.gates is empty, so nothing was enforced"
+
+
 def report_markdown(man: dict) -> str:
     name = man["recipe"]["name"]
     lines = [f"# {name}: {man.get('verdict', 'incomplete').upper()}", "", "## Stages", "",
@@ -216,8 +220,8 @@ def report_markdown(man: dict) -> str:
     for st, r in man["stages"].items():
         cache = "hit" if r.get("cache_hit") else "miss"
         lines.append(f"| {st} | {r['status']} | {cache} | {r['wall_s']} | {r.get('peak_rss_mib')} | {r['reason']} |")
-    if man.get("gates"):
-        lines += ["", "## Gates", ""] + [f"- {g['message']}" for g in man["gates"]]
+    if "gates" in man:
+        lines += ["", "## Gates", ""] + ([f"- {g['message']}" for g in man["gates"]] or [f"- {NO_GATES}"])
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += _metric_rows(man["metrics"])

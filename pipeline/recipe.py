@@ -569,6 +569,18 @@ def yaml_line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
     return line
 
 
+#: Union fields whose error locations carry the chosen member's tag (``model.source.entry.entry``).
+_UNION_TAGS = {"source": {"package", "path", "entry", "onnx"},
+               "data": {"corpus", "text", "jsonl", "pairs", "images", "npz"}}
+
+
+def _untagged(loc: tuple) -> tuple:
+    """``loc`` without the tag pydantic inserts after a discriminated union field."""
+    return tuple(part for i, part in enumerate(loc)
+                 if not (i and isinstance(loc[i - 1], str) and part in _UNION_TAGS.get(loc[i - 1], ())
+                         and i + 1 < len(loc)))
+
+
 def _format_errors(path: Path, err: ValidationError, node: yaml.Node | None, overrides: Sequence[str]) -> str:
     """One line per failing key: ``file:line: key.path: what is wrong (got ...)``."""
     from pipeline.recipe_checks import ConstraintErrors, dotted
@@ -584,7 +596,7 @@ def _format_errors(path: Path, err: ValidationError, node: yaml.Node | None, ove
             msg = "unknown key; remove it or check its spelling"
         got = e.get("input")
         shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
-        items.append((tuple(e["loc"]), msg + shown))
+        items.append((_untagged(tuple(e["loc"])), msg + shown))
     lines = [f"{path}: invalid recipe ({len(items)} error(s))"]
     for loc, msg in items:
         key = dotted(loc)

@@ -145,3 +145,10 @@ def test_manifest_versions_name_the_numeric_stack_and_the_cpu(monkeypatch, tmp_p
     real = manifest.Path
     monkeypatch.setattr(manifest, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
     assert manifest.cpu_description().split()[1:] == ["avx2", "avx512f", "avx512_vnni"]
+
+
+def test_a_recipe_without_gates_says_nothing_was_enforced():
+    from pipeline import manifest
+
+    man = {"recipe": {"name": "r"}, "stages": {}, "gates": [], "verdict": "pass", "versions": {}}
+    assert f"- {manifest.NO_GATES}" in manifest.report_markdown(man)
