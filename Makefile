@@ -31,7 +31,7 @@ $(TEXTLINES)/render.json: $(STAMP)
 build: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline build recipes/$(RECIPE).yaml
 
-check: $(STAMP)
+check: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline check recipes/$(RECIPE).yaml
 
 test: $(STAMP)
