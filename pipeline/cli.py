@@ -90,7 +90,8 @@ def preflight(args):
 
     Raises:
         RecipeError: the recipe or a ``--set`` value is invalid.
-        PipelineError: the model's files are missing (names the model.source key).
+        PipelineError: the model's files are missing or truncated (names the model.source key),
+            or a model name is published in ``output_dir`` by another recipe.
         DataError: two data uses overlap (names both) or a data file is missing.
     """
     from pipeline.models.sources import package_file
@@ -98,6 +99,10 @@ def preflight(args):
     recipe = load(args)
     from pipeline import datasets, manifest
     datasets.check_disjoint(manifest.data_uses(recipe, Path(args.recipe).parent))  # calibration vs eval data
+    from pipeline.stages.triton import check_names_free
+
+    check_names_free(recipe)  # a model name another recipe published into output_dir
+    recipe.model.source.files()  # every model file present (external data long enough)
     return recipe, package_file(recipe.model)  # raises, naming the model.source key, when missing
 
 

@@ -243,9 +243,14 @@ def explain(model: onnx.ModelProto, dynamic_axes: DynamicAxes, sizes: dict[str, 
 
 
 def check_symbolic(model: onnx.ModelProto, dynamic_axes: DynamicAxes,
-                   sizes: dict[str, int] | None = None) -> None:
+                   sizes: dict[str, int] | None = None, *, source: str | Path | None = None) -> None:
     """Every declared dynamic axis is symbolic in the graph, and no Reshape or unrolled
     loop bakes one into a constant.
+
+    Args:
+        source: the graph file when the model came as ONNX (``model.source.onnx``): a
+            fixed input dim is then the graph's own, and the fix is to make it symbolic
+            (there is no torch example to blame).
 
     Raises:
         ExportError: names the input, axis and dim, the cause found and the fix.
@@ -257,6 +262,8 @@ def check_symbolic(model: onnx.ModelProto, dynamic_axes: DynamicAxes,
         if ax.input not in graph_in:
             raise ExportError(f"export.dynamic_axes: graph has no input {ax.input!r}; inputs are {sorted(graph_in)}")
         got = graph_in[ax.input][ax.axis]
+        if not isinstance(got, str) and source is not None:
+            raise ExportError(fixed_source_dim(model, dynamic_axes, ax, graph_in[ax.input], source))
         if not isinstance(got, str):
             cause = explain(model, dynamic_axes, sizes, ax, int(got)) or (
                 "the exporter specialised it (a shape-dependent branch, a constant size, or an example size "
@@ -265,6 +272,24 @@ def check_symbolic(model: onnx.ModelProto, dynamic_axes: DynamicAxes,
     cause = explain(model, dynamic_axes, sizes)
     if cause:
         raise ExportError(f"export: {cause}")
+
+
+def fixed_source_dim(model: onnx.ModelProto, dynamic_axes: DynamicAxes, ax: Axis,
+                     shape: list[int | str], source: str | Path) -> str:
+    """The message for an ONNX source graph whose input ``ax`` has the fixed size
+    ``shape[ax.axis]``: make that dim symbolic in the graph (re-export with dynamic
+    axes, or rename it with ``onnx.tools.update_model_dims``); plus any Reshape or
+    unrolled loop in the graph that bakes the same size in."""
+    fixed = int(shape[ax.axis])
+    want = [ax.dim if i == ax.axis else d for i, d in enumerate(shape)]
+    msg = (f"export: model.source.onnx {source}: the graph's input {ax.input!r} has the fixed dim {fixed} at "
+           f"axis {ax.axis} (shape {shape}), but export.dynamic_axes declares it symbolic ({ax.dim}); make it "
+           f"symbolic in the graph: re-export the model with dynamic axes (torch.onnx.export(..., dynamic_axes="
+           f"{{{ax.input!r}: {{{ax.axis}: {ax.dim!r}}}}}) or dynamic_shapes), or rename the dim with "
+           f"onnx.tools.update_model_dims.update_inputs_outputs_dims(model, {{{ax.input!r}: {want}}}, {{...}}) "
+           f"and save the graph again")
+    inside = explain(model, dynamic_axes, {ax.dim: fixed}) if fixed > 1 else None
+    return f"{msg}. The graph also fixes it inside: {inside}" if inside else msg
 
 
 # --- runs at other sizes ----------------------------------------------------------------

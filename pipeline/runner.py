@@ -176,19 +176,22 @@ def _repair_published(recipe: Recipe, progress: Progress) -> None:
     publish.remove_leftovers(Path(recipe.output_dir), recipe.name)
 
 
-def _still_published(stage: StageDef, art: Any) -> bool:
-    """A cached triton stage counts only while its models are byte-identical to what it published."""
+def _publish_problems(stage: StageDef, art: Any, recipe_name: str) -> list[str]:
+    """Why a cached triton stage no longer counts (empty: it does): its models must still be
+    assigned to this recipe in repository.json and byte-identical to what it published."""
     if stage.name != "triton":
-        return True
+        return []
     from pipeline.triton import publish
 
-    return not publish.verify_repository(Path(art.repository), art.models)
+    return publish.verify_repository(Path(art.repository), art.models, recipe=recipe_name)
 
 
 def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
     cached = _load_cached(stage, ctx.run_dir / stage.name, key)
-    if cached is not None and not _still_published(stage, cached):
-        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: published files differ from repository.json; republishing")
+    problems = _publish_problems(stage, cached, ctx.recipe.name) if cached is not None else []
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: {problems[0]}{more}; republishing")
         cached = None
     if cached is not None:
         prev = json.loads((ctx.run_dir / stage.name / "stage.json").read_text())["record"]

@@ -71,7 +71,7 @@ def test_each_source_type_is_picked_by_its_key():
 @pytest.mark.parametrize("bad, words", [
     ({"path": "a", "entry": "m.py:f"}, "exactly one of package"),
     ({}, "exactly one of package"),
-    ({"entry": "m.py"}, "pattern"),            # no :function
+    ({"entry": "m.py"}, "is not file.py:function"),  # no :function
     ({"onnx": "model.bin"}, "pattern"),        # not .onnx
     ({"path": "a", "tokenizer": "t"}, "extra"),
 ])
@@ -301,3 +301,28 @@ def test_manifest_input_hashes_what_the_source_reads(entry_dir, tmp_path):
     assert got == {"path": str(entry_dir / "my_model.py"), "sha256": src.sha256()}
     one = manifest_input(SimpleNamespace(source=PathSource(path=str(entry_dir / "helper.py"))))
     assert one == {"path": str(entry_dir / "helper.py"), "sha256": sha(b"WIDTH = 4\n")}
+
+
+def test_entry_examples_follow_forward_order_whatever_the_dict_order():
+    """A dict in another order than forward() would feed the mask into the ids: reordered by name."""
+    import torch
+
+    from pipeline.models.sources import forward_order
+
+    class Two(torch.nn.Module):
+        def forward(self, byte_ids, attention_mask, extra=None):
+            return byte_ids * attention_mask
+
+    feeds = {"attention_mask": np.ones((2, 3)), "byte_ids": np.zeros((2, 3))}
+    assert list(forward_order(Two(), feeds)) == ["byte_ids", "attention_mask"]
+    with pytest.raises(ModelFileError, match=r"example inputs \['mask'\] are not parameters of "
+                                             r"Two.forward\('byte_ids', 'attention_mask', 'extra'\)"):
+        forward_order(Two(), {"byte_ids": feeds["byte_ids"], "mask": feeds["attention_mask"]})
+    with pytest.raises(ModelFileError, match=r"forward\(\) parameters \['attention_mask'\] come before 'extra'"):
+        forward_order(Two(), {"byte_ids": feeds["byte_ids"], "extra": feeds["attention_mask"]})
+
+    class Star(torch.nn.Module):
+        def forward(self, *xs):
+            return xs[0]
+
+    assert list(forward_order(Star(), feeds)) == ["attention_mask", "byte_ids"]  # no names to follow

@@ -32,12 +32,14 @@ import abc
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator,
+                      model_validator)
 
 from pipeline.datasets.base import files_sha256
 from pipeline.errors import ExportError, PipelineError
@@ -213,8 +215,14 @@ class EntrySource(_ModelSource):
     """
 
     tag: ClassVar[str] = "entry"
-    entry: str = Field(pattern=r"^.+\.py:[A-Za-z_][A-Za-z0-9_]*$",
-                       description="path/to/file.py:function, e.g. ./my_model.py:make_model")
+    entry: str = Field(description="path/to/file.py:function, e.g. ./my_model.py:make_model")
+
+    @field_validator("entry")
+    @classmethod
+    def _file_and_function(cls, value: str) -> str:
+        if not re.fullmatch(r".+\.py:[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ValueError(f"{value!r} is not file.py:function; valid e.g. ./my_model.py:make_model")
+        return value
 
     @property
     def script(self) -> Path:
@@ -280,7 +288,7 @@ def _entry_result(result, where: str, entry: str, torch) -> tuple[Any, dict[str,
     if not isinstance(module, torch.nn.Module):
         raise ModelFileError(f"{where}: {entry} returned {type(module).__name__} as the model; {valid}")
     if not isinstance(examples, dict) or not examples:
-        raise ModelFileError(f"{where}: {entry} returned {examples!r:.60} as the example inputs; {valid}")
+        raise ModelFileError(f"{where}: {entry} returned a {type(examples).__name__} as the example inputs; {valid}")
     feeds = {}
     for name, value in examples.items():
         if isinstance(value, torch.Tensor):
@@ -288,7 +296,37 @@ def _entry_result(result, where: str, entry: str, torch) -> tuple[Any, dict[str,
         if not isinstance(name, str) or not isinstance(value, np.ndarray):
             raise ModelFileError(f"{where}: example input {name!r} is {type(value).__name__}; {valid}")
         feeds[name] = value
-    return module.eval(), feeds
+    return module.eval(), forward_order(module, feeds, where)
+
+
+def forward_order(module: Any, feeds: dict[str, np.ndarray], where: str = "model.source.entry") -> dict[str, np.ndarray]:
+    """``feeds`` in the order of ``module.forward``'s parameters, which they must name:
+    the graph's inputs are passed positionally, so a dict in another order would feed
+    one input's data to another (a mask into the ids). A ``forward(*args)`` gives no
+    names: the dict's order is kept.
+
+    Raises:
+        ModelFileError: an example name that is no parameter of ``forward``, or a
+            parameter before the last example one that has no example (it would be skipped).
+    """
+    import inspect
+
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = inspect.signature(module.forward).parameters.values()
+    names = [p.name for p in params if p.kind in kinds]
+    if not names and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return feeds
+    unknown = [n for n in feeds if n not in names]
+    if unknown:
+        raise ModelFileError(f"{where}: example inputs {unknown} are not parameters of "
+                             f"{type(module).__name__}.forward{tuple(names)}; name each example after the "
+                             "forward() parameter it feeds (the graph inputs take those names)")
+    used = names[: max(names.index(n) for n in feeds) + 1]
+    missing = [n for n in used if n not in feeds]
+    if missing:
+        raise ModelFileError(f"{where}: forward() parameters {missing} come before {used[-1]!r} but have no "
+                             f"example input; give them examples (inputs are passed by position)")
+    return {n: feeds[n] for n in used}
 
 
 class OnnxSource(_ModelSource):
@@ -327,26 +365,38 @@ class OnnxSource(_ModelSource):
 
 
 def external_data_files(graph: Path, where: str = "model.source") -> list[Path]:
-    """The external data files the graph's initializers name, sorted; each must exist.
+    """The external data files the graph's tensors name (initializers and attribute
+    tensors, subgraphs included), sorted; each must exist and hold ``offset + length``
+    bytes for every tensor kept in it.
 
     Raises:
-        ModelFileError: the graph is not ONNX, or a data file is missing.
+        ModelFileError: the graph is not ONNX, a data file is missing, or one is shorter
+            than a tensor needs (names the tensor, the file, the bytes needed and present).
     """
     import onnx
     from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    from pipeline.onnx_io import tensor_nbytes, tensors
 
     try:
         model = onnx.load(str(graph), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends
         raise ModelFileError(f"{where}.onnx: {graph} is not an ONNX model ({type(e).__name__}: {e})") from None
-    names = {ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)}
-    out = []
-    for name in sorted(names):
-        path = graph.parent / name
-        if not path.is_file():
-            raise ModelFileError(f"{where}.onnx: {graph} keeps weights in {name!r}, which is missing ({path})")
-        out.append(path)
-    return out
+    sizes: dict[str, int] = {}
+    for t in (t for t in tensors(model) if uses_external_data(t)):
+        info = ExternalDataInfo(t)
+        path = graph.parent / info.location
+        if info.location not in sizes:
+            if not path.is_file():
+                raise ModelFileError(f"{where}.onnx: {graph} keeps weights in {info.location!r}, "
+                                     f"which is missing ({path})")
+            sizes[info.location] = path.stat().st_size
+        end = (info.offset or 0) + (info.length if info.length is not None else tensor_nbytes(t) or 0)
+        if end > sizes[info.location]:
+            raise ModelFileError(f"{where}.onnx: {graph}: tensor {t.name!r} needs bytes up to {end} of {path} "
+                                 f"(offset {info.offset or 0}), which has only {sizes[info.location]} bytes; "
+                                 "the file is truncated or from another export: copy it again with the graph")
+    return sorted(graph.parent / name for name in sizes)
 
 
 def _tag(value: Any) -> str | None:
@@ -373,7 +423,7 @@ def legacy_problem(model: Any) -> str | None:
     the message showing the new ``source:`` form; None for any other value."""
     if not isinstance(model, dict) or not ({"package", "path"} & model.keys()) or "source" in model:
         return None
-    package, path = model.get("package"), model.get("path")
+    package, path = model.get("package"), model.get("path") or "<file or folder in the package>"
     source = f"{{package: {package}, file: {path}}}" if package else f"{{path: {path}}}"
     return (f"model.package / model.path moved under model.source; write "
             f"model: {{kind: {model.get('kind', '<kind>')}, source: {source}}}")

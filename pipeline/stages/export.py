@@ -73,7 +73,7 @@ def run(ctx: StageContext) -> ExportArtifact:
     # Static axes, baked Reshapes and unrolled per-sample loops, named (export_checks).
     axes = adapter.dynamic_axes(ctx.recipe.export)
     sizes = export_checks.example_sizes(loaded.example_feeds, axes) if loaded.example_feeds else None
-    export_checks.check_symbolic(model, axes, sizes)
+    export_checks.check_symbolic(model, axes, sizes, source=onnx_source(adapter))
     # Profiles must fit the graph before any expensive work (checks, calibration).
     profiles.resolve_profiles(list(ctx.recipe.build.profiles), inputs, set(profiles.shape_tensor_inputs(model)))
     checks = verify_shapes(ctx, adapter, module, out, inputs, model)
@@ -99,7 +99,7 @@ def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: l
     """
     model = model if model is not None else onnx.load(str(onnx_path), load_external_data=False)
     axes = adapter.dynamic_axes(ctx.recipe.export)
-    sess = ort_session(str(onnx_path))
+    sess = load_session(onnx_path, onnx_source(adapter))
     points = shape_points(ctx)
     if len(points) < 3:
         raise ExportError(f"export.check_points: need at least 3 shape points, got {len(points)}")
@@ -121,6 +121,34 @@ def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: l
             results[-1]["masked_row"] = rep  # same entry: one report per shape point
             masked_done = True
     return results
+
+
+def onnx_source(adapter) -> Path | None:
+    """The graph file of an ``onnx:`` model source (verified, not exported), else None."""
+    from pipeline.models.sources import OnnxSource
+
+    source = getattr(adapter, "source", None)
+    return source.location() if isinstance(source, OnnxSource) else None
+
+
+def load_session(path: str | Path, source: Path | None = None):
+    """An ONNX Runtime session for ``path`` (:func:`pipeline.runtime.ort_session`).
+
+    Args:
+        source: the ``model.source.onnx`` graph that ``path`` is a copy of, if any.
+
+    Raises:
+        ExportError: ONNX Runtime cannot load the graph; names the file (and the
+            source graph) and ONNX Runtime's message.
+    """
+    try:
+        return ort_session(str(path))
+    except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph / NotImplemented types
+        copy = f" (copied to {path})" if source is not None and Path(path) != Path(source) else ""
+        what = f"model.source.onnx {source}{copy}" if source is not None else f"the exported graph {path}"
+        raise ExportError(f"export: ONNX Runtime cannot load {what}: {type(e).__name__}: {str(e).strip()[:600]}. "
+                          "The graph must load in ONNX Runtime (check its opset, custom-op domains and "
+                          "external data files)") from e
 
 
 def _torch(adapter, module, feeds: dict) -> list:

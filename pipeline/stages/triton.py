@@ -22,11 +22,14 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
     """Publish ``recipe.output_dir`` atomically; every config is checked against its model.
 
     Raises:
+        ModelOwnedElsewhere: ``repository.json`` in ``output_dir`` assigns one of the
+            recipe's model names to another recipe (checked before anything is written).
         TritonConfigError: a config disagrees with its model, or the engine's
             stamp does not match the declared serving runtime and the recipe.
     """
     from pipeline.triton.repository import write_repository
 
+    check_names_free(ctx.recipe)
     warnings = check_engine(ctx.recipe, b) if b.status == "ok" else []
     for warning in warnings:
         log.warning("triton: %s", warning)
@@ -34,6 +37,31 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
     with ctx.progress.step(f"triton: write {ctx.recipe.output_dir}/"):
         art = write_repository(ctx.recipe, export=exp, quantized=q, build=b, out_dir=Path(ctx.recipe.output_dir))
     return dataclasses.replace(art, warnings=warnings)
+
+
+def model_names(recipe: Recipe) -> dict[str, str]:
+    """The model names ``recipe`` publishes -> the recipe field that sets each: the
+    compute model, then its kind's own models (:meth:`ModelAdapter.served_models`)."""
+    from pipeline.models import registry
+
+    names = {recipe.triton.model_name: "triton.model_name"}
+    for name in registry.adapter(recipe.model).served_models(recipe):
+        field = "triton.generate_model_name" if name == recipe.triton.generate_model_name else \
+            f"triton.model_name (which names {name!r})"
+        names.setdefault(name, field)
+    return names
+
+
+def check_names_free(recipe: Recipe) -> None:
+    """Refuse, before any work, a recipe whose model names ``repository.json`` in
+    ``recipe.output_dir`` assigns to another recipe (cheap: reads the index only).
+
+    Raises:
+        ModelOwnedElsewhere: names each model, its owner and how to proceed.
+    """
+    from pipeline.triton.publish import check_ownership
+
+    check_ownership(Path(recipe.output_dir), recipe.name, model_names(recipe))
 
 
 def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = None) -> list[str]:

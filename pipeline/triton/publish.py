@@ -28,7 +28,7 @@ import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from pipeline.errors import RepositoryCorrupt, TritonConfigError
+from pipeline.errors import PipelineError, RepositoryCorrupt, TritonConfigError
 from pipeline.faults import fault_point
 from pipeline.fsutil import exchange, file_sha256, write_text_atomic
 
@@ -50,6 +50,45 @@ def published_models(repo: Path, recipe_name: str) -> list[str]:
     return [k for k, v in read_index(repo).items() if v.get("recipe") == recipe_name]
 
 
+class ModelOwnedElsewhere(PipelineError):
+    """A recipe would publish a model name that ``repository.json`` assigns to another recipe (exit 2)."""
+
+
+def foreign_owners(repo: Path, recipe_name: str, names: Sequence[str]) -> dict[str, str]:
+    """model name -> owning recipe, for each of ``names`` that ``repo/repository.json``
+    assigns to a recipe other than ``recipe_name`` (a folder with no entry is nobody's)."""
+    index = read_index(Path(repo))
+    owners = {n: str(index[n].get("recipe")) for n in names if n in index}
+    return {n: owner for n, owner in owners.items() if owner != recipe_name}
+
+
+def check_ownership(repo: Path, recipe_name: str, names: Sequence[str] | dict[str, str]) -> None:
+    """Refuse to publish a model name that another recipe owns in ``repo``; writes nothing.
+
+    Args:
+        names: the model names the recipe publishes, or name -> the recipe field that
+            sets it (e.g. ``"triton.model_name"``), which the message then names.
+
+    Raises:
+        ModelOwnedElsewhere: one line per taken name: the model, its owning recipe, and
+            the two ways on (rename the recipe's model, or remove the owner's model).
+    """
+    repo = Path(repo)
+    taken = foreign_owners(repo, recipe_name, list(names))
+    if not taken:
+        return
+    fields = names if isinstance(names, dict) else {}
+    lines = [f"model {n!r} ({repo / n}) belongs to recipe {owner!r}"
+             + (f"; it is this recipe's {fields[n]}" if n in fields else "") for n, owner in taken.items()]
+    raise ModelOwnedElsewhere(
+        f"{repo}: recipe {recipe_name!r} would replace models that {INDEX_FILE} assigns to other recipes; "
+        "nothing was published:\n  " + "\n  ".join(lines) + "\n"
+        "Give this recipe's model another name (triton.model_name, or triton.generate_model_name for the "
+        "generation model), or, if the other recipe's model should go, delete its folder and its entry under "
+        f"\"models\" in {repo / INDEX_FILE} (no pipeline command removes another recipe's models)"
+    )
+
+
 def tree_hashes(model_dir: Path) -> dict[str, str]:
     """relative posix path -> sha256 hex of every file under ``model_dir``."""
     files = sorted(p for p in model_dir.rglob("*") if p.is_file())
@@ -62,11 +101,14 @@ def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: st
 
     Raises:
         RepositoryCorrupt: an earlier interrupted publish cannot be completed.
+        ModelOwnedElsewhere: ``repository.json`` assigns one of ``entries`` to another
+            recipe; nothing was changed.
         TritonConfigError: a file-system step failed; every step done so far
             was undone, so the repository holds the previous set.
     """
     repo.mkdir(parents=True, exist_ok=True)
     recover(repo)
+    check_ownership(repo, recipe_name, list(entries))
     index = {k: v for k, v in read_index(repo).items() if v.get("recipe") != recipe_name}
     index.update(entries)
     journal = {
@@ -225,13 +267,14 @@ def _signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def verify_repository(repo: Path, models: Sequence[str] | None = None) -> list[str]:
+def verify_repository(repo: Path, models: Sequence[str] | None = None, recipe: str | None = None) -> list[str]:
     """Re-hash a published repository against its ``repository.json``.
 
-    ``models``: check only these (default: every indexed model). Returns one
-    line per problem (empty: the repository is exactly what was published):
-    a pending publish journal, a missing index or model folder, and every file
-    that is missing, differs from its recorded sha256, or is not recorded.
+    ``models``: check only these (default: every indexed model). ``recipe``: these
+    models must also be assigned to this recipe. Returns one line per problem
+    (empty: the repository is exactly what was published): a pending publish
+    journal, a missing index or model folder, a model another recipe owns, and
+    every file that is missing, differs from its recorded sha256, or is not recorded.
     """
     repo = Path(repo)
     problems = []
@@ -243,6 +286,10 @@ def verify_repository(repo: Path, models: Sequence[str] | None = None) -> list[s
         return problems + [f"{repo / INDEX_FILE}: missing; {repo} is not a published repository"]
     index = read_index(repo)
     for name in models if models is not None else sorted(index):
+        owner = index.get(name, {}).get("recipe")
+        if recipe is not None and name in index and owner != recipe:
+            problems.append(f"{repo / name}: {INDEX_FILE} assigns it to recipe {owner!r}, not {recipe!r}")
+            continue
         problems += _verify_model(repo, name, index.get(name))
     return problems
 

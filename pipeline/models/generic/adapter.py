@@ -32,7 +32,7 @@ from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners
 from pipeline.models.generic import feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
-from pipeline.models.sources import EntrySource, OnnxSource, check_entry_axes
+from pipeline.models.sources import EntrySource, OnnxSource, check_entry_axes, external_data_files
 
 NO_TORCH = ("model.source is an ONNX graph exported elsewhere: ONNX Runtime FP32 is the reference and no torch "
             "comparison was made; the export checks only prove the graph runs at every check point")
@@ -125,9 +125,11 @@ class GenericAdapter(OnnxRuntimeRunners):
 
         Raises:
             ExportError: the exporter failed, or an example size is 0/1 on a dynamic axis.
+            ModelFileError: ``onnx:``: an external data file is missing or shorter than a tensor needs.
         """
         if module is None:
             src = self.source.location()
+            external_data_files(src, "model.source")  # a missing or short data file, named, before the copy
             model = onnx.load(str(src), load_external_data=False)
             onnx_io.save_model_atomic(model, out, base_dir=src.parent)
             return
@@ -145,14 +147,12 @@ class GenericAdapter(OnnxRuntimeRunners):
         so the export check proves only that the copy runs with the right shapes.
 
         Raises:
-            ExportError: the module fails on the feeds.
+            ExportError: the module fails on the feeds; ``onnx:``: ONNX Runtime cannot load the graph.
         """
         import torch
 
         if module is None:
-            from pipeline.runtime import ort_session
-
-            sess = ort_session(str(self.source.location()))
+            sess = _source_session(self.source.location())
             got = sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
             return tuple(torch.from_numpy(np.asarray(g)) for g in got)
         order = list(self.example) or list(feeds)
@@ -227,6 +227,17 @@ class GenericAdapter(OnnxRuntimeRunners):
         n = len(next(iter(recorded.values())))
         requests = [{k: a[i : i + 1] for k, a in recorded.items()} for i in range(n)]
         return BenchWorkload(recipe.triton.model_name, False, requests, f"{n} recorded samples of {data.describe()}")
+
+
+def _source_session(path: Path):
+    """An ONNX Runtime session for the ``onnx:`` source graph at ``path``.
+
+    Raises:
+        ExportError: ONNX Runtime cannot load it (names the file and ONNX Runtime's message).
+    """
+    from pipeline.stages.export import load_session
+
+    return load_session(path, path)
 
 
 def _tokenizer(folder: Path):
