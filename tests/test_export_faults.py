@@ -237,3 +237,13 @@ def _find(obj, key):
         if found is not None:
             return found
     return None
+
+
+def test_a_tolerance_key_matching_no_output_is_named():
+    from pipeline.stages.export import check_tolerance_patterns
+
+    outputs = ["logits", "last_logits", "present.0.key"]
+    check_tolerance_patterns({"logits": 1, "present.*": 1}, outputs)
+    with pytest.raises(ExportError, match=r"export.tolerances: \['logitz'\] match no graph output; the outputs are "
+                                          r"\['logits', 'last_logits', 'present.0.key'\]"):
+        check_tolerance_patterns({"logitz": 1, "present.*": 1}, outputs)

@@ -106,6 +106,7 @@ def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: l
     cfg = ctx.recipe.export
     tol = compare.tolerance("fp32", (cfg.rtol, cfg.atol) if cfg.rtol and cfg.atol else None)
     per_output = ctx.recipe.export.tolerances
+    check_tolerance_patterns(per_output, [o.name for o in model.graph.output])
     results, masked_done = [], False
     for i, point in enumerate(ctx.progress.track(points, "export: shape checks")):
         feeds = adapter.sample_feeds(module, inputs, point, seed=i)
@@ -121,6 +122,21 @@ def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: l
             results[-1]["masked_row"] = rep  # same entry: one report per shape point
             masked_done = True
     return results
+
+
+def check_tolerance_patterns(patterns, outputs: list[str]) -> None:
+    """Every ``export.tolerances`` key (an fnmatch pattern) must match a graph output:
+    a misspelt one would leave that output at the default tolerance without a word.
+
+    Raises:
+        ExportError: names the patterns that match nothing and the graph's outputs.
+    """
+    import fnmatch
+
+    unmatched = [p for p in patterns if not fnmatch.filter(outputs, p)]
+    if unmatched:
+        raise ExportError(f"export.tolerances: {unmatched} match no graph output; the outputs are {outputs} "
+                          "(keys are output names or fnmatch patterns such as 'present.*')")
 
 
 def onnx_source(adapter) -> Path | None:
