@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import yaml
@@ -70,6 +71,65 @@ def test_trials_reuse_the_reference_and_cache(runner):
     ref = runner.reference()
     n = len(runner.trials)
     assert runner.measure([]) is base and len(runner.trials) == n and runner.reference() is ref
+
+
+def test_switch_graph_matches_the_written_qdq_graph(runner):
+    """A trial's one-session switch graph gives the logits of the graph insert_qdq writes."""
+    import numpy as np
+    from pipeline.quant.sensitivity import _session, _switch_feeds
+
+    off = ["q_proj", "down_proj"]
+    kept = [t for t in runner.targets if t.node not in {n for g in off for n in runner.group_nodes[g]}]
+    written = qdq.insert_qdq(runner.model, kept, runner.amax, runner.fmt, runner.per_channel)
+    graph, switches = S.switch_graph(runner.model, runner.targets, runner.group_nodes, runner.amax, runner.fmt,
+                                     runner.per_channel)
+    on = _switch_feeds(switches, {g: n for g, n in runner.group_nodes.items() if g not in off})
+    assert sorted(g for g, name in switches.items() if not on[name]) == sorted(off)
+    feeds = runner.feeds[0]
+    want = _session(written).run(["logits"], feeds)[0]
+    got = _session(graph).run(["logits"], {**feeds, **on})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(want, _session(runner.model).run(["logits"], feeds)[0], atol=1e-5)  # really quantized
+
+
+def test_trial_metrics_match_a_direct_computation(runner):
+    """kld_mean / relative perplexity / top-1 of a trial against scipy log-softmax of both logits."""
+    import numpy as np
+    from scipy.special import log_softmax
+
+    from pipeline.quant.sensitivity import _session
+
+    trial = runner.measure([])
+    written = qdq.insert_qdq(runner.model, runner.targets, runner.amax, runner.fmt, runner.per_channel)
+    sq, sr = _session(written), _session(runner.model)
+    kl, d, agree, n = 0.0, 0.0, 0, 0
+    for f in runner.feeds:
+        lq = log_softmax(sq.run(["logits"], f)[0][:, :-1].astype(np.float64), -1)
+        lr = log_softmax(sr.run(["logits"], f)[0][:, :-1].astype(np.float64), -1)
+        tg = f["input_ids"][:, 1:, None]
+        kl += float((np.exp(lr) * (lr - lq)).sum())
+        d += float((np.take_along_axis(lr, tg, -1) - np.take_along_axis(lq, tg, -1)).sum())
+        agree += int((lq.argmax(-1) == lr.argmax(-1)).sum())
+        n += tg.size
+    assert trial.metrics["kld_mean"] == pytest.approx(kl / n, rel=1e-4)
+    assert trial.metrics["relative_perplexity_increase"] == pytest.approx(np.expm1(d / n), rel=1e-3, abs=1e-7)
+    assert trial.metrics["top1_agreement"] == pytest.approx(agree / n, abs=2 / n)
+
+
+def test_a_trial_on_fewer_windows_compares_the_same_tokens(runner):
+    """The sensitivity pass may use the first batches only: every metric then compares
+    candidate and reference on those tokens (an all-FP32 trial is exactly neutral)."""
+    runner.feeds = [{k: v[:2] for k, v in runner.feeds[0].items()}, {k: v[2:] for k, v in runner.feeds[0].items()}]
+    runner._ref, runner._cache = None, {}
+    try:
+        full, part = runner.measure([]), runner.measure([], 1)
+        assert (full.windows, part.windows) == (4, 2) and part is not full
+        neutral = runner.measure(list(runner.group_nodes), 1)
+        assert neutral.metrics["relative_perplexity_increase"] == pytest.approx(0.0, abs=1e-6)
+        assert abs(part.metrics["relative_perplexity_increase"]) < 0.5 and part.metrics["kld_mean"] > 1e-6
+    finally:
+        runner.feeds = [{k: np.concatenate([f[k] for f in runner.feeds]) for k in runner.feeds[0]}]
+        runner._ref, runner._cache = None, {}
 
 
 def test_sensitivity_ranks_and_writes_chart(runner, tmp_path):

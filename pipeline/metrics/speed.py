@@ -14,8 +14,9 @@ on 2 CPU cores shared with other jobs) gave ratios of 1.016 (prefill 64 tokens) 
 1.008 (decode step); other jobs starting mid-run move single medians by several percent
 more. 10 % keeps a graph as fast as FP32 from failing on that noise, while a graph 30 %
 slower (MiniLM INT8 at the basic level) still fails. The metric stays the measured
-ratio; the margin belongs to the gate check (``pipeline/gates.py`` does not apply it
-yet: until it does, a recipe writes ``min: 0.9`` for "not slower than FP32 beyond noise").
+ratio; the margin belongs to the gate check (:func:`pipeline.gates.evaluate` passes a
+``min`` gate on ``speedup_vs_fp32`` at ``>= min - SPEEDUP_MARGIN`` and reports that bound),
+so a recipe writes ``min: 1.0`` for "keep only if faster, beyond noise".
 
 Runs are interleaved (reference, candidate, reference, ...) after warm-up runs, so a
 change of machine load during the measurement hits both graphs alike.
@@ -34,10 +35,12 @@ def speed_note(precision: str, level: str, providers: list[str] | None = None) -
     """One sentence on what the timing means (written as ``speed_note``)."""
     where = ", ".join(providers or ["CPUExecutionProvider"])
     base = f"ONNX Runtime {where}, candidate at graph optimization level '{level}'"
+    gate = (f" A speedup_vs_fp32 gate with min m passes at >= m - {SPEEDUP_MARGIN:g} (timing noise margin).")
     if precision == "fp8":
         return (f"{base}: FP8 Q/DQ is only simulated on CPU (quantize, dequantize, FP32 GEMM), so these CPU "
-                "numbers say nothing about FP8 speed on a GPU (TensorRT); they apply to CPU targets only.")
-    return f"{base}: CPU timing, it applies to CPU targets; GPU speed is measured only through a TensorRT engine."
+                "numbers say nothing about FP8 speed on a GPU (TensorRT); they apply to CPU targets only." + gate)
+    return (f"{base}: CPU timing, it applies to CPU targets; GPU speed is measured only through a TensorRT "
+            "engine." + gate)
 
 
 def time_pair(run_ref: Callable[[], object], run_cand: Callable[[], object], runs: int = 5,

@@ -2,9 +2,14 @@
 
 A *trial* is the Q/DQ graph with a set of GEMM groups left in high precision,
 measured on the tuning windows against the FP32 reference. The reference
-log-probabilities and the calibration amax are computed once and reused by
-every trial; each weight is quantized once (:func:`pipeline.quant.qdq.insert_qdq`'s
-``weight_cache``).
+statistics and the calibration amax are computed once and reused by every trial.
+
+Every trial runs in one ONNX Runtime session (:func:`switch_graph`): each
+quantized GEMM reads ``Where(switch, QDQ(x), x)`` and ``Where(switch, DQ(w_q), w)``,
+one boolean graph input per group, so a trial is one forward pass over the
+tuning windows, with no graph copy, serialization or session build per trial.
+The GEMM sees exactly the values it sees in the graph
+:func:`pipeline.quant.qdq.insert_qdq` writes (tested against it).
 
 Metrics of a trial (text generation, teacher-forced next-token distributions):
 
@@ -27,7 +32,8 @@ from typing import Callable
 import numpy as np
 import onnx
 import onnxruntime as ort
-from scipy.special import log_softmax
+from onnx import TensorProto, helper
+from scipy.special import log_softmax, logsumexp
 
 from pipeline.errors import QuantizationError
 from pipeline.quant import qdq
@@ -63,17 +69,88 @@ def groups(targets: list[qdq.Target], grouping: str) -> dict[str, list[str]]:
     return out
 
 
+#: rows per float64 block when scoring logits (memory: rows x vocab x 8 bytes per temporary)
+_CHUNK = 64
+#: graph-input name prefix of the group switches of :func:`switch_graph`
+SWITCH_PREFIX = "quant_switch_"
+
+
+def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes: dict[str, list[str]],
+                 amax: dict[str, float], fmt: qdq.QFormat, per_channel: bool,
+                 weight_cache: dict | None = None) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """One graph for every trial: each target GEMM reads ``Where(s, DQ(Q(x)), x)`` and
+    ``Where(s, DQ(w_q), w)``, ``s`` a bool scalar graph input of its group (True: quantized).
+
+    Activation Q/DQ and quantized weights are the ones :func:`pipeline.quant.qdq.insert_qdq`
+    writes, so with a group's switch on its GEMMs see the same values as in that graph.
+    Memory: the FP32 weights plus their quantized copies (1 byte per FP8/INT8 value).
+
+    Args:
+        model: FP32 graph with its weights loaded (not modified).
+        targets: the quantizable GEMMs; group_nodes: group -> node names (every target in one group).
+        amax, fmt, per_channel, weight_cache: as :func:`pipeline.quant.qdq.insert_qdq`.
+
+    Returns:
+        ``(graph, {group: switch input name})``.
+
+    Raises:
+        QuantizationError: a target has no group, or an activation has no calibrated amax.
+    """
+    group_of_node = {n: g for g, nodes in group_nodes.items() for n in nodes}
+    missing = [t.node for t in targets if t.node not in group_of_node]
+    if missing:
+        raise QuantizationError(f"sensitivity: GEMMs {missing[:3]} belong to no group")
+    switches = {g: f"{SWITCH_PREFIX}{i}" for i, g in enumerate(group_nodes)}
+    model = copy.deepcopy(model)
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    by_node = {t.node: t for t in targets}
+    new_inits: list = []
+    nodes: list = []
+    done_act: dict[str, str] = {}
+    done_w: dict[str, str] = {}
+    chosen: dict[tuple[str, str], str] = {}
+
+    def select(name: str, quantized: str, switch: str) -> str:
+        key = (name, switch)
+        if key not in chosen:
+            chosen[key] = f"{name}_{switch}"
+            nodes.append(helper.make_node("Where", [switch, quantized, name], [chosen[key]],
+                                          name=f"{name}_{switch}_Where"))
+        return chosen[key]
+
+    for node in g.node:
+        t = by_node.get(node.name)
+        if t is not None:
+            sw = switches[group_of_node[t.node]]
+            if t.act not in done_act:
+                done_act[t.act] = qdq._act_qdq(t.act, amax, fmt, nodes, new_inits)
+            if t.weight not in done_w:
+                done_w[t.weight] = qdq._weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, "",
+                                                  weight_cache)
+            node.input[0] = select(t.act, done_act[t.act], sw)
+            node.input[1] = select(t.weight, done_w[t.weight], sw)
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend(new_inits)
+    g.input.extend(helper.make_tensor_value_info(name, TensorProto.BOOL, []) for name in switches.values())
+    return model, switches
+
+
 @dataclass
 class Reference:
     """FP32 teacher-forced statistics on the tuning windows, computed once.
 
-    ``logp``: float32 ``[tokens, vocab]`` log-probabilities of the scored positions
-    (memory: tokens x vocab x 4 bytes; SmolLM2, 8 windows of 128: 200 MB); ``nll``: summed FP32 NLL (nats); ``top1``:
-    int64 ``[tokens]``; ``targets``: int64 ``[tokens]`` next-token ids.
+    ``prob``: float32 ``[tokens, vocab]`` probabilities of the scored positions
+    (tokens x vocab x 4 bytes: SmolLM2, 8 windows of 128 tokens, 1016 x 49152: 200 MB);
+    ``neg_entropy``: float64 ``[tokens]``, sum_v p log p; ``nll``: float64 ``[tokens]`` FP32 NLL
+    per token (nats); ``top1``, ``targets``: int64 ``[tokens]`` argmax and next-token ids.
     """
 
-    logp: np.ndarray
-    nll: float
+    prob: np.ndarray
+    neg_entropy: np.ndarray
+    nll: np.ndarray
     top1: np.ndarray
     targets: np.ndarray
 
@@ -86,11 +163,13 @@ class Trial:
     excluded_nodes: int
     metrics: dict[str, float]
     wall_s: float
+    windows: int = 0  # tuning windows measured (the sensitivity pass may use fewer than the search)
 
 
 @dataclass
 class TrialRunner:
-    """Builds and measures Q/DQ variants of one FP32 graph on the tuning feeds.
+    """Measures Q/DQ variants of one FP32 graph on the tuning feeds, all in one
+    session of :func:`switch_graph` (built on the first trial).
 
     Args:
         model: the FP32 graph (smoothed, if SmoothQuant is on) with its weights loaded.
@@ -99,7 +178,8 @@ class TrialRunner:
         fmt, per_channel: the quantization format and weight granularity.
         feeds: tuning batches (prefill feeds with ``input_ids`` int64 ``[b, seq]``).
         logits: ``(session, feeds) -> float32 [b, seq, vocab]``.
-        reference_session: an ONNX Runtime session of the FP32 reference graph.
+        reference_session: an ONNX Runtime session of the FP32 reference graph; used
+            once for :meth:`reference`, then released.
     """
 
     model: onnx.ModelProto
@@ -110,11 +190,12 @@ class TrialRunner:
     per_channel: bool
     feeds: list[dict[str, np.ndarray]]
     logits: Callable[[ort.InferenceSession, dict], np.ndarray]
-    reference_session: ort.InferenceSession
+    reference_session: ort.InferenceSession | None
     trials: list[Trial] = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
     _weights: dict = field(default_factory=dict)
     _ref: Reference | None = None
+    _switch: tuple[ort.InferenceSession, dict[str, str]] | None = None
 
     def reference(self) -> Reference:
         """The FP32 statistics (computed on first use).
@@ -123,54 +204,103 @@ class TrialRunner:
             QuantizationError: the reference gives non-finite logits.
         """
         if self._ref is None:
-            parts = [self._score(self.reference_session, f) for f in self.feeds]
-            logp = np.concatenate([p[0] for p in parts])
-            if not np.isfinite(logp).all():
+            sess = self.reference_session
+            if sess is None:  # no FP32 session given: the switch graph with every group off
+                sess, switches = self._switched()
+                run = lambda f: self.logits(sess, {**f, **_switch_feeds(switches, {})})  # noqa: E731
+            else:
+                run = lambda f: self.logits(sess, f)  # noqa: E731
+            parts = [_reference_part(run(f), f["input_ids"]) for f in self.feeds]
+            prob, neg_h, nll, top1, tg = (np.concatenate([p[i] for p in parts]) for i in range(5))
+            if not np.isfinite(prob).all():
                 raise QuantizationError("quantize.tuning: the FP32 reference gives non-finite logits on the tuning data")
-            tg = np.concatenate([p[1] for p in parts])
-            nll = -float(np.take_along_axis(logp, tg[:, None], axis=1).sum())
-            self._ref = Reference(logp, nll, logp.argmax(axis=1), tg)
+            self._ref = Reference(prob, neg_h, nll, top1, tg)
+            self.reference_session = None  # release the FP32 session's memory
         return self._ref
 
-    def measure(self, excluded_groups: list[str]) -> Trial:
+    def measure(self, excluded_groups: list[str], batches: int | None = None) -> Trial:
         """Metrics (:data:`TRIAL_METRICS`) of the graph with ``excluded_groups`` in high
-        precision; a configuration already measured is returned from memory."""
+        precision, on the first ``batches`` tuning feed batches (default: all); a
+        configuration already measured on as many batches is returned from memory."""
+        feeds = self.feeds[:batches] if batches else self.feeds
         key = frozenset(excluded_groups)
-        if key in self._cache:
-            return self._cache[key]
+        if (key, len(feeds)) in self._cache:
+            return self._cache[(key, len(feeds))]
         start = time.perf_counter()
         ref = self.reference()
-        skip = {n for g in excluded_groups for n in self.group_nodes[g]}
-        kept = [t for t in self.targets if t.node not in skip]
-        variant = qdq.insert_qdq(copy.deepcopy(self.model), kept, self.amax, self.fmt, self.per_channel,
-                                 inplace=True, weight_cache=self._weights)
-        sess = _session(variant)
-        del variant
+        sess, switches = self._switched()
+        on = _switch_feeds(switches, {g: n for g, n in self.group_nodes.items() if g not in key})
         kl, nll, agree, row = 0.0, 0.0, 0, 0
-        for f in self.feeds:
-            logp, _ = self._score(sess, f)
-            n = logp.shape[0]
-            rlp = ref.logp[row : row + n]
-            kl += float((np.exp(rlp) * (rlp - logp)).sum())
-            nll -= float(np.take_along_axis(logp, ref.targets[row : row + n, None], axis=1).sum())
-            agree += int((logp.argmax(axis=1) == ref.top1[row : row + n]).sum())
-            row += n
-        metrics = {"kld_mean": kl / row, "relative_perplexity_increase": float(np.expm1((nll - ref.nll) / row)),
+        for f in feeds:
+            lg = self.logits(sess, {**f, **on})[:, :-1]
+            lg = lg.reshape(-1, lg.shape[-1])
+            n = lg.shape[0]
+            k, l, a = _score_against(lg, ref, row)
+            kl, nll, agree, row = kl + k, nll + l, agree + a, row + n
+        ref_nll = float(ref.nll[:row].sum())  # the same scored tokens as the candidate's
+        metrics = {"kld_mean": kl / row, "relative_perplexity_increase": float(np.expm1((nll - ref_nll) / row)),
                    "top1_agreement": agree / row}
-        trial = Trial(sorted(excluded_groups), len(skip), metrics, time.perf_counter() - start)
-        self._cache[key] = trial
+        skip = sum(len(self.group_nodes[g]) for g in key)
+        windows = sum(int(f["input_ids"].shape[0]) for f in feeds)
+        trial = Trial(sorted(excluded_groups), skip, metrics, time.perf_counter() - start, windows)
+        self._cache[(key, len(feeds))] = trial
         self.trials.append(trial)
         return trial
 
-    def _score(self, sess: ort.InferenceSession, feeds: dict) -> tuple[np.ndarray, np.ndarray]:
-        """Log-probs float32 ``[tokens, vocab]`` at every position but the last, and the next-token ids."""
-        lg = self.logits(sess, feeds)[:, :-1].astype(np.float32)
-        ids = feeds["input_ids"][:, 1:]
-        return log_softmax(lg.reshape(-1, lg.shape[-1]), axis=-1), ids.reshape(-1).astype(np.int64)
+    def _switched(self) -> tuple[ort.InferenceSession, dict[str, str]]:
+        """The :func:`switch_graph` session and its switch names (built once)."""
+        if self._switch is None:
+            graph, switches = switch_graph(self.model, self.targets, self.group_nodes, self.amax, self.fmt,
+                                           self.per_channel, self._weights)
+            self._switch = (_session(graph), switches)
+        return self._switch
+
+
+def _switch_feeds(switches: dict[str, str], quantized: dict[str, list[str]]) -> dict[str, np.ndarray]:
+    """Bool scalar feeds: True for the groups in ``quantized``, False for the others."""
+    return {name: np.array(g in quantized) for g, name in switches.items()}
+
+
+def _reference_part(logits: np.ndarray, ids: np.ndarray) -> tuple:
+    """Reference statistics of one batch: ``(prob f32 [n, V], neg_entropy f64 [n], nll f64 [n], top1 [n],
+    targets [n])``
+    of every position but the last (``logits`` float ``[b, seq, V]``, ``ids`` int64 ``[b, seq]``)."""
+    lg = logits[:, :-1].reshape(-1, logits.shape[-1])
+    tg = ids[:, 1:].reshape(-1).astype(np.int64)
+    prob = np.empty(lg.shape, np.float32)
+    neg_h = np.empty(len(lg))
+    nll = np.empty(len(lg))
+    for lo in range(0, len(lg), _CHUNK):
+        lp = log_softmax(lg[lo : lo + _CHUNK].astype(np.float64), axis=-1)
+        p = np.exp(lp)
+        prob[lo : lo + _CHUNK] = p
+        neg_h[lo : lo + _CHUNK] = (p * lp).sum(axis=-1)
+        nll[lo : lo + _CHUNK] = -np.take_along_axis(lp, tg[lo : lo + _CHUNK, None], axis=1)[:, 0]
+    return prob, neg_h, nll, lg.argmax(axis=1), tg
+
+
+def _score_against(lg: np.ndarray, ref: Reference, row: int) -> tuple[float, float, int]:
+    """Summed KL(ref || cand), summed candidate NLL and top-1 matches of candidate logits
+    float ``[n, V]`` against reference rows ``row .. row + n``.
+
+    KL per token = sum_v p log p - (sum_v p z_v - logsumexp(z)) with z the candidate
+    logits: no candidate log-softmax is materialized; float64 in blocks of :data:`_CHUNK` rows.
+    """
+    kl = nll = 0.0
+    for lo in range(0, len(lg), _CHUNK):
+        z = lg[lo : lo + _CHUNK].astype(np.float64)
+        r = slice(row + lo, row + lo + len(z))
+        lse = logsumexp(z, axis=-1)
+        cross = np.einsum("ij,ij->i", ref.prob[r], z) - lse
+        kl += float((ref.neg_entropy[r] - cross).sum())
+        nll += float((lse - np.take_along_axis(z, ref.targets[r, None], axis=1)[:, 0]).sum())
+    agree = int((lg.argmax(axis=1) == ref.top1[row : row + len(lg)]).sum())
+    return kl, nll, agree
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """An ONNX Runtime CPU session of an in-memory graph, at the level validate uses for Q/DQ."""
+    """An ONNX Runtime CPU session of an in-memory graph, at the level validate uses for FP8 Q/DQ
+    (basic: exact simulated quantization; :mod:`pipeline.runtime`)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -184,11 +314,13 @@ class Sensitivity:
     metric: str
     baseline: float
     rows: list[dict]
+    windows: int = 0  # tuning windows each value was measured on
 
 
-def measure_sensitivity(runner: TrialRunner, metric: str) -> Sensitivity:
+def measure_sensitivity(runner: TrialRunner, metric: str, batches: int | None = None) -> Sensitivity:
     """For each group: ``metric`` with only that group in high precision, and the
-    improvement over the all-quantized baseline (positive = the group hurts).
+    improvement over the all-quantized baseline (positive = the group hurts), on the
+    first ``batches`` tuning feed batches (default: all; see :meth:`TrialRunner.measure`).
 
     Raises:
         QuantizationError: ``metric`` is not a trial metric.
@@ -196,14 +328,15 @@ def measure_sensitivity(runner: TrialRunner, metric: str) -> Sensitivity:
     if metric not in TRIAL_METRICS:
         raise QuantizationError(f"sensitivity metric {metric!r} is not one of {sorted(TRIAL_METRICS)}")
     lower = TRIAL_METRICS[metric]
-    base = runner.measure([]).metrics[metric]
+    first = runner.measure([], batches)
+    base, windows = first.metrics[metric], first.windows
     rows = []
     for g, nodes in runner.group_nodes.items():
-        value = runner.measure([g]).metrics[metric]
+        value = runner.measure([g], batches).metrics[metric]
         rows.append({"group": g, "gemms": len(nodes), "metric_value": value,
                      "improvement": (base - value) if lower else (value - base)})
     rows.sort(key=lambda r: -float(r["improvement"]))
-    return Sensitivity(metric, base, rows)
+    return Sensitivity(metric, base, rows, windows)
 
 
 def write_report(sens: Sensitivity, folder: Path) -> tuple[Path, Path]:
@@ -213,8 +346,8 @@ def write_report(sens: Sensitivity, folder: Path) -> tuple[Path, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = [f"Sensitivity on the tuning split: `{sens.metric}` with only that group left in high precision "
-             f"(all quantized: {sens.baseline:.6g}).", "", f"| rank | group | GEMMs | {sens.metric} | improvement |",
+    lines = [f"Sensitivity on the tuning split ({sens.windows} windows): `{sens.metric}` with only that group "
+             f"left in high precision (all quantized: {sens.baseline:.6g}).", "", f"| rank | group | GEMMs | {sens.metric} | improvement |",
              "|---:|---|---:|---:|---:|"]
     lines += [f"| {i} | `{r['group']}` | {r['gemms']} | {r['metric_value']:.6g} | {r['improvement']:.6g} |"
               for i, r in enumerate(sens.rows, 1)]

@@ -88,6 +88,7 @@ def measure(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact,
     engine = engine_path(b)
     runner = runners.tensorrt_runner(engine) if engine else None
     metrics, tokens = registry.adapter(ctx.recipe.model).metrics(ctx, exp, q, runner)
+    metrics.update(quantization_metrics(q))
     if runner is None:
         metrics["validated_artifact"] = (f"ONNX graph {q.onnx_path} in ONNX Runtime: no TensorRT engine was built, "
                                          "so this graph is what gets served")
@@ -95,6 +96,16 @@ def measure(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact,
         metrics["validated_artifact"] = (f"TensorRT engine {engine} ({runner.name}): gates use the engine.* metrics; "
                                          "ONNX Runtime's numbers of the same graph are shown beside them")
     return metrics, tokens
+
+
+def quantization_metrics(q: QuantizedArtifact) -> dict:
+    """``quantized_fraction`` (weight GEMMs with Q/DQ / all weight GEMMs the quantize stage
+    considered, in [0, 1]; gateable) and ``gemms_high_precision`` (count) for FP8/INT8;
+    nothing for FP32/FP16 graphs."""
+    total = len(q.quantized_nodes) + len(q.excluded_nodes)
+    if q.precision not in ("fp8", "int8") or total == 0:
+        return {}
+    return {"quantized_fraction": len(q.quantized_nodes) / total, "gemms_high_precision": len(q.excluded_nodes)}
 
 
 def comparison_markdown(metrics: dict) -> str:
