@@ -286,6 +286,28 @@ ONNX_DTYPES: dict[int, str] = {
 UNKNOWN_DIM = "?"
 
 
+def name_nodes(model: onnx.ModelProto) -> int:
+    """Give every unnamed or duplicate-named node of the main graph a unique name
+    (``<op_type>_<index>``), in place: quantization, exclusions and sensitivity groups
+    address nodes by name, and ONNX allows graphs (from other exporters) without them.
+    Returns how many nodes were renamed."""
+    taken = {n.name for n in model.graph.node if n.name}
+    seen: set[str] = set()
+    renamed = 0
+    for i, node in enumerate(model.graph.node):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        name, k = f"{node.op_type}_{i}", 0
+        while name in taken or name in seen:
+            k += 1
+            name = f"{node.op_type}_{i}_{k}"
+        node.name = name
+        seen.add(name)
+        renamed += 1
+    return renamed
+
+
 def graph_specs(model: onnx.ModelProto) -> tuple[list["TensorSpec"], list["TensorSpec"]]:
     """Graph inputs (initializers excluded) and outputs as TensorSpecs: the one graph I/O reader.
 

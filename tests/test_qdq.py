@@ -119,3 +119,27 @@ def test_lazily_loaded_external_weights_give_the_same_qdq_graph(mlp_onnx, tmp_pa
     assert onnx_io.check_loadable(out_lazy) is None
     got = ort_session(str(out_lazy)).run(None, batches[0])[0]
     np.testing.assert_array_equal(got, ort_session(str(ref)).run(None, batches[0])[0])
+
+
+def test_unnamed_nodes_are_named_before_quantization_and_refused_otherwise():
+    """Other exporters may leave node names empty; Q/DQ placement addresses nodes by name."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.errors import QuantizationError
+    from pipeline.onnx_io import name_nodes
+    from pipeline.quant.qdq import find_targets
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"]),
+             helper.make_node("Relu", ["y"], ["z"], name="MatMul_1")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])], [w])
+    model = helper.make_model(graph)
+    with pytest.raises(QuantizationError, match="unnamed or duplicate-named MatMul nodes"):
+        find_targets(model, ["MatMul"])
+    assert name_nodes(model) == 2
+    assert [n.name for n in model.graph.node] == ["MatMul_0", "MatMul_1_1", "MatMul_1"]
+    assert [t.node for t in find_targets(model, ["MatMul"])] == ["MatMul_0", "MatMul_1_1"]
+    onnx.checker.check_model(model)

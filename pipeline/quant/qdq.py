@@ -69,8 +69,16 @@ def find_targets(model: onnx.ModelProto, op_types: list[str]) -> list[Target]:
     axis 0 when ``transB=1`` else axis 1; Conv weights ``[C_out, C_in/groups, *kernel]``
     (1-D to 3-D kernels) on axis 0. Weights must be FP32 initializers (a graph
     whose weights are ``Constant`` nodes needs them folded into initializers first).
+
+    Raises:
+        QuantizationError: two nodes of ``op_types`` share a name, or one has none.
     """
     inits = {i.name: i for i in model.graph.initializer}
+    names = [n.name for n in model.graph.node if n.op_type in op_types]
+    if "" in names or len(set(names)) < len(names):
+        raise QuantizationError("quantize: the graph has unnamed or duplicate-named "
+                                f"{'/'.join(op_types)} nodes; Q/DQ placement addresses nodes by name "
+                                "(pipeline.onnx_io.name_nodes names them)")
     out = []
     for n in model.graph.node:
         if n.op_type not in op_types or len(n.input) < 2 or n.input[1] not in inits:

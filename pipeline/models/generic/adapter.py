@@ -121,7 +121,7 @@ class GenericAdapter(OnnxRuntimeRunners):
 
     def export(self, module, export_cfg, out: Path) -> None:
         """``entry:``: torch.onnx.export (dynamo) with the recipe's named dims; ``onnx:``: copy
-        the graph (and its external data) to ``out``, unchanged.
+        the graph (and its external data) to ``out``, unnamed or duplicate-named nodes named.
 
         Raises:
             ExportError: the exporter failed, or an example size is 0/1 on a dynamic axis.
@@ -131,6 +131,7 @@ class GenericAdapter(OnnxRuntimeRunners):
             src = self.source.location()
             external_data_files(src, "model.source")  # a missing or short data file, named, before the copy
             model = onnx.load(str(src), load_external_data=False)
+            onnx_io.name_nodes(model)  # quantization addresses nodes by name
             onnx_io.save_model_atomic(model, out, base_dir=src.parent)
             return
         names = _output_names(module, self.torch_outputs(module, self.example))
