@@ -354,8 +354,10 @@ def test_manifest_hashes_each_data_use_of_a_shipped_recipe():
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")
     corpus = data.test_data_dir() / "lee_background.cor"
     entry = {"path": str(corpus), "sha256": sha256_file(corpus)}
-    assert data_inputs(recipe, ROOT / "recipes") == {"quantize.calibration.data": entry, "validate.data": entry}
+    assert data_inputs(recipe, ROOT / "recipes") == {"quantize.calibration.data": entry,
+                                                     "quantize.tuning.data": entry, "validate.data": entry}
     uses = data_uses(recipe, ROOT / "recipes")
     assert [u.describe() for u in uses.values()] == ["built-in corpus lee_background, documents [0, 200)",
+                                                     "built-in corpus lee_background, documents [200, 220)",
                                                      "built-in corpus lee_background, documents [220, 300)"]
     check_disjoint(uses)
