@@ -210,3 +210,20 @@ def test_tuning_must_be_disjoint(tiny, split, other):
     with pytest.raises(DataError, match=rf"{other}.*quantize.tuning.data|quantize.tuning.data.*{other}"):
         budget.check_data(load_recipe(path))
     budget.check_data(load_recipe(_recipe(ws / "djok", model_dir)))  # the default tuning split is disjoint
+
+
+def test_budget_report_says_why_each_kept_group_stays_in_high_precision():
+    from pipeline.quant.budget import BudgetResult, why_lines
+
+    trials = [{"excluded_groups": [], "windows": 8, "kld_mean": 0.038},
+              {"excluded_groups": ["gate_proj"], "windows": 4, "kld_mean": 0.020},   # ranking pass: not judged
+              {"excluded_groups": ["gate_proj"], "windows": 8, "kld_mean": 0.0289},
+              {"excluded_groups": ["gate_proj", "down_proj"], "windows": 8, "kld_mean": 0.0218},
+              {"excluded_groups": ["down_proj"], "windows": 8, "kld_mean": 0.0292}]
+    res = BudgetResult("met", "kld_mean", "kld_mean <= 0.024", ["gate_proj", "down_proj"], [], 0.714,
+                       {"kld_mean": 0.0218}, trials)
+    assert why_lines(res) == [
+        "Why these 2 group(s): with any one of them quantized again the budget is not met on the tuning split:", "",
+        "- gate_proj quantized again: kld_mean = 0.0292, outside `kld_mean <= 0.024`",
+        "- down_proj quantized again: kld_mean = 0.0289, outside `kld_mean <= 0.024`"]
+    assert why_lines(BudgetResult("met", "kld_mean", "b", [], [], 1.0, {}, trials[:1])) == []

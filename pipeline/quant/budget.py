@@ -230,5 +230,21 @@ def _write(folder: Path, res: BudgetResult, forced: list[str]) -> None:
               f"{t['kld_mean']:.4g} | "
               f"{t['relative_perplexity_increase']:.4g} | {t['top1_agreement']:.4f} | {t['wall_s']} |"
               for i, t in enumerate(res.trials, 1)]
-    lines += ["", "Recipe snippet (pins this result without a search):", "", "```yaml", res.snippet(forced), "```"]
+    lines += ["", *why_lines(res), "", "Recipe snippet (pins this result without a search):", "", "```yaml",
+              res.snippet(forced), "```"]
     (folder / "budget.md").write_text("\n".join(lines) + "\n")
+
+
+def why_lines(res: BudgetResult) -> list[str]:
+    """Why the chosen groups stay in high precision: for each, the full-window trial with
+    that one group quantized again and its budget metric (the step back measured them)."""
+    chosen, full = set(res.excluded_groups), max((t["windows"] for t in res.trials), default=0)
+    out = []
+    for g in res.excluded_groups:
+        without = [t for t in res.trials if set(t["excluded_groups"]) == chosen - {g} and t["windows"] == full]
+        if without:
+            out.append(f"- {g} quantized again: {res.metric} = {without[-1][res.metric]:.4g}, outside `{res.bound}`")
+    if not out:
+        return []
+    return [f"Why these {len(res.excluded_groups)} group(s): with any one of them quantized again the budget is "
+            "not met on the tuning split:", "", *out]
