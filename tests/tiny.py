@@ -40,6 +40,11 @@ def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
                                       {"batch": 3, "sequence": 1, "past_sequence": 5},
                                       {"batch": 2, "sequence": 7, "past_sequence": 9}]
     data["quantize"]["calibration"].update(samples=8, seq_len=32, batch_size=4)
+    # Mechanics tests pin the quantization (down_proj high precision, as fp8-llm was hand-tuned);
+    # tests/test_budget.py adds the search back where it is the subject.
+    for key in ("tuning", "sensitivity", "accuracy_budget"):
+        data["quantize"].pop(key, None)
+    data["quantize"]["exclude"] = {"nodes": ["*mlp.down_proj*"]}
     data["validate"].update(seq_len=64, max_windows=4, generation={"prompts": 2, "new_tokens": 4})
     data["validate"]["gates"] = [{"metric": "relative_perplexity_increase", "max": 0.5}]
     data["work_dir"], data["output_dir"] = str(ws / "artifacts"), str(ws / "model_repository")
