@@ -24,7 +24,7 @@ def test_shipped_recipe_is_valid():
     assert r.quantize.precision == "fp8"
     [gate] = r.validate_.gates
     assert (gate.label, gate.metric, gate.max, gate.min) == ("max_relative_perplexity_increase",
-                                                             "relative_perplexity_increase", 0.015, None)
+                                                             "relative_perplexity_increase", 0.010, None)
     assert r.validate_.data.describe() == "built-in corpus lee_background, documents [220, 300)"
     assert r.quantize.calibration.data.describe() == "built-in corpus lee_background, documents [0, 200)"
 
@@ -37,7 +37,7 @@ def test_shipped_recipe_is_valid():
         (lambda d: d["export"].update(opset="nineteen"), "export.opset"),
         (lambda d: d["build"]["profiles"][0]["dims"]["batch"].update(min=9), "need min <= opt <= max"),
         (lambda d: d["quantize"]["calibration"]["data"].update(split={"start": 250, "stop": 200}),
-         "quantize.calibration.data.corpus.split: Value error, stop (200) must be greater than start (250)"),
+         "quantize.calibration.data.split: Value error, stop (200) must be greater than start (250)"),
         (lambda d: d["validate"]["data"].update(type="csv"), "validate.data: Input tag 'csv' found using 'type' does "
          "not match any of the expected tags: 'corpus', 'text', 'jsonl', 'pairs', 'images', 'npz'"),
         (lambda d: d["validate"]["gates"][0].update(min=0.0), "validate.gates.0: Value error, give exactly one bound"),
@@ -73,9 +73,9 @@ def test_missing_file_and_non_mapping(tmp_path):
 @pytest.mark.parametrize(
     "old, new, where",
     [
-        ('    nodes: ["*mlp.down_proj*"]', '    nodes: ["*mlp.down_proj*"]\n    nodes: []', "'quantize.exclude.nodes'"),
-        ("    - {metric: relative_perplexity_increase, max: 0.015}",
-         "    - {metric: relative_perplexity_increase, max: 0.015, max: 9}", "'validate.gates.0.max'"),
+        ("    nodes: []", "    nodes: []\n    nodes: []", "'quantize.exclude.nodes'"),
+        ("    - {metric: relative_perplexity_increase, max: 0.010}",
+         "    - {metric: relative_perplexity_increase, max: 0.010, max: 9}", "'validate.gates.0.max'"),
         ("name: fp8-llm", "name: fp8-llm\nname: other", "'name'"),
         ("        batch:          {min: 1, opt: 4,   max: 8}",
          "        batch:          {min: 1, opt: 4,   max: 8, max: 16}", "'build.profiles.0.dims.batch.max'"),

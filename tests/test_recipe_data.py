@@ -130,7 +130,7 @@ def test_check_names_a_missing_data_file(tmp_path, capsys):
 
 def test_build_refuses_overlap_before_any_stage(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("pipeline.runner.run_pipeline", lambda *a, **k: pytest.fail("no stage may run"))
-    path = _write(tmp_path, lambda d: d["quantize"]["calibration"]["data"].update(split={"start": 0, "stop": 221}))
+    path = _write(tmp_path, lambda d: d["quantize"]["calibration"]["data"].update(split={"start": 221, "stop": 230}))
     assert main(["build", path]) == 2
     assert "quantize.calibration.data and validate.data overlap" in capsys.readouterr().err
 
