@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from pipeline.datasets.schema import DataSource
 from pipeline.errors import RecipeError
-from pipeline.models.sources import ModelSourceSpec, legacy_problem
+from pipeline.models.sources import SOURCE_KEYS, ModelSourceSpec, legacy_problem
 
 Precision = Literal["fp8", "int8", "fp16", "fp32"]
 CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
@@ -570,7 +570,7 @@ def yaml_line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
 
 
 #: Union fields whose error locations carry the chosen member's tag (``model.source.entry.entry``).
-_UNION_TAGS = {"source": {"package", "path", "entry", "onnx"},
+_UNION_TAGS = {"source": set(SOURCE_KEYS),
                "data": {"corpus", "text", "jsonl", "pairs", "images", "npz"}}
 
 
