@@ -686,7 +686,8 @@ def set_dotted(data: dict, dotted_key: str, value: object) -> None:
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
                 raise RecipeError(f"--set {dotted_key}: {here} is a list of {len(node)} item(s); "
-                                  f"{part!r} is not an index in 0..{len(node) - 1}")
+                                  f"{part!r} is not an index in 0..{len(node) - 1}; to add or remove items, "
+                                  f"set the whole list: --set '{here}=[...]'")
             if last:
                 node[int(part)] = value
             else:
