@@ -11,6 +11,8 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pydantic import BaseModel, PrivateAttr, ValidationInfo, model_validator
+
 from pipeline.errors import InternalError, PipelineError
 from pipeline.manifest import sha256_file
 
@@ -119,3 +121,26 @@ def documents(text: str) -> list[str]:
     """Non-blank lines, stripped: one document per line (``str.splitlines`` rules,
     exactly as the built-in corpus has always been read)."""
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+class RecipeBound(BaseModel):
+    """A recipe part that reads files: relative paths resolve against the recipe's
+    folder (``context={"base_dir": ...}`` at validation, or :meth:`bind`) and errors
+    name the recipe key ``_where`` (each subclass sets its default)."""
+
+    _base_dir: Path | None = PrivateAttr(None)
+    _where: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _bind_from_context(self, info: ValidationInfo):
+        if info.context and info.context.get("base_dir") is not None:
+            self._base_dir = Path(info.context["base_dir"])
+        return self
+
+    def bind(self, base_dir: str | Path | None, where: str | None = None):
+        """A copy whose relative paths resolve against ``base_dir`` and whose errors
+        name the recipe key ``where`` (default: this one's)."""
+        out = self.model_copy()
+        out._base_dir = Path(base_dir) if base_dir is not None else None
+        out._where = where if where is not None else self._where
+        return out

@@ -26,10 +26,10 @@ import abc
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pipeline.datasets import corpus, images, jsonl, npz, pairs, text
-from pipeline.datasets.base import Claim, files_sha256
+from pipeline.datasets.base import Claim, RecipeBound, files_sha256
 
 RecordKind = Literal["documents", "labeled_documents", "pairs", "images", "feeds"]
 
@@ -59,30 +59,15 @@ class Range(Strict):
         return f"[{self.start}, {'end' if self.stop is None else self.stop})"
 
 
-class _Source(Strict, abc.ABC):
+class _Source(Strict, RecipeBound, abc.ABC):
     """Shared behaviour; each subclass says which reader module implements it."""
 
     split: Range = Field(Range(start=0, stop=None), description="records [start, stop) to use; default all")
-    _base_dir: Path | None = PrivateAttr(None)
     _where: str = PrivateAttr("data")
-
-    @model_validator(mode="after")
-    def _bind_from_context(self, info: ValidationInfo):
-        """Bind to the recipe folder given as ``context={"base_dir": ...}``."""
-        if info.context and info.context.get("base_dir") is not None:
-            self._base_dir = Path(info.context["base_dir"])
-        return self
-
-    def bind(self, base_dir: str | Path | None, where: str = "data"):
-        """A copy whose relative paths resolve against ``base_dir`` and whose
-        errors name the recipe key ``where`` (``validate.data``)."""
-        out = self.model_copy()
-        out._base_dir, out._where = (Path(base_dir) if base_dir is not None else None), where
-        return out
 
     @abc.abstractmethod
     def _reader(self):
-        raise NotImplementedError
+        """The module-level reader of this source type (``pipeline.datasets.<type>``)."""
 
     def files(self) -> list[Path]:
         """The files this source reads (absolute or recipe-relative, as resolved).
@@ -133,7 +118,6 @@ class _Source(Strict, abc.ABC):
         ``labeled_documents`` (``list[Labeled(str, label)]``), ``pairs``
         (``list[Pair]``), ``images`` (``list[Labeled(Path, int)]``) or
         ``feeds`` (``list[Labeled(dict[str, ndarray], label)]``)."""
-        raise NotImplementedError
 
 
 class CorpusSource(_Source):

@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
 
 import numpy as np
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator
 
-from pipeline.datasets.base import files_sha256
+from pipeline.datasets.base import RecipeBound, files_sha256
 from pipeline.errors import ExportError, PipelineError
 
 if TYPE_CHECKING:
@@ -76,7 +75,7 @@ def manifest_input(model: ModelSource) -> dict[str, str]:
     return {"path": str(model.source.location()), "sha256": model.source.sha256()}
 
 
-class _ModelSource(BaseModel, abc.ABC):
+class _ModelSource(RecipeBound, abc.ABC):
     """Shared behaviour: binding to the recipe folder, hashing, describing."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -85,21 +84,7 @@ class _ModelSource(BaseModel, abc.ABC):
     tag: ClassVar[str] = ""
     #: True where ``build --test`` can make a random 2-layer Hugging Face copy.
     hf_loadable: ClassVar[bool] = False
-    _base_dir: Path | None = PrivateAttr(None)
     _where: str = PrivateAttr("model.source")
-
-    @model_validator(mode="after")
-    def _bind_from_context(self, info: ValidationInfo):
-        if info.context and info.context.get("base_dir") is not None:
-            self._base_dir = Path(info.context["base_dir"])
-        return self
-
-    def bind(self, base_dir: str | Path | None, where: str = "model.source"):
-        """A copy whose relative paths resolve against ``base_dir`` (the recipe's folder)
-        and whose errors name the recipe key ``where``."""
-        out = self.model_copy()
-        out._base_dir, out._where = (Path(base_dir) if base_dir is not None else None), where
-        return out
 
     def _path(self, value: str, field: str) -> Path:
         """``value`` resolved: absolute as given, else against the recipe folder.
@@ -123,7 +108,6 @@ class _ModelSource(BaseModel, abc.ABC):
         Raises:
             ModelFileError: it does not exist.
         """
-        raise NotImplementedError
 
     def files(self) -> list[Path]:
         """Every file whose bytes define the model (sorted within each part).
@@ -147,7 +131,6 @@ class _ModelSource(BaseModel, abc.ABC):
     @abc.abstractmethod
     def describe(self) -> str:
         """One line for people: the source type and what it reads."""
-        raise NotImplementedError
 
 
 def _tree(path: Path) -> list[Path]:
