@@ -7,7 +7,7 @@ JSON object: seconds per phase, trials, the GEMMs left in high precision and the
 tuning-split metrics. Not a test: timing depends on the machine.
 
     .venv/bin/python benchmarks/budget_time.py [--recipe recipes/fp8-llm.yaml]
-        [--work-dir /tmp/budget-bench] [--budget 0.03] [--groups per_block]
+        [--work-dir /tmp/budget-bench] [--budget 0.03] [--groups per_block] [--refine on]
 
 The export stage runs first unless ``<work-dir>/<recipe>/export/export.pkl`` holds it.
 
@@ -44,11 +44,15 @@ def main() -> int:
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "fp8-llm.yaml"))
     ap.add_argument("--work-dir", default="/tmp/budget-bench")
     ap.add_argument("--budget", type=float, default=None, help="override the recipe's accuracy_budget max")
-    ap.add_argument("--groups", default=None, choices=["per_block", "per_projection"], help="override the grouping")
+    ap.add_argument("--groups", default=None, choices=["per_block", "per_projection", "per_gemm"],
+                    help="override the grouping")
+    ap.add_argument("--refine", default=None, choices=["on", "off"], help="override sensitivity.refine")
     args = ap.parse_args()
     over: dict = {"work_dir": args.work_dir, "output_dir": f"{args.work_dir}/repo"}
     if args.groups:
-        over["quantize.sensitivity"] = {"groups": args.groups}
+        over["quantize.sensitivity.groups"] = args.groups
+    if args.refine:
+        over["quantize.sensitivity.refine"] = args.refine == "on"
     path = Path(args.recipe)
     recipe = load_recipe(path, over)
     if args.budget is not None:
@@ -90,6 +94,7 @@ def main() -> int:
     found = json.loads((ctx.stage_dir / "budget.json").read_text()) if (ctx.stage_dir / "budget.json").is_file() else {}
     out = {"recipe": recipe.name, "budget": q.accuracy_budget.model_dump(exclude_none=True) if q.accuracy_budget
            else None, "groups": q.sensitivity.groups if q.sensitivity else "per_block",
+           "refine": bool(q.sensitivity and q.sensitivity.refine),
            "status": found.get("status", status), "error": None if status == "met" else status,
            **{k: round(v, 1) for k, v in times.items()},
            "trials": len(found.get("trials", [])), "gemms_high_precision": len(found.get("excluded_scopes", [])),

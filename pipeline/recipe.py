@@ -238,7 +238,10 @@ class TuningConfig(Strict):
 
 
 class SensitivityConfig(Strict):
-    groups: Literal["per_block", "per_projection"] = "per_block"
+    groups: Literal["per_block", "per_projection", "per_gemm"] = Field(
+        "per_block", description="GEMM groups measured and reverted together (pipeline.quant.sensitivity.group_of)")
+    refine: bool = Field(False, description="after the budget search, split the groups it keeps in high precision "
+                         "into single GEMMs and re-quantize what the budget allows (pipeline.quant.budget)")
 
 
 class DimRange(Strict):

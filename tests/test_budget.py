@@ -227,3 +227,19 @@ def test_budget_report_says_why_each_kept_group_stays_in_high_precision():
         "- gate_proj quantized again: kld_mean = 0.0292, outside `kld_mean <= 0.024`",
         "- down_proj quantized again: kld_mean = 0.0289, outside `kld_mean <= 0.024`"]
     assert why_lines(BudgetResult("met", "kld_mean", "b", [], [], 1.0, {}, trials[:1])) == []
+
+
+def test_refinement_keeps_a_subset_of_single_gemms_within_the_budget(runner):
+    sens = S.measure_sensitivity(runner, "kld_mean")
+    bound = (sens.baseline + sens.rows[0]["metric_value"]) / 2
+    gate = Gate(metric="kld_mean", max=bound)
+    coarse = budget.search(runner, sens, gate, total_gemms=14, min_fraction=0.0, max_trials=50, time_limit_s=600)
+    fine = budget.search(runner, sens, gate, total_gemms=14, min_fraction=0.0, max_trials=80, time_limit_s=600,
+                         refine=True)
+    assert fine.status == "met" and fine.metrics["kld_mean"] <= bound
+    assert set(fine.excluded_scopes) <= set(coarse.excluded_scopes)
+    assert all(len(runner.group_nodes[g]) == 1 for g in fine.excluded_groups)  # single GEMMs
+    assert runner.measure(fine.excluded_groups).metrics == fine.metrics
+    assert fine.quantized_fraction == pytest.approx(1 - len(fine.excluded_scopes) / 14)
+    assert fine.notes and "single GEMMs stay in high precision" in fine.notes[0]
+    print(coarse.excluded_scopes, fine.excluded_scopes)

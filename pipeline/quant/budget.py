@@ -7,6 +7,10 @@
    take the quantized fraction below ``tuning.min_quantized_fraction`` is skipped).
 3. Step back: re-quantize each reverted group, last reverted first, and keep it
    quantized if the budget still holds.
+4. With ``sensitivity.refine``: split the groups still in high precision into single
+   GEMMs, rank each by the metric with only it re-quantized (ranking windows), then
+   re-quantize the cheapest: the longest prefix that meets the budget (binary search),
+   then each next one alone, stopping after :data:`REFINE_PATIENCE` misses in a row.
 
 The budget is a :class:`pipeline.recipe.Gate` on a trial metric (``kld_mean``,
 ``relative_perplexity_increase``, ``top1_agreement``). Margin: the budget applies
@@ -48,6 +52,7 @@ class BudgetResult:
     quantized_fraction: float
     metrics: dict[str, float]
     trials: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def snippet(self, forced: list[str]) -> str:
         """A ready recipe snippet (YAML) that pins this result without a search:
@@ -64,9 +69,15 @@ def passes(budget, metrics: dict[str, float]) -> bool:
     return gate_eval.evaluate([budget], metrics)[0].passed
 
 
+#: refinement: consecutive single-GEMM re-quantizations that miss the budget before it stops
+REFINE_PATIENCE = 3
+
+
 def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: int, min_fraction: float,
-           max_trials: int, time_limit_s: float) -> BudgetResult:
-    """Greedy revert in sensitivity order, then step back (module docstring).
+           max_trials: int, time_limit_s: float, refine: bool = False, rank_batches: int | None = None
+           ) -> BudgetResult:
+    """Greedy revert in sensitivity order, then step back, then (``refine``) single GEMMs
+    (module docstring).
 
     Args:
         runner: measures configurations; its trials made for ``sens`` count too.
@@ -76,25 +87,26 @@ def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: i
             including those the recipe excludes itself.
         min_fraction: floor on quantized GEMMs / ``total_gemms``.
         max_trials, time_limit_s: search bounds (trials measured by this call).
+        refine: split the kept groups into single GEMMs and re-quantize what the budget allows.
+        rank_batches: tuning batches of the refinement's ranking trials (default: all).
 
     Returns:
         A :class:`BudgetResult`; ``status`` is ``unreachable`` when no configuration met the budget.
     """
     start, used = time.perf_counter(), 0
-    size = {g: len(n) for g, n in runner.group_nodes.items()}
-    forced = total_gemms - sum(size.values())
+    quantizable = len(runner.targets)
     lower = budget.max is not None
 
     def frac(groups: list[str]) -> float:
-        return (total_gemms - forced - sum(size[g] for g in groups)) / total_gemms
+        return (quantizable - len(runner.nodes_of(groups))) / total_gemms
 
     def limited() -> bool:
         return used >= max_trials or time.perf_counter() - start >= time_limit_s
 
-    def trial(groups: list[str]) -> S.Trial:
+    def trial(groups: list[str], batches: int | None = None) -> S.Trial:
         nonlocal used
         before = len(runner.trials)
-        t = runner.measure(groups)
+        t = runner.measure(groups, batches)
         used += len(runner.trials) - before
         return t
 
@@ -128,8 +140,55 @@ def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: i
         t = trial(cand)
         if passes(budget, t.metrics):
             excluded, current = cand, t
+    notes: list[str] = []
+    if refine and status == "met":
+        excluded, status, notes = _refine(runner, excluded, budget, trial, limited, rank_batches)
     met = runner.measure(excluded)
-    return _result(runner, status, budget, met, frac(excluded))
+    res = _result(runner, status, budget, met, frac(excluded))
+    res.notes = notes
+    return res
+
+
+def _refine(runner: S.TrialRunner, excluded: list[str], budget, trial, limited, rank_batches: int | None
+            ) -> tuple[list[str], str, list[str]]:
+    """Step 4 of the module docstring. Returns ``(groups in high precision, status, report notes)``."""
+    by_node = {t.node: t for t in runner.targets}
+    fine: dict[str, list[str]] = {}
+    for t in runner.targets:
+        if t.node in runner.nodes_of(excluded):
+            fine.setdefault(S.group_of(by_node[t.node], "per_gemm"), []).append(t.node)
+    if len(fine) <= len(excluded):
+        return excluded, "met", []
+    runner.add_groups(fine)
+    kept, lower = list(fine), budget.max is not None
+    cost = {}
+    for g in kept:
+        if limited():
+            return excluded, "limit reached", ["refinement: limit reached while ranking single GEMMs"]
+        cost[g] = trial([x for x in kept if x != g], rank_batches).metrics[budget.metric]
+    order = sorted(kept, key=lambda g: cost[g] if lower else -cost[g])
+    lo, hi = 0, len(order)  # re-quantizing order[:lo] meets the budget; order[:hi] is taken not to
+    while hi - lo > 1:
+        if limited():
+            return excluded, "limit reached", ["refinement: limit reached in the binary search"]
+        mid = (lo + hi) // 2
+        if passes(budget, trial([g for g in kept if g not in order[:mid]]).metrics):
+            lo = mid
+        else:
+            hi = mid
+    chosen, misses = [g for g in kept if g not in order[:lo]], 0
+    for g in order[lo + 1:]:
+        if misses >= REFINE_PATIENCE or limited():
+            break
+        cand = [x for x in chosen if x != g]
+        if passes(budget, trial(cand).metrics):
+            chosen, misses = cand, 0
+        else:
+            misses += 1
+    notes = [f"Refinement: the {len(runner.nodes_of(excluded))} GEMMs of {', '.join(excluded)} ranked one by one "
+             f"(each re-quantized alone); the cheapest {lo} re-quantized together (binary search), then one at a "
+             f"time until {REFINE_PATIENCE} misses in a row: {len(chosen)} single GEMMs stay in high precision."]
+    return chosen, "met", notes
 
 
 def _result(runner: S.TrialRunner, status: str, budget, chosen: S.Trial, fraction: float) -> BudgetResult:
@@ -196,7 +255,8 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     total = len(targets) + forced
     with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
         res = search(runner, sens, q.accuracy_budget, total_gemms=total, min_fraction=tun.min_quantized_fraction,
-                     max_trials=tun.max_trials, time_limit_s=tun.time_limit_s)
+                     max_trials=tun.max_trials, time_limit_s=tun.time_limit_s,
+                     refine=bool(q.sensitivity and q.sensitivity.refine), rank_batches=half)
     _write(ctx.stage_dir, res, list(q.exclude.nodes))
     if res.status != "met":
         best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
@@ -212,7 +272,7 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
 
 
 def _nodes(runner: S.TrialRunner, res: BudgetResult) -> set[str]:
-    return {n for g in res.excluded_groups for n in runner.group_nodes[g]}
+    return runner.nodes_of(res.excluded_groups)
 
 
 def _write(folder: Path, res: BudgetResult, forced: list[str]) -> None:
@@ -230,7 +290,7 @@ def _write(folder: Path, res: BudgetResult, forced: list[str]) -> None:
               f"{t['kld_mean']:.4g} | "
               f"{t['relative_perplexity_increase']:.4g} | {t['top1_agreement']:.4f} | {t['wall_s']} |"
               for i, t in enumerate(res.trials, 1)]
-    lines += ["", *why_lines(res), "", "Recipe snippet (pins this result without a search):", "", "```yaml",
+    lines += ["", *res.notes, "", *why_lines(res), "", "Recipe snippet (pins this result without a search):", "", "```yaml",
               res.snippet(forced), "```"]
     (folder / "budget.md").write_text("\n".join(lines) + "\n")
 

@@ -6,7 +6,7 @@ statistics and the calibration amax are computed once and reused by every trial.
 
 Every trial runs in one ONNX Runtime session (:func:`switch_graph`): each
 quantized GEMM reads ``Where(switch, QDQ(x), x)`` and ``Where(switch, DQ(w_q), w)``,
-one boolean graph input per group, so a trial is one forward pass over the
+one boolean graph input per GEMM (a group is a set of GEMMs), so a trial is one forward pass over the
 tuning windows, with no graph copy, serialization or session build per trial.
 The GEMM sees exactly the values it sees in the graph
 :func:`pipeline.quant.qdq.insert_qdq` writes (tested against it).
@@ -40,13 +40,14 @@ from pipeline.quant import qdq
 
 #: metrics a trial measures (and an accuracy budget may name), and whether lower is better
 TRIAL_METRICS = {"kld_mean": True, "relative_perplexity_increase": True, "top1_agreement": False}
-GROUPINGS = ("per_block", "per_projection")
+GROUPINGS = ("per_block", "per_projection", "per_gemm")
 _BLOCK = re.compile(r"(.*?layers?\.\d+)(?:\.|$)")
 
 
 def group_of(target: qdq.Target, grouping: str) -> str:
     """The group name of a GEMM: its block's module path (``model.model.layers.3``)
-    for ``per_block``, its projection name (``down_proj``) for ``per_projection``.
+    for ``per_block``, its projection name (``down_proj``) for ``per_projection``, its
+    own module path (``model.model.layers.3.mlp.down_proj``) for ``per_gemm``.
     A GEMM outside any numbered block is its own group (its scope or node name).
 
     Raises:
@@ -55,6 +56,8 @@ def group_of(target: qdq.Target, grouping: str) -> str:
     if grouping not in GROUPINGS:
         raise QuantizationError(f"quantize.sensitivity.groups: {grouping!r} is not one of {list(GROUPINGS)}")
     scope = target.scope or target.node
+    if grouping == "per_gemm":
+        return scope
     if grouping == "per_block":
         m = _BLOCK.match(scope)
         return m.group(1) if m else scope
@@ -218,18 +221,32 @@ class TrialRunner:
             self.reference_session = None  # release the FP32 session's memory
         return self._ref
 
+    def add_groups(self, group_nodes: dict[str, list[str]]) -> None:
+        """Name more groups (e.g. single GEMMs of a group, for a refinement); a trial may mix
+        names of any granularity. Raises QuantizationError for a node that is not a target."""
+        known = {t.node for t in self.targets}
+        bad = [n for nodes in group_nodes.values() for n in nodes if n not in known]
+        if bad:
+            raise QuantizationError(f"sensitivity: {bad[:3]} are not quantizable GEMMs")
+        self.group_nodes.update(group_nodes)
+
+    def nodes_of(self, groups: list[str]) -> set[str]:
+        """The GEMM node names of ``groups``."""
+        return {n for g in groups for n in self.group_nodes[g]}
+
     def measure(self, excluded_groups: list[str], batches: int | None = None) -> Trial:
         """Metrics (:data:`TRIAL_METRICS`) of the graph with ``excluded_groups`` in high
         precision, on the first ``batches`` tuning feed batches (default: all); a
-        configuration already measured on as many batches is returned from memory."""
+        configuration (the same GEMMs) already measured on as many batches is returned from memory."""
         feeds = self.feeds[:batches] if batches else self.feeds
-        key = frozenset(excluded_groups)
+        off = self.nodes_of(excluded_groups)
+        key = frozenset(off)
         if (key, len(feeds)) in self._cache:
             return self._cache[(key, len(feeds))]
         start = time.perf_counter()
         ref = self.reference()
         sess, switches = self._switched()
-        on = _switch_feeds(switches, {g: n for g, n in self.group_nodes.items() if g not in key})
+        on = _switch_feeds(switches, {t.node: [] for t in self.targets if t.node not in off})
         kl, nll, agree, row = 0.0, 0.0, 0, 0
         for f in feeds:
             lg = self.logits(sess, {**f, **on})[:, :-1]
@@ -240,7 +257,7 @@ class TrialRunner:
         ref_nll = float(ref.nll[:row].sum())  # the same scored tokens as the candidate's
         metrics = {"kld_mean": kl / row, "relative_perplexity_increase": float(np.expm1((nll - ref_nll) / row)),
                    "top1_agreement": agree / row}
-        skip = sum(len(self.group_nodes[g]) for g in key)
+        skip = len(off)
         windows = sum(int(f["input_ids"].shape[0]) for f in feeds)
         trial = Trial(sorted(excluded_groups), skip, metrics, time.perf_counter() - start, windows)
         self._cache[(key, len(feeds))] = trial
@@ -248,9 +265,10 @@ class TrialRunner:
         return trial
 
     def _switched(self) -> tuple[ort.InferenceSession, dict[str, str]]:
-        """The :func:`switch_graph` session and its switch names (built once)."""
+        """The :func:`switch_graph` session, one switch per GEMM, and the switch names (built once)."""
         if self._switch is None:
-            graph, switches = switch_graph(self.model, self.targets, self.group_nodes, self.amax, self.fmt,
+            per_node = {t.node: [t.node] for t in self.targets}
+            graph, switches = switch_graph(self.model, self.targets, per_node, self.amax, self.fmt,
                                            self.per_channel, self._weights)
             self._switch = (_session(graph), switches)
         return self._switch
@@ -318,9 +336,9 @@ class Sensitivity:
 
 
 def measure_sensitivity(runner: TrialRunner, metric: str, batches: int | None = None) -> Sensitivity:
-    """For each group: ``metric`` with only that group in high precision, and the
-    improvement over the all-quantized baseline (positive = the group hurts), on the
-    first ``batches`` tuning feed batches (default: all; see :meth:`TrialRunner.measure`).
+    """For each group of ``runner.group_nodes``: ``metric`` with only that group in high
+    precision, and the improvement over the all-quantized baseline (positive = the group
+    hurts), on the first ``batches`` tuning feed batches (default: all; see :meth:`TrialRunner.measure`).
 
     Raises:
         QuantizationError: ``metric`` is not a trial metric.
