@@ -5,6 +5,7 @@ dequantized once, CPU execution provider) at batch 1, one new token, past P in
 ``--pasts``, and reports per P, in ms (median of ``--repeats``):
 
 * ``run_numpy``: ``session.run`` with numpy feeds (ORT allocates the outputs);
+  each way also as ``<way>_min``, the fastest run (the median is the headline);
 * ``iobinding_fresh``: IOBinding, outputs bound to freshly allocated numpy arrays each
   call (what InProcessCompute did before buffer reuse);
 * ``iobinding_reused``: IOBinding, the same preallocated output arrays every call;
@@ -15,6 +16,13 @@ dequantized once, CPU execution provider) at batch 1, one new token, past P in
   MatMul/Softmax, Expand (GQA repeat of K/V), and the rest.
 
     .venv/bin/python benchmarks/kv_step_cost.py artifacts/fp8-llm/quantize/model.onnx
+
+Several graphs (e.g. an SDPA export and a grouped-attention export of the same model) are
+timed interleaved in one run and reported under their labels (``--labels``, else each
+file's folder name); ``--kinds`` picks the ways of running a step (all by default).
+
+    .venv/bin/python benchmarks/kv_step_cost.py /tmp/sdpa/model.onnx /tmp/grouped/model.onnx \
+        --labels sdpa grouped --kinds run_numpy iobinding_reused --pasts 16 256
 
 Numbers on a shared 2-core CPU move with other load; compare columns of one run.
 """
@@ -48,13 +56,14 @@ def helper():
     return module
 
 
-def session(path: Path, profile: str | None = None):
+def session(path: Path, profile: str | None = None, threads: int = 0):
     """(session, dequantized weights as OrtValues, past input names, (H_kv, D))."""
     h = helper()
     model = onnx.load(str(path))
     weights = h.dequantize_once(model)
     options = ort.SessionOptions()
     options.graph_optimization_level = h.LEVELS["basic"]
+    options.intra_op_num_threads = threads  # 0: ONNX Runtime's default (one per core)
     if profile:
         options.enable_profiling, options.profile_file_prefix = True, profile
     with tempfile.TemporaryDirectory() as scratch:
@@ -119,10 +128,10 @@ def gather_ms(f, names, repeats):
     return median_ms(step, repeats)
 
 
-def op_profile(path: Path, pasts, repeats):
+def op_profile(path: Path, pasts, repeats, threads: int = 0):
     """ms per step by operator type, per past length, from ORT's profiler."""
     with tempfile.TemporaryDirectory() as scratch:
-        sess, values, names, geometry = session(path, profile=os.path.join(scratch, "ort"))
+        sess, values, names, geometry = session(path, profile=os.path.join(scratch, "ort"), threads=threads)
         marks = []
         for past in pasts:
             f = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds(names, geometry, past).items()}
@@ -148,47 +157,72 @@ def op_profile(path: Path, pasts, repeats):
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("onnx", type=Path)
-    parser.add_argument("--pasts", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
-    sess, values, names, geometry = session(args.onnx)
+KINDS = ("run_numpy", "iobinding_fresh", "iobinding_reused")
+
+
+def step_calls(path: Path, pasts, kinds, repeats, threads: int) -> tuple[dict, dict]:
+    """(report with the geometry and the gather cost per past, {past: {kind: step callable}})."""
+    sess, values, names, geometry = session(path, threads=threads)
     vocab = sess.get_outputs()[0].shape[-1]
     if not isinstance(vocab, int):
         f = feeds(names, geometry, 1)
         vocab = sess.run(["logits"], {**f, **{n: v.numpy() for n, v in values.items()}})[0].shape[-1]
-    report: dict = {"geometry": {"layers": len(names) // 2, "kv_heads": geometry[0], "head_dim": geometry[1]}}
+    report: dict = {"graph": str(path),
+                    "geometry": {"layers": len(names) // 2, "kv_heads": geometry[0], "head_dim": geometry[1]}}
     calls = {}
-    for past in args.pasts:
+    for past in pasts:
         f = feeds(names, geometry, past)
         plain = {**f, **{n: v.numpy() for n, v in values.items()}}
-        calls[past] = {"run_numpy": lambda plain=plain: sess.run(None, plain),
-                       "iobinding_fresh": binder(sess, values, f, vocab, reuse=False),
-                       "iobinding_reused": binder(sess, values, f, vocab, reuse=True)}
-        report[f"past_{past}"] = {"numpy_gather": gather_ms(f, names, args.repeats)}
-    # Interleaved (every past and way, in turn, per repeat) so load drift hits all alike.
-    times = {(p, k): [] for p in calls for k in calls[p]}
-    for fn in (fn for c in calls.values() for fn in c.values()):
-        fn()  # warm-up
+        ways = {"run_numpy": lambda plain=plain: sess.run(None, plain),
+                "iobinding_fresh": binder(sess, values, f, vocab, reuse=False),
+                "iobinding_reused": binder(sess, values, f, vocab, reuse=True)}
+        calls[past] = {k: ways[k] for k in kinds}
+        report[f"past_{past}"] = {"numpy_gather": gather_ms(f, names, repeats)}
+    return report, calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("onnx", type=Path, nargs="+")
+    parser.add_argument("--labels", nargs="+", help="one per graph (default: each file's folder name)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--pasts", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    parser.add_argument("--no-op-profile", action="store_true", help="skip the per-operator profile")
+    args = parser.parse_args()
+    labels = args.labels or [p.parent.name for p in args.onnx]
+    if len(labels) != len(args.onnx) or len(set(labels)) != len(labels):
+        parser.error(f"--labels: give {len(args.onnx)} distinct labels, one per graph (got {labels})")
+    reports, calls = {}, {}
+    for label, path in zip(labels, args.onnx):
+        reports[label], calls[label] = step_calls(path, args.pasts, args.kinds, args.repeats, args.threads)
+    # Interleaved (every graph, past and way, in turn, per repeat) so load drift hits all alike.
+    times = {(g, p, k): [] for g in calls for p in calls[g] for k in calls[g][p]}
+    for g, p, k in times:
+        calls[g][p][k]()  # warm-up
     for _ in range(args.repeats):
-        for (past, kind), got in times.items():
+        for (g, past, kind), got in times.items():
             start = time.perf_counter()
-            calls[past][kind]()
+            calls[g][past][kind]()
             got.append((time.perf_counter() - start) * 1e3)
-    for (past, kind), got in times.items():
-        report[f"past_{past}"][kind] = float(np.median(got))
+    for (g, past, kind), got in times.items():
+        reports[g][f"past_{past}"][kind] = float(np.median(got))
+        # the least disturbed run: other load only ever adds time
+        reports[g][f"past_{past}"][f"{kind}_min"] = float(np.min(got))
+    calls.clear()  # frees the sessions before profiling
     lo, hi = min(args.pasts), max(args.pasts)
-    for key in report[f"past_{lo}"]:
-        report[f"ratio_{hi}_{lo}_{key}"] = report[f"past_{hi}"][key] / report[f"past_{lo}"][key]
-    del sess
-    ops = op_profile(args.onnx, [lo, hi], max(5, args.repeats // 2))
-    growth = {op: round(ops[hi].get(op, 0) - ops[lo].get(op, 0), 3) for op in set(ops[lo]) | set(ops[hi])}
-    report["ort_ops_ms"] = {str(p): dict(list(v.items())[:12]) for p, v in ops.items()}
-    report[f"ort_ops_growth_ms_{lo}_to_{hi}"] = dict(sorted(growth.items(), key=lambda kv: -kv[1])[:10])
-    report["ort_ops_total_ms"] = {str(p): round(sum(v.values()), 3) for p, v in ops.items()}
-    print(json.dumps(report, indent=1))
+    for label, path in zip(labels, args.onnx):
+        report = reports[label]
+        for key in report[f"past_{lo}"]:
+            report[f"ratio_{hi}_{lo}_{key}"] = report[f"past_{hi}"][key] / report[f"past_{lo}"][key]
+        if not args.no_op_profile:
+            ops = op_profile(path, [lo, hi], max(5, args.repeats // 2), args.threads)
+            growth = {op: round(ops[hi].get(op, 0) - ops[lo].get(op, 0), 3) for op in set(ops[lo]) | set(ops[hi])}
+            report["ort_ops_ms"] = {str(p): dict(list(v.items())[:12]) for p, v in ops.items()}
+            report[f"ort_ops_growth_ms_{lo}_to_{hi}"] = dict(sorted(growth.items(), key=lambda kv: -kv[1])[:10])
+            report["ort_ops_total_ms"] = {str(p): round(sum(v.values()), 3) for p, v in ops.items()}
+    print(json.dumps(reports[labels[0]] if len(labels) == 1 else reports, indent=1))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.models.sources import package_file
+from pipeline.models.text_generation.attention import GROUPED, use_grouped_attention
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs, layout_of_config
 from pipeline.recipe import ModelSource
 
@@ -26,10 +27,15 @@ __all__ = ["LAST_LOGITS", "KVLayout", "KVCacheLM", "load_causal_lm", "kv_layout"
            "greedy_generate", "prefill_feeds", "layout_from_specs", "package_file", "Step"]
 
 
-def load_causal_lm(source: ModelSource):
+def load_causal_lm(source: ModelSource, attention: str = GROUPED):
     """Load the model (FP32, eval mode) and its tokenizer, offline.
 
     A ``.gguf`` path is dequantized to FP32 by transformers (needs ``gguf``).
+    ``attention``: :data:`~pipeline.models.text_generation.attention.GROUPED` (default: grouped-query
+    attention without repeated K/V, for models that dispatch through transformers'
+    ``AttentionInterface``; others keep their own) or a transformers implementation name
+    (``"sdpa"``, ``"eager"``). The export and its torch reference both use the loaded model,
+    so they compare the same attention.
     Returns ``(model, tokenizer)``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,6 +48,10 @@ def load_causal_lm(source: ModelSource):
         folder = str(path)
     tok = AutoTokenizer.from_pretrained(folder, **kw)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    if attention == GROUPED:
+        use_grouped_attention(model)
+    else:
+        model.set_attn_implementation(attention)
     return model.eval(), tok
 
 
