@@ -18,6 +18,12 @@ search 351 s (35 trials) = 6.9 min, down from 11.7 min (the same search before t
 one-session switch graph and the half-window ranking pass); ``--groups per_projection``
 (the recipe's) 83 s + 122 s (10 trials) = 3.4 min. A trial takes 3 s (4 windows) to
 10 s (8 windows) on idle cores, 15-25 s when the cores are shared.
+
+Session 4, grouped-attention export, ``sensitivity: {groups: per_projection, refine: true}``
+(the recipe's): budget 0.0265: calibration 21 s + sensitivity and search 252 s (83 trials,
+29 GEMMs kept) = 4.5 min with nothing else running; budget 0.0255: 37 s + 592 s (86 trials,
+33 GEMMs) = 10.5 min while an int8-llm build shared the cores. A 4-window trial takes ~2.3 s
+on idle cores.
 """
 from __future__ import annotations
 
