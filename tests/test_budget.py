@@ -59,6 +59,9 @@ def test_groups_per_block_and_per_projection(runner):
     assert all(len(v) == 7 for v in per_block.values())
     assert sorted(runner.group_nodes) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"])
+    per_gemm = S.groups(runner.targets, "per_gemm")
+    assert len(per_gemm) == 14 and "model.model.layers.1.mlp.down_proj" in per_gemm
+    assert all(len(v) == 1 for v in per_gemm.values())
 
 
 def test_trials_reuse_the_reference_and_cache(runner):
@@ -230,6 +233,9 @@ def test_budget_report_says_why_each_kept_group_stays_in_high_precision():
 
 
 def test_refinement_keeps_a_subset_of_single_gemms_within_the_budget(runner):
+    import dataclasses
+
+    runner = dataclasses.replace(runner, group_nodes=dict(runner.group_nodes))  # the refinement adds groups
     sens = S.measure_sensitivity(runner, "kld_mean")
     bound = (sens.baseline + sens.rows[0]["metric_value"]) / 2
     gate = Gate(metric="kld_mean", max=bound)
@@ -242,4 +248,3 @@ def test_refinement_keeps_a_subset_of_single_gemms_within_the_budget(runner):
     assert runner.measure(fine.excluded_groups).metrics == fine.metrics
     assert fine.quantized_fraction == pytest.approx(1 - len(fine.excluded_scopes) / 14)
     assert fine.notes and "single GEMMs stay in high precision" in fine.notes[0]
-    print(coarse.excluded_scopes, fine.excluded_scopes)
