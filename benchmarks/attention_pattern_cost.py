@@ -11,6 +11,8 @@ interleaved:
 * ``exported``: the pattern above;
 * ``grouped``: no Expand; the query heads of a KV head become rows of one MatMul
   (Q [B, H_kv, group * n, D] @ K^T), the scale applied to Q, one Transpose of the un-expanded K;
+* ``grouped_kq``: as ``grouped`` with the scores computed transposed, ``K @ Q^T`` (standard
+  ONNX, no copy of K: only the [group, T] scores are transposed back);
 * ``grouped_transb``: as ``grouped`` with ``com.microsoft.FusedMatMul(transB=1)``: no Transpose;
 * ``static_kv``: as ``grouped`` over a cache that already holds the new entry (no Concat: the
   floor of a graph that writes K/V into a static buffer at a position index);
@@ -68,6 +70,10 @@ def layer(i: int, form: str) -> tuple[list, list[str]]:
     if form in ("grouped", "static_kv"):
         nodes += [helper.make_node("Transpose", [p + "K"], [p + "Kt"], perm=[0, 1, 3, 2]),
                   helper.make_node("MatMul", [p + "qg", p + "Kt"], [p + "S"])]
+    elif form == "grouped_kq":  # scores transposed: K @ Q^T [1, 3, T, group]; only small tensors are transposed
+        nodes += [helper.make_node("Transpose", [p + "qg"], [p + "qgt"], perm=[0, 1, 3, 2]),
+                  helper.make_node("MatMul", [p + "K", p + "qgt"], [p + "St"]),
+                  helper.make_node("Transpose", [p + "St"], [p + "S"], perm=[0, 1, 3, 2])]
     else:
         nodes += [helper.make_node("FusedMatMul", [p + "qg", p + "K"], [p + "S"], domain="com.microsoft",
                                    transB=1, alpha=1.0)]
@@ -125,13 +131,13 @@ def main() -> None:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # as the served Q/DQ graph
     options.log_severity_level = 3
-    forms = ("exported", "grouped", "grouped_transb", "static_kv")
+    forms = ("exported", "grouped", "grouped_kq", "grouped_transb", "static_kv")
     sessions = {f: ort.InferenceSession(model(f, args.layers), options, providers=["CPUExecutionProvider"])
                 for f in forms}
     data = {p: feeds(args.layers, p) for p in args.pasts}
     static = {p: {**feeds(args.layers, p + 1), "mask": data[p]["mask"]} for p in args.pasts}  # cache holds P + 1
     ref = {p: sessions["exported"].run(None, data[p]) for p in args.pasts}
-    for f in ("grouped", "grouped_transb"):  # same attention output and presents
+    for f in ("grouped", "grouped_kq", "grouped_transb"):  # same attention output and presents
         for p in args.pasts:
             got = sessions[f].run(None, data[p])
             for a, b in zip(got, ref[p]):

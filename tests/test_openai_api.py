@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoint (pipeline.serve.openai_api), driven with the official ``openai``
-client: one real tritonserver on the tiny LM (Metaspace tokenizer, EOS ids 0 and 8, 512-token
+client: one real tritonserver on the tiny LM (Metaspace tokenizer, EOS ids 0 and 8, 4096-token
 context) and the endpoint on a free loopback port, both started once for the module."""
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def stack(tmp_path_factory):
     (tok_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    artifacts = llm_artifacts(ws, [[4], [1, 2, 3]], tokenizer_dir=tok_dir, build=context_build(512))
+    artifacts = llm_artifacts(ws, [[4], [1, 2, 3]], tokenizer_dir=tok_dir, build=context_build(4096))  # room for a long stream
     served = prepare(llm_recipe(ws), artifacts, backends=["python"])
     server = launch(served)
     endpoints = []
@@ -247,8 +247,9 @@ def test_triton_down_is_a_503(stack):
 @pytest.mark.server
 def test_client_disconnect_cancels_the_triton_request(stack):
     cancelled_before = stack.logs().count("cancelled")
-    # 509 tokens fill the 512-token context; the tiny LM is fast, so close at the first chunk
-    stream = stack.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=509, stream=True,
+    # 4093 tokens fill the 4096-token context: the tiny LM is fast (509 tokens could finish before
+    # the disconnect reached the server), so ask for many and close at the first chunk
+    stream = stack.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4093, stream=True,
                                              extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()  # closes the HTTP connection mid-stream
@@ -259,7 +260,7 @@ def test_client_disconnect_cancels_the_triton_request(stack):
     assert len(lines) > cancelled_before, stack.logs()[-2000:]
     assert MODEL in lines[-1]
     if "after " in lines[-1]:
-        assert int(lines[-1].split("after ")[1].split()[0]) < 509
+        assert int(lines[-1].split("after ")[1].split()[0]) < 4093
     again = stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=50)
     assert again.choices[0].finish_reason == "stop"
 
