@@ -54,14 +54,13 @@ def ranking(found: dict) -> list[str]:
 
 
 def main() -> int:
-    import onnx
+    from budget_time import calibrated
 
     from pipeline.context import Progress, StageContext
     from pipeline.models import registry
-    from pipeline.quant import calibrate, qdq, sensitivity as S, smoothquant
+    from pipeline.quant import sensitivity as S
     from pipeline.recipe import load_recipe
     from pipeline.runtime import ort_session
-    from pipeline.stages import quantize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "fp8-llm.yaml"))
@@ -75,15 +74,7 @@ def main() -> int:
     exp = pickle.loads((run_dir / "export" / "export.pkl").read_bytes())  # written by benchmarks/budget_time.py
     q = recipe.quantize
     ctx = StageContext(recipe, path, run_dir, "quantize", Progress(False))
-    src = Path(exp.onnx_path)
-    model = onnx.load(str(src), load_external_data=False)
-    targets = qdq.find_targets(model, list(q.quantize_op_types))
-    kept, _ = qdq.apply_exclusions(model, targets, q.exclude)
-    fmt = qdq.FORMATS[q.precision]
-    batches, _ = quantize.calibration_data(ctx, exp)
-    model, kept, cal_src, _ = smoothquant.prepare(ctx, src, model, kept, batches)
-    amax = calibrate.collect_amax(cal_src, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
-                                  q.calibration.percentile, scratch_dir=ctx.stage_dir)
+    model, kept, _, amax, fmt = calibrated(ctx, exp)
     v = recipe.validate_
     cal = q.calibration.model_copy(update={"samples": v.max_windows, "min_samples": 1, "seq_len": v.seq_len,
                                            "batch_size": 4})

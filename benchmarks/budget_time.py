@@ -38,13 +38,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def main() -> int:
+def calibrated(ctx, exp) -> tuple:
+    """What the quantize stage does before the search (pipeline/stages/quantize.py): the FP32
+    graph (smoothed if the recipe says so), its quantizable and excluded GEMMs, the calibrated
+    activation amax and the format. Returns ``(model, kept, excluded, amax, fmt)``."""
     import onnx
 
+    from pipeline.quant import calibrate, qdq, smoothquant
+    from pipeline.stages import quantize
+
+    q = ctx.recipe.quantize
+    src = Path(exp.onnx_path)
+    model = onnx.load(str(src), load_external_data=False)
+    targets = qdq.find_targets(model, list(q.quantize_op_types))
+    kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
+    fmt = qdq.FORMATS[q.precision]
+    batches, _ = quantize.calibration_data(ctx, exp)
+    model, kept, cal_src, _ = smoothquant.prepare(ctx, src, model, kept, batches)
+    amax = calibrate.collect_amax(cal_src, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
+                                  q.calibration.percentile, scratch_dir=ctx.stage_dir)
+    return model, kept, excluded, amax, fmt
+
+
+def main() -> int:
     from pipeline.context import Progress, StageContext
-    from pipeline.quant import budget, calibrate, qdq, smoothquant
+    from pipeline.quant import budget
     from pipeline.recipe import load_recipe
-    from pipeline.stages import export, quantize
+    from pipeline.stages import export
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "fp8-llm.yaml"))
@@ -79,16 +99,8 @@ def main() -> int:
     times["export_s"] = time.perf_counter() - t
     ctx = StageContext(recipe, path, run_dir, "quantize", progress)
     q = recipe.quantize
-    t = time.perf_counter()  # what the quantize stage does before the search (pipeline/stages/quantize.py)
-    src = Path(exp.onnx_path)
-    model = onnx.load(str(src), load_external_data=False)
-    targets = qdq.find_targets(model, list(q.quantize_op_types))
-    kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
-    fmt = qdq.FORMATS[q.precision]
-    batches, _ = quantize.calibration_data(ctx, exp)
-    model, kept, cal_src, _ = smoothquant.prepare(ctx, src, model, kept, batches)
-    amax = calibrate.collect_amax(cal_src, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
-                                  q.calibration.percentile, scratch_dir=ctx.stage_dir)
+    t = time.perf_counter()
+    model, kept, excluded, amax, fmt = calibrated(ctx, exp)
     times["calibration_s"] = time.perf_counter() - t
     t = time.perf_counter()
     status, result = "met", None

@@ -152,11 +152,11 @@ def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: i
 def _refine(runner: S.TrialRunner, excluded: list[str], budget, trial, limited, rank_batches: int | None
             ) -> tuple[list[str], str, list[str]]:
     """Step 4 of the module docstring. Returns ``(groups in high precision, status, report notes)``."""
-    by_node = {t.node: t for t in runner.targets}
+    kept_nodes = runner.nodes_of(excluded)
     fine: dict[str, list[str]] = {}
     for t in runner.targets:
-        if t.node in runner.nodes_of(excluded):
-            fine.setdefault(S.group_of(by_node[t.node], "per_gemm"), []).append(t.node)
+        if t.node in kept_nodes:
+            fine.setdefault(S.group_of(t, "per_gemm"), []).append(t.node)
     if len(fine) <= len(excluded):
         return excluded, "met", []
     runner.add_groups(fine)
@@ -176,19 +176,23 @@ def _refine(runner: S.TrialRunner, excluded: list[str], budget, trial, limited, 
             lo = mid
         else:
             hi = mid
-    chosen, misses = [g for g in kept if g not in order[:lo]], 0
+    chosen, misses, status = [g for g in kept if g not in order[:lo]], 0, "met"
     for g in order[lo + 1:]:
-        if misses >= REFINE_PATIENCE or limited():
+        if misses >= REFINE_PATIENCE:
+            break
+        if limited():
+            status = "limit reached"
             break
         cand = [x for x in chosen if x != g]
         if passes(budget, trial(cand).metrics):
             chosen, misses = cand, 0
         else:
             misses += 1
-    notes = [f"Refinement: the {len(runner.nodes_of(excluded))} GEMMs of {', '.join(excluded)} ranked one by one "
+    notes = [f"Refinement: the {len(kept_nodes)} GEMMs of {', '.join(excluded)} ranked one by one "
              f"(each re-quantized alone); the cheapest {lo} re-quantized together (binary search), then one at a "
-             f"time until {REFINE_PATIENCE} misses in a row: {len(chosen)} single GEMMs stay in high precision."]
-    return chosen, "met", notes
+             f"time until {REFINE_PATIENCE} misses in a row: {len(chosen)} single GEMMs stay in high precision"
+             + (" (limit reached before the end)." if status != "met" else ".")]
+    return chosen, status, notes
 
 
 def _result(runner: S.TrialRunner, status: str, budget, chosen: S.Trial, fraction: float) -> BudgetResult:
