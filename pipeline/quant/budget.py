@@ -17,9 +17,9 @@ The budget is a :class:`pipeline.recipe.Gate` on a trial metric (``kld_mean``,
 to the *tuning* split and the validate gate to another split, so a recipe sets
 the budget tighter than its gate. On a small tuning split prefer ``kld_mean``:
 perplexity over ~1000 tokens is noise-dominated (fp8-llm: single-block trials
-spread +0.6 % .. +2.9 % around +1.6 %), KL is not; fp8-llm maps its 0.010
-perplexity gate to a ``kld_mean`` budget through two measured configurations
-(see its recipe). The search is bounded by ``tuning.max_trials`` and
+spread +0.6 % .. +2.9 % around +1.6 %), KL is not; fp8-llm sets its ``kld_mean``
+budget below the tuning KL of a configuration measured to pass its 0.010 perplexity
+gate on validate (see its recipe). The search is bounded by ``tuning.max_trials`` and
 ``tuning.time_limit_s``; a search stopped by them says ``limit reached``.
 An unreachable budget raises :class:`GateFailed` (exit 1) naming the best
 configuration found and its numbers; its graph is kept as ``budget_best.onnx``.
