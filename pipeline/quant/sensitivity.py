@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import onnx
@@ -210,7 +210,7 @@ class TrialRunner:
             sess = self.reference_session
             if sess is None:  # no FP32 session given: the switch graph with every group off
                 sess, switches = self._switched()
-                run = lambda f: self.logits(sess, {**f, **_switch_feeds(switches, {})})  # noqa: E731
+                run = lambda f: self.logits(sess, {**f, **_switch_feeds(switches, ())})  # noqa: E731
             else:
                 run = lambda f: self.logits(sess, f)  # noqa: E731
             parts = [_reference_part(run(f), f["input_ids"]) for f in self.feeds]
@@ -246,7 +246,7 @@ class TrialRunner:
         start = time.perf_counter()
         ref = self.reference()
         sess, switches = self._switched()
-        on = _switch_feeds(switches, {t.node: [] for t in self.targets if t.node not in off})
+        on = _switch_feeds(switches, {t.node for t in self.targets} - off)
         kl, nll, agree, row = 0.0, 0.0, 0, 0
         for f in feeds:
             lg = self.logits(sess, {**f, **on})[:, :-1]
@@ -274,8 +274,8 @@ class TrialRunner:
         return self._switch
 
 
-def _switch_feeds(switches: dict[str, str], quantized: dict[str, list[str]]) -> dict[str, np.ndarray]:
-    """Bool scalar feeds: True for the groups in ``quantized``, False for the others."""
+def _switch_feeds(switches: dict[str, str], quantized: Collection[str]) -> dict[str, np.ndarray]:
+    """Bool scalar feeds: True for the switches named in ``quantized``, False for the others."""
     return {name: np.array(g in quantized) for g, name in switches.items()}
 
 
