@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoint (pipeline.serve.openai_api), driven with the official ``openai``
-client: one real tritonserver on the tiny LM (Metaspace tokenizer, EOS ids 0 and 8, 4096-token
+client: one real tritonserver on the tiny LM (Metaspace tokenizer, EOS ids 0 and 8, 16384-token
 context) and the endpoint on a free loopback port, both started once for the module."""
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ openai = pytest.importorskip("openai")
 
 MODEL = "tiny_generate"
 EOS_IDS = (0, 8)  # '<eos>' and '.': greedily [4] -> [10, 2, 8] = "t the."
+CONTEXT = 16384  # tokens; a whole-context generation takes the tiny LM tens of seconds
 HAS_MESSAGES = "messages" in {s.name for s in GENERATE_INPUTS}
 #: Chat template of the tiny tokenizer: the messages' contents joined, nothing else.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -137,7 +138,7 @@ def stack(tmp_path_factory):
     (tok_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    artifacts = llm_artifacts(ws, [[4], [1, 2, 3]], tokenizer_dir=tok_dir, build=context_build(4096))  # room for a long stream
+    artifacts = llm_artifacts(ws, [[4], [1, 2, 3]], tokenizer_dir=tok_dir, build=context_build(CONTEXT))  # room for a long stream
     served = prepare(llm_recipe(ws), artifacts, backends=["python"])
     server = launch(served)
     endpoints = []
@@ -244,15 +245,34 @@ def test_triton_down_is_a_503(stack):
     assert err.value.status_code == 503 and "not reachable" in err.value.body["message"]
 
 
+def _open_stream(url: str, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 POST to ``url`` (``http://host:port/v1/...``), returned once the first
+    server-sent event has arrived; the caller closes the socket (a real client disconnect,
+    independent of any HTTP client library's pooling or draining)."""
+    hostport, path = url.removeprefix("http://").split("/", 1)
+    host, port = hostport.rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST /{path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    received = b""
+    while b"data: " not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received.decode(errors="replace")
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200"), received.decode(errors="replace")
+    return sock
+
+
 @pytest.mark.server
 def test_client_disconnect_cancels_the_triton_request(stack):
     cancelled_before = stack.logs().count("cancelled")
-    # 4093 tokens fill the 4096-token context: the tiny LM is fast (509 tokens could finish before
-    # the disconnect reached the server), so ask for many and close at the first chunk
-    stream = stack.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4093, stream=True,
-                                             extra_body={"ignore_eos": True})
-    next(iter(stream))
-    stream.close()  # closes the HTTP connection mid-stream
+    # the whole context (CONTEXT - 3 tokens) takes the tiny LM many seconds: the disconnect, not
+    # the end of the generation, must end the request
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": CONTEXT - 3, "stream": True, "ignore_eos": True}
+    sock = _open_stream(stack.open.url + "/completions", body)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
     deadline = time.monotonic() + 120  # a wait for the server's log line, not a speed bound
     while stack.logs().count("cancelled") == cancelled_before and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -260,7 +280,7 @@ def test_client_disconnect_cancels_the_triton_request(stack):
     assert len(lines) > cancelled_before, stack.logs()[-2000:]
     assert MODEL in lines[-1]
     if "after " in lines[-1]:
-        assert int(lines[-1].split("after ")[1].split()[0]) < 4093
+        assert int(lines[-1].split("after ")[1].split()[0]) < CONTEXT - 3
     again = stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=50)
     assert again.choices[0].finish_reason == "stop"
 
