@@ -424,7 +424,9 @@ class ServeConfig(Strict):
     concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
     requests_per_level: int = Field(8, ge=1, description="requests sent at each concurrency level")
     max_tokens: int = Field(32, ge=1, description="LLM: output tokens per request (EOS ignored)")
-    long_max_tokens: int = Field(260, ge=2, description="LLM: output tokens of the TPOT-position request")
+    long_max_tokens: int = Field(260, ge=2, description="LLM: output tokens of each TPOT-position request")
+    long_requests: int = Field(3, ge=1, description="LLM: TPOT-position requests, one after another; TPOT at a "
+                               "position is the median over them")
     tpot_positions: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: [16, 256], min_length=2, max_length=2,
         description="LLM: output positions whose TPOT is compared (ratio second / first)",

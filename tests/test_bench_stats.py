@@ -16,7 +16,7 @@ from pipeline.serve.bench import bucket_feeds, closed_loop
 from pipeline.serve.check import PromptCheck, cut_at_eos
 from pipeline.serve.client import Generation, parse_statistics
 from pipeline.serve.report import render
-from pipeline.serve.stats import batch_summary, latency_level, llm_level, percentiles, stats_delta, tpot_at
+from pipeline.serve.stats import batch_summary, latency_level, llm_level, percentiles, stats_delta, tpot_at, tpot_by_position
 
 
 def gen(sent: float, first: float, gap: float, n: int) -> Generation:
@@ -67,6 +67,21 @@ def test_tpot_at_takes_the_median_gap_of_a_window_around_the_position():
     assert tpot_at(gaps, 16, half_window=1) == 15.5  # positions 15, 16
     with pytest.raises(ValueError, match="TPOT at position 38 needs tokens 0..41; the generation has 40"):
         tpot_at(gaps, 38)
+
+
+def test_tpot_by_position_takes_the_median_over_requests():
+    def steady(early_s: float, late_s: float) -> Generation:  # gap early_s up to token 10, then late_s
+        times = np.cumsum([0.1] + [early_s] * 10 + [late_s] * 10)
+        return Generation(sent=0.0, tokens=list(range(21)), times=list(times))
+
+    gens = [steady(0.04, 0.044), steady(0.04, 0.08), steady(0.05, 0.05)]  # per request 1.1, 2.0, 1.0
+    pos = tpot_by_position(gens, [5, 15])
+    assert pos["tpot_ms"] == pytest.approx({"5": 40.0, "15": 50.0})  # medians over the three requests
+    assert pos["ratio"] == pytest.approx(50.0 / 40.0)
+    assert pos["ratio_range"] == pytest.approx([1.0, 2.0]) and pos["tokens"] == 21
+    assert [r["ratio"] for r in pos["requests"]] == pytest.approx([1.1, 2.0, 1.0])
+    with pytest.raises(ValueError, match="TPOT at position 19"):
+        tpot_by_position(gens, [5, 19])
 
 
 STATS = {"model_stats": [{

@@ -13,7 +13,7 @@ from serve_tiny import llm_artifacts, llm_recipe
 
 pytestmark = pytest.mark.server
 
-SERVE = {"concurrency": [1, 3], "requests_per_level": 6, "max_tokens": 5, "long_max_tokens": 20,
+SERVE = {"concurrency": [1, 3], "requests_per_level": 6, "max_tokens": 5, "long_max_tokens": 20, "long_requests": 2,
          "tpot_positions": [5, 15], "bucket_tokens": 8, "batching_concurrency": 4, "batching_requests": 8,
          "slo": {"ttft_ms": 60000, "tpot_ms": 60000}}
 
@@ -38,8 +38,10 @@ def test_bench_llm_reports_percentiles_goodput_positions_and_batches(tmp_path):
         b = lv["scheduler_batches"]  # the scheduler's own steps: one prefill + 4 decode steps per request
         assert sum(int(k) * n for k, n in b["executions_by_batch_size"].items()) == 6 * 5
     pos = llm["tpot_by_position"]
-    assert pos["tokens"] == 20 and len(pos["gaps_ms"]) == 19 and set(pos["tpot_ms"]) == {"5", "15"}
+    assert pos["tokens"] == 20 and len(pos["requests"]) == 2 and set(pos["tpot_ms"]) == {"5", "15"}
+    assert all(len(r["gaps_ms"]) == 19 for r in pos["requests"])
     assert pos["ratio"] == pytest.approx(pos["tpot_ms"]["15"] / pos["tpot_ms"]["5"])
+    assert pos["ratio_range"][0] <= pos["ratio_range"][1]
     overhead = llm["serving_overhead"]  # served TPOT vs the served graph's own step, same run
     assert overhead["graph"].endswith("tiny/1/model.onnx") and overhead["graph_step_ms"] > 0
     assert overhead["ratio"] == pytest.approx(overhead["served_tpot_ms"] / overhead["graph_step_ms"])

@@ -8,8 +8,8 @@ A level's duration runs from the first send to the last answer.
   = the validate stage's prompt token ids, ``serve.max_tokens`` output tokens
   with EOS ignored (every request the same length). Per level: TTFT, TPOT and
   inter-token latency percentiles, output tokens/s, requests/s, goodput. Then
-  one request of ``serve.long_max_tokens`` tokens at concurrency 1 for TPOT at
-  ``serve.tpot_positions`` and their ratio. The compute model's executed batch
+  ``serve.long_requests`` requests of ``serve.long_max_tokens`` tokens, one after
+  another, for TPOT at ``serve.tpot_positions`` (median over the requests) and their ratio. The compute model's executed batch
   sizes during the sweep come from Triton's statistics: decode steps of
   different requests differ in past length, and they are neither bucketed nor
   padded, so only steps of equal shape can share a batch.
@@ -49,7 +49,7 @@ from pipeline.serve.client import (
     settled_statistics,
 )
 from pipeline.serve.prepare import Served, Variant
-from pipeline.serve.stats import batch_summary, latency_level, llm_level, ratio, stats_delta, tpot_at
+from pipeline.serve.stats import batch_summary, latency_level, llm_level, ratio, stats_delta, tpot_by_position
 from pipeline.triton.config import is_dynamic
 from pipeline.triton.server import TritonServer
 
@@ -140,7 +140,7 @@ def bench_llm(served: Served, server: TritonServer, log: Log, static: StaticVari
     ``levels_static`` = off.
 
     Raises:
-        PipelineError: the long request stopped before ``tpot_positions[1] + 4``
+        PipelineError: a long request stopped before ``tpot_positions[1] + 4``
             tokens (the model's context limit); ServeClientError: an error response.
     """
     cfg, url = served.recipe.serve, server.grpc_url
@@ -156,18 +156,17 @@ def bench_llm(served: Served, server: TritonServer, log: Log, static: StaticVari
             finally:
                 stats_client.unload_model(static.name)
                 wait_unloaded(stats_client, static.name)
-    log(f"TPOT by position: one request of {cfg.long_max_tokens} tokens at concurrency 1")
-    with StreamClient(url) as client:
-        long = client.generate(served.generate_model, input_ids=prompts[0], max_tokens=cfg.long_max_tokens,
-                               ignore_eos=True)
-    first, second = cfg.tpot_positions
+    log(f"TPOT by position: {cfg.long_requests} requests of {cfg.long_max_tokens} tokens, one after another")
+    longs = []
+    for _ in range(cfg.long_requests):
+        with StreamClient(url) as client:
+            longs.append(client.generate(served.generate_model, input_ids=prompts[0],
+                                         max_tokens=cfg.long_max_tokens, ignore_eos=True))
     try:
-        tpot = {str(p): tpot_at(long.gaps_ms, p) for p in (first, second)}
+        positions = tpot_by_position(longs, cfg.tpot_positions)
     except ValueError as e:
         raise PipelineError(f"serve.tpot_positions: {e}; the model stops at its context limit "
                             f"(prompt {len(prompts[0])} tokens); lower serve.long_max_tokens / tpot_positions") from e
-    positions = {"tokens": len(long.tokens), "tpot_ms": tpot, "ratio": ratio(tpot[str(second)], tpot[str(first)]),
-                 "ttft_ms": long.ttft_ms, "gaps_ms": [round(g, 2) for g in long.gaps_ms]}
     out = {"kind": "llm", "prompt_tokens": len(prompts[0]), "continuous_batching": batching_on,
            "levels": served_levels, "tpot_by_position": positions,
            "serving_overhead": serving_overhead(served, server, prompts[0], log)}

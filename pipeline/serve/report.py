@@ -39,6 +39,16 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _requests(pos: dict) -> str:
+    n = len(pos.get("requests", [])) or 1
+    return "one request" if n == 1 else f"{n} requests"
+
+
+def _ratio_range(pos: dict) -> str:
+    low, high = pos.get("ratio_range") or (None, None)
+    return "" if low is None or len(pos.get("requests", [])) < 2 else f"; single requests {_n(low, 2)} to {_n(high, 2)}"
+
+
 def llm_tables(llm: dict, serve: dict) -> list[str]:
     slo, pos = serve["slo"], llm["tpot_by_position"]
     first, second = serve["tpot_positions"]
@@ -86,10 +96,11 @@ def llm_tables(llm: dict, serve: dict) -> list[str]:
     out += aiperf_table(llm.get("aiperf"), levels)
     out += [
         "",
-        f"TPOT by output position (one request, {pos['tokens']} tokens, concurrency 1; median gap of 8 positions): "
+        f"TPOT by output position ({_requests(pos)} of {pos['tokens']} tokens, concurrency 1, one after another; "
+        f"per request the median gap of 8 positions, then the median over requests): "
         f"~{first}: {_n(pos['tpot_ms'][str(first)])} ms, ~{second}: {_n(pos['tpot_ms'][str(second)])} ms, "
-        f"ratio {second}/{first} = **{_n(pos['ratio'], 2)}** (KV cache: near 1; recomputing the prefix would grow "
-        "with position).",
+        f"ratio {second}/{first} = **{_n(pos['ratio'], 2)}**{_ratio_range(pos)} (KV cache: near 1; recomputing "
+        "the prefix would grow with position).",
         *_overhead_line(llm.get("serving_overhead")),
     ]
     if not any(lv["compute_batches"].get("executions") for lv in llm["levels"]):

@@ -79,6 +79,26 @@ def tpot_at(gaps_ms: Sequence[float], position: int, half_window: int = 4) -> fl
     return float(np.median(gaps_ms[first - 1 : last]))
 
 
+def tpot_by_position(gens: Sequence[Generation], positions: Sequence[int]) -> dict:
+    """TPOT at each output position, ms, over several long requests: per request
+    :func:`tpot_at`, then the median over requests; ``ratio`` = last position's TPOT
+    over the first's (medians), ``ratio_range`` the per-request ratios' min and max.
+
+    Raises:
+        ValueError: a generation is too short for a position's window.
+    """
+    first, last = str(positions[0]), str(positions[-1])
+    rows = []
+    for g in gens:
+        tpot = {str(p): tpot_at(g.gaps_ms, p) for p in positions}
+        rows.append({"tokens": len(g.tokens), "ttft_ms": g.ttft_ms, "tpot_ms": tpot,
+                     "ratio": tpot[last] / tpot[first], "gaps_ms": [round(x, 2) for x in g.gaps_ms]})
+    median = {str(p): float(np.median([r["tpot_ms"][str(p)] for r in rows])) for p in positions}
+    ratios = [r["ratio"] for r in rows]
+    return {"requests": rows, "tokens": min(r["tokens"] for r in rows), "tpot_ms": median,
+            "ratio": median[last] / median[first], "ratio_range": [min(ratios), max(ratios)]}
+
+
 def stats_delta(before: dict, after: dict) -> dict:
     """``after - before`` of two :func:`pipeline.serve.client.model_statistics` readings."""
     out = {k: after[k] - before[k] for k in ("inference_count", "execution_count", "compute_infer_ns", "queue_ns")}
