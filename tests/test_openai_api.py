@@ -8,13 +8,17 @@ import socket
 import time
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 from tokenizers import Tokenizer
 
 from pipeline.errors import PipelineError
 from pipeline.serve.openai_api import (
     ApiError,
+    ClosingStreamingResponse,
     CompletionRequest,
     StopText,
     is_loopback,
@@ -115,6 +119,57 @@ def test_stop_text_holds_back_a_possible_stop_string():
     assert [stop.add(t) for t in ["aE", "Nb"]] == ["a", "ENb"] and stop.flush() == "" and not stop.stopped
     stop = StopText(["xyz"])
     assert stop.add("ax") == "a" and stop.flush() == "x"
+
+
+def _disconnect_during_send(response_cls, spec_version: str) -> tuple[list, object]:
+    """Stream an SSE body whose client goes away while the first chunk is being sent. ASGI 2.3
+    (uvicorn): that send hangs and Starlette's disconnect listener cancels it; 2.4: send raises
+    OSError. Returns (["closed"] if the body generator's finally ran by the time the response
+    returned, the generator)."""
+    closed: list[str] = []
+
+    async def body():
+        try:
+            for k in range(100):
+                yield f"data: {k}\n\n"
+        finally:
+            closed.append("closed")
+
+    gen = body()  # held here, so only an explicit close (not the garbage collector) can close it
+    sent, gone = [], anyio.Event()
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            gone.set()
+            if spec_version == "2.4":
+                raise OSError("client gone")
+            await anyio.sleep_forever()
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def respond() -> list[str]:
+        try:
+            await response_cls(gen, media_type="text/event-stream")({"type": "http", "asgi": {
+                "spec_version": spec_version}}, receive, send)
+        except ClientDisconnect:  # 2.4: Starlette's answer to the OSError
+            closed.append("ClientDisconnect")
+        return list(closed)  # before the event loop's shutdown closes leftover generators
+
+    return anyio.run(respond), gen
+
+
+def test_plain_streaming_response_leaves_the_body_open_on_a_disconnect_during_send():
+    closed, _gen = _disconnect_during_send(StreamingResponse, "2.3")
+    assert closed == []  # why ClosingStreamingResponse exists: the Triton request would run on
+
+
+@pytest.mark.parametrize("spec_version,expected", [("2.3", ["closed"]), ("2.4", ["closed", "ClientDisconnect"])])
+def test_closing_streaming_response_closes_the_body_on_a_disconnect_during_send(spec_version, expected):
+    closed, _gen = _disconnect_during_send(ClosingStreamingResponse, spec_version)
+    assert closed == expected
 
 
 # --- a real tritonserver + the endpoint ------------------------------------------------------------------

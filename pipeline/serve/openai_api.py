@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -411,7 +412,7 @@ def create_app(cfg: EndpointConfig):
             prompt_tokens = len(prompt)
         inputs.update(triton_inputs(req, await gen.inputs(), default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS))
         run = Run(gen, inputs, req, prompt_tokens, kind="text_completion", model=cfg.model)
-        return await run.respond(request, JSONResponse, StreamingResponse)
+        return await run.respond(request, JSONResponse, ClosingStreamingResponse)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -426,7 +427,7 @@ def create_app(cfg: EndpointConfig):
         inputs = {"messages": _strings([json.dumps(messages)])}
         inputs.update(triton_inputs(req, supported, default_max_tokens=None))
         run = Run(gen, inputs, req, counter.chat(messages), kind="chat.completion", model=cfg.model)
-        return await run.respond(request, JSONResponse, StreamingResponse)
+        return await run.respond(request, JSONResponse, ClosingStreamingResponse)
 
     return app
 
@@ -547,6 +548,24 @@ class Run:
             yield "data: [DONE]\n\n"
         finally:  # a client disconnect cancels this generator: cancel the Triton request
             await pieces.aclose()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its body iterator however the response ends.
+
+    Starlette stops iterating when the client disconnects but leaves the suspended generator to
+    the garbage collector when the disconnect lands while a chunk is being sent; closing it here
+    runs the generator's ``finally`` (which cancels the Triton request) at once.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                with anyio.CancelScope(shield=True):
+                    await closer()
 
 
 async def _until_disconnect(request, pieces: AsyncIterator[str], poll_s: float = 0.5) -> AsyncIterator[str]:
