@@ -1,6 +1,6 @@
 """TPOT near output positions 16 and 256 through a real tritonserver, several requests (not a test).
 
-``make bench`` reads TPOT(256)/TPOT(16) from one long request; on shared cores one request's
+``make bench`` reads TPOT(256)/TPOT(16) as the median of a few long requests; on shared cores one request's
 gaps move +-20 % over its life. This script starts tritonserver on a built serve repository
 (``artifacts/<recipe>/serve_repository``, written by ``make bench`` / ``make serve``), loads only
 ``--models``, optionally runs 8 concurrent 32-token requests first (as the bench's sweep does),
@@ -14,7 +14,8 @@ Measured (fp8-llm, grouped-attention export, 29-GEMM FP8 set, 2 idle cores): onl
 smollm2_generate loaded: ratios 1.098, 0.891; with smollm2_fp8 too: 1.023, 1.106, then 1.028,
 1.456, 1.111 (and 0.98 in a run whose other two were not kept); after a concurrency-8 sweep:
 0.902, 0.881. Single requests spread 0.88-1.46 (median 1.03); the graph alone grows 1.06 and the generation model without the server 1.075,
-so one request's ratio is mostly noise. The bench run of the same build read 1.40 from its one request.
+so one request's ratio is mostly noise. The bench run of the same build read 1.40 from its one request;
+the bench now takes the median of ``serve.long_requests`` (3) requests: 1.01 (single requests 0.87-1.23).
 """
 from __future__ import annotations
 

@@ -204,6 +204,33 @@ def test_unreachable_budget_exits_1_and_publishes_nothing(tiny):
     assert json.loads((run / "manifest.json").read_text())["stages"]["quantize"]["status"] == "failed"
 
 
+def test_a_search_cut_by_its_limit_exits_1_even_when_what_it_reached_meets_the_budget(tiny, runner):
+    ws, model_dir, _ = tiny
+    ranking = max(1, len(runner.feeds) // 2)  # as tune() ranks
+    assert ranking == len(runner.feeds), "the tiny tuning split should rank on all its windows"
+    sens = S.measure_sensitivity(runner, "kld_mean", ranking)
+    order = [r["group"] for r in sens.rows]
+    two = runner.measure(order[:2]).metrics["kld_mean"]
+    assert two < runner.measure(order[:1]).metrics["kld_mean"]
+    bound = two * (1 + 1e-6)  # met once the two most sensitive groups are reverted
+    # the ranking pass already measured [] and each group alone on all windows, so the search's
+    # only new trial before it meets the budget is order[:2]: max_trials 1 then cuts the step back
+    path = _recipe(ws / "cut", model_dir, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": bound},
+                                             "quantize.tuning.max_trials": 1,
+                                             "quantize.tuning.min_quantized_fraction": 0.0})
+    with pytest.raises(GateFailed, match=r"stopped at tuning.max_trials .*meets kld_mean <= .*not used") as e:
+        run_pipeline(load_recipe(path), path, quiet=True)
+    assert e.value.exit_code == 1
+    run = ws / "cut" / "artifacts" / "tiny-llm"
+    found = json.loads((run / "quantize" / "budget.json").read_text())
+    assert found["status"] == "limit reached" and sorted(found["excluded_groups"]) == sorted(order[:2])
+    assert found["metrics"]["kld_mean"] <= bound
+    pinned = yaml.safe_load((run / "quantize" / "budget_snippet.yaml").read_text())
+    assert pinned["quantize"]["exclude"]["nodes"] == found["excluded_scopes"]
+    repo = ws / "cut" / "model_repository"
+    assert not repo.exists() or not any(repo.iterdir())
+
+
 @pytest.mark.parametrize("split, other", [({"start": 150, "stop": 210}, "quantize.calibration.data"),
                                           ({"start": 210, "stop": 230}, "validate.data")])
 def test_tuning_must_be_disjoint(tiny, split, other):

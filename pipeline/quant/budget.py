@@ -22,7 +22,10 @@ budget below the tuning KL of a configuration measured to pass its 0.010 perplex
 gate on validate (see its recipe). The search is bounded by ``tuning.max_trials`` and
 ``tuning.time_limit_s``; a search stopped by them says ``limit reached``.
 An unreachable budget raises :class:`GateFailed` (exit 1) naming the best
-configuration found and its numbers; its graph is kept as ``budget_best.onnx``.
+configuration found and its numbers; its graph is kept as ``budget_best.onnx``. A search
+stopped by a limit also exits 1, even when the configuration it reached meets the budget:
+that configuration depends on the machine's speed (where the limit fell), so it is offered as
+``budget_snippet.yaml`` to pin, never shipped or cached.
 """
 from __future__ import annotations
 
@@ -234,7 +237,8 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
 
     Raises:
         DataError: tuning data overlaps calibration or validate data, or gives no window.
-        GateFailed: the budget is unreachable within the floor and limits.
+        GateFailed: the budget is unreachable within the floor and limits, or the search stopped
+            at a limit (the message then says whether what it reached meets the budget).
     """
     from pipeline.models import registry
     from pipeline.runtime import ort_session
@@ -266,6 +270,14 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
                               q.per_channel_weights)
         onnx.save(best, str(ctx.stage_dir / "budget_best.onnx"))
+        if res.status == "limit reached" and passes(q.accuracy_budget, res.metrics):
+            raise GateFailed(
+                f"quantize.accuracy_budget: the search stopped at tuning.max_trials ({tun.max_trials}) or "
+                f"tuning.time_limit_s ({tun.time_limit_s:g} s) before it finished. The configuration it had reached "
+                f"meets {res.bound} on {tun.data.describe()} ({res.metric} = {res.metrics[res.metric]:.6g}, "
+                f"{len(res.excluded_scopes)} GEMMs in high precision) but depends on where the limit fell, so it is "
+                f"not used: raise the limit, or pin it with {ctx.stage_dir / 'budget_snippet.yaml'} (graph "
+                f"{ctx.stage_dir / 'budget_best.onnx'}; trials in {ctx.stage_dir / 'budget.md'})")
         raise GateFailed(
             f"quantize.accuracy_budget: {res.bound} not met on {tun.data.describe()} ({res.status}); best found: "
             f"{res.metric} = {res.metrics[res.metric]:.6g} with {len(res.excluded_scopes)} GEMMs in high precision "

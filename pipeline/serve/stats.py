@@ -92,11 +92,11 @@ def tpot_by_position(gens: Sequence[Generation], positions: Sequence[int]) -> di
     for g in gens:
         tpot = {str(p): tpot_at(g.gaps_ms, p) for p in positions}
         rows.append({"tokens": len(g.tokens), "ttft_ms": g.ttft_ms, "tpot_ms": tpot,
-                     "ratio": tpot[last] / tpot[first], "gaps_ms": [round(x, 2) for x in g.gaps_ms]})
+                     "ratio": ratio(tpot[last], tpot[first]), "gaps_ms": [round(x, 2) for x in g.gaps_ms]})
     median = {str(p): float(np.median([r["tpot_ms"][str(p)] for r in rows])) for p in positions}
     ratios = [r["ratio"] for r in rows]
     return {"requests": rows, "tokens": min(r["tokens"] for r in rows), "tpot_ms": median,
-            "ratio": median[last] / median[first], "ratio_range": [min(ratios), max(ratios)]}
+            "ratio": ratio(median[last], median[first]), "ratio_range": [min(ratios), max(ratios)]}
 
 
 def stats_delta(before: dict, after: dict) -> dict:
