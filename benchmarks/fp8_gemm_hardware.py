@@ -47,7 +47,9 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn (OCP 8-bit floating point spec,
 def _fp8_matmuls(model) -> list[tuple[str, str, str, str, str, str]]:
     """(MatMul output, activation Q output, activation scale, weight bytes, weight scale, float
     activation) of each MatMul whose two inputs are DequantizeLinear of E4M3 (the activation's
-    from a QuantizeLinear)."""
+    from a QuantizeLinear, its scale an initializer)."""
+    from onnx import TensorProto
+
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {i.name: i for i in model.graph.initializer}
     found = []
@@ -57,8 +59,11 @@ def _fp8_matmuls(model) -> list[tuple[str, str, str, str, str, str]]:
         a, b = (producer.get(x) for x in node.input)
         if not (a and b and a.op_type == b.op_type == "DequantizeLinear"):
             continue
-        weight = inits.get(b.input[0])
-        if weight is None or weight.data_type != 17 or a.input[0] not in producer:  # 17: FLOAT8E4M3FN
+        weight, act_zero = inits.get(b.input[0]), inits.get(a.input[2]) if len(a.input) > 2 else None
+        fp8 = TensorProto.FLOAT8E4M3FN
+        if weight is None or weight.data_type != fp8 or act_zero is None or act_zero.data_type != fp8:
+            continue  # the activation's type is its zero point's
+        if a.input[0] not in producer or a.input[1] not in inits:
             continue
         found.append((node.output[0], a.input[0], a.input[1], b.input[0], b.input[1],
                       producer[a.input[0]].input[0]))
@@ -105,7 +110,7 @@ def capture(args: argparse.Namespace) -> int:
         x_float = np.asarray(outputs[xf], np.float32)
         saved[f"{k}/x_float"] = x_float.reshape(-1, x_float.shape[-1])
         saved[f"{k}/x_scale"] = numpy_helper.to_array(inits[xs]).astype(np.float32)
-        saved[f"{k}/w_fp8"] = np.frombuffer(inits[w].raw_data, np.uint8).reshape(tuple(inits[w].dims))
+        saved[f"{k}/w_fp8"] = numpy_helper.to_array(inits[w]).view(np.uint8)  # raw_data or int32_data
         saved[f"{k}/w_scale"] = numpy_helper.to_array(inits[ws]).astype(np.float32)
         y_ort = np.asarray(outputs[y], np.float32)
         saved[f"{k}/y_ort"] = y_ort.reshape(-1, y_ort.shape[-1])

@@ -21,14 +21,15 @@ def _script():
     return module
 
 
-def _qdq_model() -> onnx.ModelProto:
-    """x -> Q/DQ (E4M3) -> MatMul(E4M3 weight, DQ) -> y, plus a float MatMul that must be skipped."""
+def _qdq_model(activation=TensorProto.FLOAT8E4M3FN) -> onnx.ModelProto:
+    """x -> Q/DQ (``activation`` type) -> MatMul(E4M3 weight, DQ) -> y, plus a float MatMul."""
     fp8 = helper.make_tensor("w_q", TensorProto.FLOAT8E4M3FN, [4, 4], np.arange(16, dtype=np.float32).tolist())
     zero = helper.make_tensor("zp", TensorProto.FLOAT8E4M3FN, [], [0.0])
-    inits = [fp8, zero, numpy_helper.from_array(np.float32(0.5), "x_s"), numpy_helper.from_array(np.float32(0.25), "w_s"),
+    act_zero = helper.make_tensor("x_zp", activation, [], [0])
+    inits = [fp8, zero, act_zero, numpy_helper.from_array(np.float32(0.5), "x_s"), numpy_helper.from_array(np.float32(0.25), "w_s"),
              numpy_helper.from_array(np.eye(4, dtype=np.float32), "w_float")]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "x_s", "zp"], ["x_q"]),
-             helper.make_node("DequantizeLinear", ["x_q", "x_s", "zp"], ["x_dq"]),
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_s", "x_zp"], ["x_q"]),
+             helper.make_node("DequantizeLinear", ["x_q", "x_s", "x_zp"], ["x_dq"]),
              helper.make_node("DequantizeLinear", ["w_q", "w_s", "zp"], ["w_dq"]),
              helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"]),
              helper.make_node("MatMul", ["y", "w_float"], ["z"])]
@@ -40,6 +41,7 @@ def _qdq_model() -> onnx.ModelProto:
 def test_finds_only_matmuls_with_fp8_operands():
     found = _script()._fp8_matmuls(_qdq_model())
     assert found == [("y", "x_q", "x_s", "w_q", "w_s", "x")]
+    assert _script()._fp8_matmuls(_qdq_model(TensorProto.INT8)) == []  # an INT8 activation is not E4M3 bytes
 
 
 def test_pick_spreads_its_choice_over_the_graph():
