@@ -9,10 +9,11 @@ A level's duration runs from the first send to the last answer.
   with EOS ignored (every request the same length). Per level: TTFT, TPOT and
   inter-token latency percentiles, output tokens/s, requests/s, goodput. Then
   ``serve.long_requests`` requests of ``serve.long_max_tokens`` tokens, one after
-  another, for TPOT at ``serve.tpot_positions`` (median over the requests) and their ratio. The compute model's executed batch
-  sizes during the sweep come from Triton's statistics: decode steps of
-  different requests differ in past length, and they are neither bucketed nor
-  padded, so only steps of equal shape can share a batch.
+  another, for TPOT at ``serve.tpot_positions`` (median over the requests) and
+  their ratio. The compute model's executed batch sizes during the sweep come
+  from Triton's statistics: decode steps of different requests differ in past
+  length, and they are neither bucketed nor padded, so only steps of equal shape
+  can share a batch.
 * Other kinds (sentence-embedding: the text -> embedding ensemble): single
   inferences of the front model with the kind's bench workload (validate's
   held-out samples): latency percentiles, inferences/s, goodput.
