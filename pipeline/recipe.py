@@ -6,8 +6,10 @@ work starts, with the file, the key path and what would be valid.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import typing
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Annotated, Literal
@@ -586,6 +588,39 @@ def _untagged(loc: tuple) -> tuple:
                          and i + 1 < len(loc)))
 
 
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that holds the key at ``loc`` (a validation error's location), or None
+    where the path goes through something other than plain nested models and lists."""
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # a list item: its model is the list's item type, resolved below
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        target = field.annotation
+        while typing.get_origin(target) is not None:  # Optional[...] / list[...] / Annotated[...]
+            args = [a for a in typing.get_args(target) if a is not type(None)]
+            if len(args) != 1:
+                return None
+            target = args[0]
+        if not (isinstance(target, type) and issubclass(target, BaseModel)):
+            return None
+        model = target
+    return model
+
+
+def _unknown_key_message(loc: tuple) -> str:
+    """``unknown key`` with the closest valid key and the valid keys, where they can be found."""
+    model = _model_at(loc)
+    if model is None or not isinstance(loc[-1], str):
+        return "unknown key; remove it or check its spelling"
+    valid = sorted(f.alias or name for name, f in model.model_fields.items())
+    close = difflib.get_close_matches(loc[-1], valid, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
+
+
 def _format_errors(path: Path, err: ValidationError, node: yaml.Node | None, overrides: Sequence[str]) -> str:
     """One line per failing key: ``file:line: key.path: what is wrong (got ...)``."""
     from pipeline.recipe_checks import ConstraintErrors, dotted
@@ -598,7 +633,7 @@ def _format_errors(path: Path, err: ValidationError, node: yaml.Node | None, ove
             continue
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or check its spelling"
+            msg = _unknown_key_message(tuple(e["loc"]))
         got = e.get("input")
         shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
         items.append((_untagged(tuple(e["loc"])), msg + shown))

@@ -271,6 +271,11 @@ def test_bad_max_tokens_is_a_400_naming_the_field(stack):
         error = err.value.body
         assert error["param"] == "max_tokens" and "max_tokens" in error["message"]
         assert error["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as err:  # prompt + max_tokens above the context
+        stack.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=CONTEXT)
+    assert err.value.body["param"] == "max_tokens"
+    assert f"exceeds the context limit of {CONTEXT} tokens; lower max_tokens to at most {CONTEXT - 3}" in \
+        err.value.body["message"]
     with pytest.raises(openai.NotFoundError) as err:
         stack.client.completions.create(model="gpt-4", prompt="the")
     assert err.value.body["param"] == "model" and MODEL in err.value.body["message"]

@@ -33,6 +33,10 @@ def test_shipped_recipe_is_valid():
     "mutate, expect",
     [
         (lambda d: d["quantize"].update(bogus=1), "quantize.bogus: unknown key"),
+        (lambda d: d["quantize"]["calibration"].update(methd="max"), "quantize.calibration.methd: unknown key; did you "
+         "mean 'method'? valid keys here: batch_size, data, method, min_samples, percentile, samples, seq_len"),
+        (lambda d: d["build"]["profiles"][0].update(dimz={}), "build.profiles.0.dimz: unknown key; did you mean 'dims'?"),
+        (lambda d: d.update(validat={}), "validat: unknown key; did you mean 'validate'? valid keys here: build,"),
         (lambda d: d["quantize"]["calibration"].update(method="minmax"), "quantize.calibration.method"),
         (lambda d: d["export"].update(opset="nineteen"), "export.opset"),
         (lambda d: d["build"]["profiles"][0]["dims"]["batch"].update(min=9), "need min <= opt <= max"),

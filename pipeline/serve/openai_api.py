@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -211,7 +212,8 @@ class TritonGenerator:
         try:
             async for result, error in _guard(self.url, responses):
                 if error is not None:
-                    raise ApiError(400, f"{self.model}: {error.message()}", code="generation_error")
+                    raise ApiError(400, f"{self.model}: {error.message()}", param=_param_of(error.message()),
+                                   code="generation_error")
                 piece = _piece(result)
                 if piece.finish_reason:
                     finished.set()
@@ -227,6 +229,15 @@ class TritonGenerator:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a generation model's error names (its inputs keep the OpenAI names),
+    or None: ``prompt`` for a prompt that alone fills the context."""
+    if message.startswith("prompt has"):
+        return "prompt"
+    found = re.search(r"\b(max_tokens|temperature|top_p|top_k|seed|stop|messages)\b", message)
+    return found.group(1) if found else None
 
 
 async def _guard(url: str, responses) -> AsyncIterator:
