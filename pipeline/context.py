@@ -16,10 +16,11 @@ T = TypeVar("T")
 
 
 class Progress:
-    """Progress lines and bars on stderr (rich); quiet=True prints nothing."""
+    """Progress lines and bars on stderr (rich); quiet=True prints nothing. Long lines are
+    not broken (soft wrap): a CI log keeps paths whole, a terminal wraps them itself."""
 
     def __init__(self, quiet: bool = False):
-        self.console = Console(stderr=True, quiet=quiet)
+        self.console = Console(stderr=True, quiet=quiet, soft_wrap=True)
         self.quiet = quiet
 
     @contextlib.contextmanager
