@@ -283,6 +283,12 @@ def test_a_cancelled_request_frees_its_slot_for_a_queued_one(masked):
     long = [ids_request([1 + i], 30, ignore_eos=np.array([True])) for i in range(3)]
     cancelled = ids_request([9], 30, cls=CancellingRequest, after=5, ignore_eos=np.array([True]))
     queued = ids_request([5, 5, 5], 2, ignore_eos=np.array([True]))
+    asked = cancelled.is_cancelled
+
+    def once_queued() -> bool:  # execute() enqueues one by one: cancel only once `queued` waits for a slot
+        return asked() and any(s.request is queued for s in list(model.waiting))
+
+    cancelled.is_cancelled = once_queued
     run(model, *long, cancelled, queued)
     assert final(queued) == {"finish_reason": "length", "detail": "max_tokens 2 reached"}
     assert cancelled.sent[-1][0].error.code == "CANCELLED" and 1 <= len(tokens(cancelled)) < 30
