@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv build check test typecheck bench bench-build serve publish deploy plan verify clean
+.PHONY: venv build tune check test typecheck bench bench-build serve publish deploy plan verify clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ $(TEXTLINES)/render.json: $(STAMP)
 
 build: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline build recipes/$(RECIPE).yaml
+
+# Calibrate and run the accuracy-budget search anew, and pin the result in recipes/tuned/$(RECIPE).json:
+# `make build` then uses it (no calibration, no search) while its inputs match.
+tune: $(STAMP) $(DATA_$(RECIPE))
+	$(PY) -m pipeline tune recipes/$(RECIPE).yaml
 
 check: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline check recipes/$(RECIPE).yaml

@@ -114,7 +114,7 @@ def cmd_build(args) -> int:
         from pipeline.smoke import run_test
 
         return run_test(Path(args.recipe), recipe, parse_set(args.set), quiet=args.quiet)
-    result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet)
+    result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet, locked=getattr(args, "locked", False))
     run_dir = result.manifest_path.parent
     for g in result.manifest["gates"]:
         print(g["message"])
@@ -127,6 +127,32 @@ def cmd_build(args) -> int:
         print(f"accuracy gate failed; see {run_dir / 'report.md'}", file=sys.stderr)
         return 1
     print(f"model repository: {recipe.output_dir}/")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    """Export (cached), calibrate and search anew, then write the pinned result
+    (:mod:`pipeline.quant.pin`) beside the recipe. Exit 1 when the budget is unreachable."""
+    import shutil
+
+    from pipeline.quant import pin
+    from pipeline.runner import run_tune
+
+    recipe, _ = preflight(args)
+    if recipe.quantize.calibration is None:
+        raise RecipeError(f"{args.recipe}: quantize.precision {recipe.quantize.precision!r} has no calibration "
+                          "or search to pin; tune applies to fp8 and int8 recipes")
+    art, cand = run_tune(recipe, Path(args.recipe), quiet=args.quiet)
+    dest = pin.pin_path(args.recipe, recipe.name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".json.tmp")
+    shutil.copyfile(cand, tmp)
+    tmp.replace(dest)
+    data = pin.read(dest)
+    found = data.get("metrics") or {}
+    print(f"pinned: {dest} ({len(data['excluded'])} GEMMs in high precision, {len(data['amax'])} amax"
+          + (", " + ", ".join(f"{k} {v:.6g}" for k, v in found.items()) if found else "") + ")")
+    print(f"quantized graph: {art.onnx_path}; commit {dest} so every runner builds this graph")
     return 0
 
 
@@ -188,6 +214,8 @@ def cmd_verify_repo(args) -> int:
 #: "module:function" that adds the command's own arguments (the command lives in that module).
 COMMANDS = (
     ("build", "cmd_build", "run the pipeline for a recipe", "recipe"),
+    ("tune", "cmd_tune", "calibrate and run the accuracy-budget search anew; pin the result in recipes/tuned/",
+     "recipe"),
     ("check", "cmd_check", "the build's pre-flight only: recipe schema and constraints, weights", "recipe"),
     ("serve", "cmd_serve", "serve the recipe's repository on a local tritonserver until Ctrl-C", "recipe"),
     ("bench", "cmd_bench", "start tritonserver, measure latency / throughput / batching, stop", "recipe"),
@@ -239,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="stream every validate prompt and compare with the validate stage's greedy tokens")
             add_serve_arguments(sp)
         if name == "build":
+            sp.add_argument("--locked", action="store_true",
+                            help="CI: never run the accuracy-budget search; exit 2 when the recipe's pinned tuning "
+                                 "result (recipes/tuned/<name>.json) is missing or stale, naming what changed")
             sp.add_argument("--test", action="store_true",
                             help="smoke test: run on a randomly initialised 2-layer copy of the model (HF folder "
                                  "or GGUF sources only); gates reported, not enforced; nothing published")

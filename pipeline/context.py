@@ -5,7 +5,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, TypeVar
 
 from rich.console import Console
 from rich.progress import track
@@ -46,6 +46,7 @@ class StageContext:
     run_dir: Path  # <work_dir>/<recipe name>
     stage: str = ""
     progress: Progress = field(default_factory=Progress)
+    pin: Any = None  # pipeline.quant.pin.PinLookup: the quantize stage's pinned tuning result, if any
 
     @property
     def stage_dir(self) -> Path:

@@ -133,37 +133,81 @@ def run_lock(run_dir: Path):
         yield
 
 
-def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only: list[str] | None = None) -> RunResult:
-    """Run every stage (or the ``only`` ones and what they need) and write the manifest.
+def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only: list[str] | None = None,
+                 locked: bool = False) -> RunResult:
+    """Run every stage and write the manifest (with ``only``: the stages through the last one
+    named, no manifest written, no gate; for tests and tools).
+
+    Args:
+        locked: refuse (exit 2) a recipe whose quantize stage would run the accuracy-budget
+            search because its pinned tuning result is missing or stale (:mod:`pipeline.quant.pin`).
 
     Returns a RunResult; ``passed`` is False when an accuracy gate failed.
 
     Raises:
         PipelineError: a stage failed; the manifest records which, and why.
+        RecipeError: ``locked`` and no matching pin.
     """
     run_dir = Path(recipe.work_dir) / recipe.name
     progress = Progress(quiet)
     with run_lock(run_dir):
-        return _run(recipe, recipe_path, run_dir, progress)
+        if only:
+            last = max((s.name for s in _stages() if s.name in only), key=[s.name for s in _stages()].index)
+            arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last)[0]
+            return RunResult(man, run_dir / "manifest.json", True, arts)
+        return _run(recipe, recipe_path, run_dir, progress, locked=locked)
 
 
-def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> RunResult:
+def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple[A.QuantizedArtifact, Path]:
+    """``tune``: export (cached) and quantize with calibration and the search run anew, ignoring
+    any pin; returns the quantize artifact and its candidate pin (``quantize/tuned.json``).
+
+    Raises:
+        PipelineError: as :func:`run_pipeline`; GateFailed when the budget is unreachable.
+    """
+    from pipeline.quant import pin
+
+    run_dir = Path(recipe.work_dir) / recipe.name
+    with run_lock(run_dir):
+        arts = _walk(recipe, recipe_path, run_dir, Progress(quiet), {}, pin_ignore=True, upto="quantize")[0]
+    return arts["quantize"], run_dir / "quantize" / pin.CANDIDATE
+
+
+def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False) -> RunResult:
     _repair_published(recipe, progress)
+    man: dict = {}
+    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked)
+    return _finish(man, arts, run_dir, recipe)
+
+
+def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, man: dict, *,
+          locked: bool = False, pin_ignore: bool = False, upto: str | None = None) -> tuple[dict, dict]:
+    """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys)."""
+    from pipeline.quant import pin
+
     versions = M.tool_versions()
-    man = M.new_manifest(recipe, recipe_path, versions)
+    man.update(M.new_manifest(recipe, recipe_path, versions))
     versions = {**versions, "inputs": man["inputs"]}  # new weights or corpus invalidate the cache
+    found = pin.lookup(recipe, recipe_path, man["inputs"], ignore=pin_ignore)
+    if locked:
+        pin.check_locked(recipe, found)
+    man["tuning"] = {"source": pin.PINNED if found.pinned is not None else pin.SEARCHED,
+                     "pin": str(found.path), "reason": found.reason}
     arts: dict[str, Any] = {}
     keys: dict[str, str] = {}
     for stage in _stages():
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
-        ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress)
-        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], versions)
+        ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found)
+        extra = {"pin": found.key()} if stage.name == "quantize" else {}
+        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], {**versions, **extra})
         gate_failed = "validate" in arts and not arts["validate"].passed
         if stage.name == "triton" and gate_failed:
             man["stages"]["triton"] = M.stage_record("skipped", "accuracy gate failed: nothing is published")
             continue
         arts[stage.name] = _run_stage(stage, ctx, keys[stage.name], arts, man)
-    return _finish(man, arts, run_dir, recipe)
+        if stage.name == upto:
+            break
+    return arts, keys
 
 
 def _repair_published(recipe: Recipe, progress: Progress) -> None:

@@ -7,10 +7,15 @@
    take the quantized fraction below ``tuning.min_quantized_fraction`` is skipped).
 3. Step back: re-quantize each reverted group, last reverted first, and keep it
    quantized if the budget still holds.
-4. With ``sensitivity.refine``: split the groups still in high precision into single
-   GEMMs, rank each by the metric with only it re-quantized (ranking windows), then
-   re-quantize the cheapest: the longest prefix that meets the budget (binary search),
-   then each next one alone, stopping after :data:`REFINE_PATIENCE` misses in a row.
+4. With ``sensitivity.refine``, instead of 2-3: GEMM by GEMM (:func:`search_fine`). Each GEMM's
+   gain is predicted from its group's trial and its own local output error
+   (:mod:`pipeline.quant.proxy`); a few full trials bracket how many of the top-ranked GEMMs
+   stay in high precision (at most :data:`FULL_TRIALS`).
+
+Float noise: the search estimates the trial metric's float-kernel noise once
+(:func:`pipeline.quant.sensitivity.thread_noise`) and sets a :class:`Tolerance` well above it.
+Values within the tolerance are ties broken by name, and a trial within it of the bound misses,
+so kernel differences between CPUs cannot flip a ranking or a verdict unless they exceed it.
 
 The budget is a :class:`pipeline.recipe.Gate` on a trial metric (``kld_mean``,
 ``relative_perplexity_increase``, ``top1_agreement``). Margin: the budget applies
@@ -56,6 +61,7 @@ class BudgetResult:
     metrics: dict[str, float]
     trials: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    tolerance: dict = field(default_factory=dict)  # {value, noise}: see Tolerance
 
     def snippet(self, forced: list[str]) -> str:
         """A ready recipe snippet (YAML) that pins this result without a search:
@@ -67,20 +73,80 @@ class BudgetResult:
         return asdict(self)
 
 
-def passes(budget, metrics: dict[str, float]) -> bool:
-    """Whether ``metrics`` meet the budget gate (:func:`pipeline.gates.evaluate`)."""
-    return gate_eval.evaluate([budget], metrics)[0].passed
+def passes(budget, metrics: dict[str, float], tol: float = 0.0) -> bool:
+    """Whether ``metrics`` meet the budget gate (:func:`pipeline.gates.evaluate`) by at least
+    ``tol`` (metric units): a value within ``tol`` of the bound counts as a miss, conservatively."""
+    if not gate_eval.evaluate([budget], metrics)[0].passed:
+        return False
+    v = metrics[budget.metric]
+    return (budget.max - v if budget.max is not None else v - budget.min) >= tol
 
 
-#: refinement: consecutive single-GEMM re-quantizations that miss the budget before it stops
-REFINE_PATIENCE = 3
+#: the tolerance is this many times the measured float-kernel noise ...
+NOISE_FACTOR = 10.0
+#: ... and at least this fraction of the bound (kernels of another CPU differ more than threads do)
+TOL_FLOOR = 0.01
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Float-kernel noise of a trial metric and the tolerance derived from it (metric units):
+    ``value = max(NOISE_FACTOR * noise, TOL_FLOOR * |bound|)``. Two trial values closer than
+    ``value`` are a tie, broken by name (:func:`rank`); a trial within ``value`` of the bound misses."""
+
+    value: float
+    noise: float
+
+    @classmethod
+    def of(cls, budget, noise: float) -> "Tolerance":
+        bound = budget.max if budget.max is not None else budget.min
+        return cls(max(NOISE_FACTOR * abs(noise), TOL_FLOOR * abs(float(bound))), abs(noise))
+
+
+def rank(values: dict[str, float], tol: float) -> list[str]:
+    """Names by value, largest first; a run of values each within ``tol`` of the next is a tie,
+    ordered by name, so float noise below ``tol`` cannot reorder it."""
+    order = sorted(values, key=lambda n: (-values[n], n))
+    out: list[str] = []
+    run: list[str] = []
+    for n in order:
+        if run and values[run[-1]] - values[n] >= tol:
+            out += sorted(run)
+            run = []
+        run.append(n)
+    return out + sorted(run)
+
+
+#: full trials of the fine search's bracket (after the all-quantized one)
+FULL_TRIALS = 8
+
+
+class _Trials:
+    """Counts a search's trials against ``max_trials`` / ``time_limit_s`` and prints progress."""
+
+    def __init__(self, runner: S.TrialRunner, budget, max_trials: int, time_limit_s: float, expected: int,
+                 say=None):
+        self.runner, self.budget, self.max, self.limit, self.expected = runner, budget, max_trials, time_limit_s, expected
+        self.start, self.used, self.say = time.perf_counter(), 0, say
+
+    def limited(self) -> bool:
+        return self.used >= self.max or time.perf_counter() - self.start >= self.limit
+
+    def __call__(self, groups: list[str], batches: int | None = None) -> S.Trial:
+        before = len(self.runner.trials)
+        t = self.runner.measure(groups, batches)
+        self.used += len(self.runner.trials) - before
+        if self.say is not None:
+            left = self.limit - (time.perf_counter() - self.start)
+            self.say(f"  trial {self.used} of ~{self.expected}: {t.excluded_nodes} GEMMs in high precision, "
+                     f"{self.budget.metric} = {t.metrics[self.budget.metric]:.5g} ({t.windows} windows; "
+                     f"{left:.0f} s left of the {self.limit:g} s limit)")
+        return t
 
 
 def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: int, min_fraction: float,
-           max_trials: int, time_limit_s: float, refine: bool = False, rank_batches: int | None = None
-           ) -> BudgetResult:
-    """Greedy revert in sensitivity order, then step back, then (``refine``) single GEMMs
-    (module docstring).
+           max_trials: int, time_limit_s: float, tol: Tolerance | None = None, say=None) -> BudgetResult:
+    """Greedy revert of whole groups in sensitivity order, then step back (module docstring, steps 2-3).
 
     Args:
         runner: measures configurations; its trials made for ``sens`` count too.
@@ -90,112 +156,119 @@ def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: i
             including those the recipe excludes itself.
         min_fraction: floor on quantized GEMMs / ``total_gemms``.
         max_trials, time_limit_s: search bounds (trials measured by this call).
-        refine: split the kept groups into single GEMMs and re-quantize what the budget allows.
-        rank_batches: tuning batches of the refinement's ranking trials (default: all).
+        tol: float-noise tolerance (:class:`Tolerance`): ties in the ranking go by group name, and a
+            trial within it of the bound misses. None: exact comparisons.
+        say: progress line printer (``trial i of ~N``), or None.
 
     Returns:
         A :class:`BudgetResult`; ``status`` is ``unreachable`` when no configuration met the budget.
     """
-    start, used = time.perf_counter(), 0
+    tv = tol.value if tol else 0.0
+    tr = _Trials(runner, budget, max_trials, time_limit_s, 2 * len(sens.rows) + 1, say)
     quantizable = len(runner.targets)
-    lower = budget.max is not None
 
     def frac(groups: list[str]) -> float:
         return (quantizable - len(runner.nodes_of(groups))) / total_gemms
 
-    def limited() -> bool:
-        return used >= max_trials or time.perf_counter() - start >= time_limit_s
-
-    def trial(groups: list[str], batches: int | None = None) -> S.Trial:
-        nonlocal used
-        before = len(runner.trials)
-        t = runner.measure(groups, batches)
-        used += len(runner.trials) - before
-        return t
-
+    order = rank({r["group"]: float(r["improvement"]) for r in sens.rows}, tv)
     excluded: list[str] = []
-    current = trial(excluded)
-    best = current
-    status = "met" if passes(budget, current.metrics) else "unreachable"
-    for row in sens.rows:
+    best = current = tr(excluded)
+    status = "met" if passes(budget, current.metrics, tv) else "unreachable"
+    for g in order:
         if status == "met":
             break
-        cand = [*excluded, row["group"]]
+        cand = [*excluded, g]
         if frac(cand) < min_fraction:
             continue
-        if limited():
+        if tr.limited():
             status = "limit reached"
             break
-        current, excluded = trial(cand), cand
-        value = current.metrics[budget.metric]
-        if (value < best.metrics[budget.metric]) == lower:
+        current, excluded = tr(cand), cand
+        if _better(budget, current.metrics, best.metrics, tv):
             best = current
-        if passes(budget, current.metrics):
+        if passes(budget, current.metrics, tv):
             status = "met"
     if status != "met":
-        status = status if status == "limit reached" else "unreachable"
         return _result(runner, status, budget, best, frac(best.excluded_groups))
     for g in reversed(excluded[:]):  # step back
-        if limited():
+        if tr.limited():
             status = "limit reached"
             break
         cand = [x for x in excluded if x != g]
-        t = trial(cand)
-        if passes(budget, t.metrics):
-            excluded, current = cand, t
-    notes: list[str] = []
-    if refine and status == "met":
-        excluded, status, notes = _refine(runner, excluded, budget, trial, limited, rank_batches)
-    met = runner.measure(excluded)
-    res = _result(runner, status, budget, met, frac(excluded))
-    res.notes = notes
+        if passes(budget, tr(cand).metrics, tv):
+            excluded = cand
+    return _result(runner, status, budget, runner.measure(excluded), frac(excluded))
+
+
+def _better(budget, a: dict, b: dict, tol: float) -> bool:
+    """``a`` beats ``b`` on the budget metric by more than ``tol``."""
+    lower = budget.max is not None
+    d = b[budget.metric] - a[budget.metric]
+    return (d if lower else -d) > tol
+
+
+def search_fine(runner: S.TrialRunner, gains: dict[str, float], budget, *, total_gemms: int, min_fraction: float,
+                max_trials: int, time_limit_s: float, tol: Tolerance, full_trials: int = FULL_TRIALS,
+                say=None) -> BudgetResult:
+    """GEMM by GEMM, ranked by a proxy, bracketed by full trials (issue 18 §5).
+
+    GEMMs are ranked by their predicted gain (:func:`pipeline.quant.proxy.predicted_gain`, ties
+    within ``tol`` by name). The predicted metric after reverting the top ``k`` is the
+    all-quantized trial's minus the top ``k`` gains summed; the first full trial is at the smallest
+    ``k`` predicted to meet the budget by ``tol``, then a bisection (or, while it misses, steps of
+    half the count again) over ``k``, at most ``full_trials`` trials. The smallest ``k`` measured
+    to meet the budget is chosen; since the trial count is fixed, not the time, the result does
+    not depend on the machine's speed.
+
+    Args:
+        gains: per-GEMM group name (``runner`` groups of one node) -> predicted gain, metric units.
+        Others: as :func:`search`.
+
+    Returns:
+        A :class:`BudgetResult` whose groups are single GEMMs (their module scopes).
+    """
+    tr = _Trials(runner, budget, max_trials, time_limit_s, full_trials + 1, say)
+    order = rank(gains, tol.value)
+    lower = budget.max is not None
+    base = tr([])
+    if passes(budget, base.metrics, tol.value):
+        return _result(runner, "met", budget, base, len(runner.targets) / total_gemms)
+    kmax = max((k for k in range(len(order) + 1)
+                if (len(runner.targets) - len(runner.nodes_of(order[:k]))) / total_gemms >= min_fraction), default=0)
+    k = _predicted_k(base.metrics[budget.metric], [gains[g] for g in order[:kmax]], budget, tol.value, lower)
+    lo, hi, best, used = 0, None, base, 0
+    while used < full_trials and not tr.limited():
+        t, used = tr(order[:k]), used + 1
+        if passes(budget, t.metrics, tol.value):
+            hi, best = k, t
+        else:
+            lo = k
+        if hi is None and k >= kmax:
+            break
+        if hi is not None and hi - lo <= 1:
+            break
+        k = (lo + hi) // 2 if hi is not None else min(kmax, k + max(2, k // 2))
+    frac = (len(runner.targets) - len(runner.nodes_of(best.excluded_groups))) / total_gemms
+    if hi is None:
+        status = "limit reached" if tr.limited() else "unreachable"
+        return _result(runner, status, budget, best, frac)
+    res = _result(runner, "met", budget, best, frac)
+    res.notes = [f"Fine search: {len(order)} GEMMs ranked by predicted gain (group trials x local output error, "
+                 f"pipeline/quant/proxy.py); {used} full trials bracket the count in high precision: {hi} meets "
+                 f"the budget, {lo} does not" + (" (bracket not closed: trial cap)." if hi - lo > 1 else ".")
+                 + f" Tolerance {tol.value:.3g} (noise {tol.noise:.3g})."]
     return res
 
 
-def _refine(runner: S.TrialRunner, excluded: list[str], budget, trial, limited, rank_batches: int | None
-            ) -> tuple[list[str], str, list[str]]:
-    """Step 4 of the module docstring. Returns ``(groups in high precision, status, report notes)``."""
-    kept_nodes = runner.nodes_of(excluded)
-    fine: dict[str, list[str]] = {}
-    for t in runner.targets:
-        if t.node in kept_nodes:
-            fine.setdefault(S.group_of(t, "per_gemm"), []).append(t.node)
-    if len(fine) <= len(excluded):
-        return excluded, "met", []
-    runner.add_groups(fine)
-    kept, lower = list(fine), budget.max is not None
-    cost = {}
-    for g in kept:
-        if limited():
-            return excluded, "limit reached", ["refinement: limit reached while ranking single GEMMs"]
-        cost[g] = trial([x for x in kept if x != g], rank_batches).metrics[budget.metric]
-    order = sorted(kept, key=lambda g: cost[g] if lower else -cost[g])
-    lo, hi = 0, len(order)  # re-quantizing order[:lo] meets the budget; order[:hi] is taken not to
-    while hi - lo > 1:
-        if limited():
-            return excluded, "limit reached", ["refinement: limit reached in the binary search"]
-        mid = (lo + hi) // 2
-        if passes(budget, trial([g for g in kept if g not in order[:mid]]).metrics):
-            lo = mid
-        else:
-            hi = mid
-    chosen, misses, status = [g for g in kept if g not in order[:lo]], 0, "met"
-    for g in order[lo + 1:]:
-        if misses >= REFINE_PATIENCE:
-            break
-        if limited():
-            status = "limit reached"
-            break
-        cand = [x for x in chosen if x != g]
-        if passes(budget, trial(cand).metrics):
-            chosen, misses = cand, 0
-        else:
-            misses += 1
-    notes = [f"Refinement: the {len(kept_nodes)} GEMMs of {', '.join(excluded)} ranked one by one "
-             f"(each re-quantized alone); the cheapest {lo} re-quantized together (binary search), then one at a "
-             f"time until {REFINE_PATIENCE} misses in a row: {len(chosen)} single GEMMs stay in high precision"
-             + (" (limit reached before the end)." if status != "met" else ".")]
-    return chosen, status, notes
+def _predicted_k(base: float, gains: list[float], budget, tol: float, lower: bool) -> int:
+    """Smallest ``k`` whose predicted metric meets the bound by ``tol`` (else ``len(gains)``)."""
+    bound = budget.max if lower else budget.min
+    value = base
+    for k, g in enumerate(gains):
+        if (bound - value if lower else value - bound) >= tol:
+            return k
+        value = value - g if lower else value + g
+    return len(gains)
 
 
 def _result(runner: S.TrialRunner, status: str, budget, chosen: S.Trial, fraction: float) -> BudgetResult:
@@ -260,11 +333,19 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     S.write_report(sens, ctx.stage_dir)
     if q.accuracy_budget is None:
         return targets, None, sens
-    total = len(targets) + forced
-    with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
-        res = search(runner, sens, q.accuracy_budget, total_gemms=total, min_fraction=tun.min_quantized_fraction,
-                     max_trials=tun.max_trials, time_limit_s=tun.time_limit_s,
-                     refine=bool(q.sensitivity and q.sensitivity.refine), rank_batches=half)
+    bounds = dict(total_gemms=len(targets) + forced, min_fraction=tun.min_quantized_fraction,
+                  max_trials=tun.max_trials, time_limit_s=tun.time_limit_s, say=ctx.progress.print)
+    with ctx.progress.step("float-kernel noise: the all-quantized trial at another thread count"):
+        tol = Tolerance.of(q.accuracy_budget, S.thread_noise(runner, metric))
+    if q.sensitivity and q.sensitivity.refine:
+        with ctx.progress.step("proxy: local output error of each GEMM on one tuning batch"):
+            gains = _fine_gains(runner, sens, amax, fmt, q.per_channel_weights)
+        with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric}, GEMM by GEMM"):
+            res = search_fine(runner, gains, q.accuracy_budget, tol=tol, **bounds)
+    else:
+        with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
+            res = search(runner, sens, q.accuracy_budget, tol=tol, **bounds)
+    res.tolerance = {"value": tol.value, "noise": tol.noise}
     _write(ctx.stage_dir, res, list(q.exclude.nodes))
     if res.status != "met":
         best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
@@ -287,6 +368,23 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     return [t for t in targets if t.node not in skip], res, sens
 
 
+def _fine_gains(runner: S.TrialRunner, sens: S.Sensitivity, amax: dict[str, float], fmt: qdq.QFormat,
+                per_channel: bool) -> dict[str, float]:
+    """Predicted gain per single-GEMM group (module scope), added to ``runner``'s groups
+    (:mod:`pipeline.quant.proxy`: the group trials of ``sens`` x each GEMM's local output error)."""
+    from pipeline.quant import proxy
+
+    acts = sorted({t.act for t in runner.targets})
+    inputs = proxy.capture_inputs(runner.model, acts, runner.feeds[:1], S._session)
+    errors = proxy.local_error(runner.model, runner.targets, inputs, amax, fmt, per_channel)
+    del inputs
+    node_gain = proxy.predicted_gain(errors, {r['group']: runner.group_nodes[r['group']] for r in sens.rows},
+                                     {r["group"]: float(r["improvement"]) for r in sens.rows})
+    fine = S.groups(runner.targets, "per_gemm")
+    runner.add_groups(fine)
+    return {g: sum(node_gain.get(n, 0.0) for n in nodes) for g, nodes in fine.items()}
+
+
 def _nodes(runner: S.TrialRunner, res: BudgetResult) -> set[str]:
     return runner.nodes_of(res.excluded_groups)
 
@@ -298,17 +396,37 @@ def _write(folder: Path, res: BudgetResult, forced: list[str]) -> None:
     (folder / "budget_snippet.yaml").write_text(res.snippet(forced))
     lines = [f"Accuracy budget `{res.bound}` on the tuning split: **{res.status}**; "
              f"{len(res.excluded_scopes)} GEMMs in high precision, {res.quantized_fraction:.1%} quantized.", "",
-             "Trials marked with fewer windows are the sensitivity pass (ranking only); the budget is judged on all.", "",
-             "| trial | groups in high precision | GEMMs | windows | kld_mean | relative_perplexity_increase | "
-             "top1_agreement | s |",
+             "Each trial is shown as its change from the previous one (`+` left in high precision, `-` quantized "
+             "again); `budget.json` lists every trial's full set. Trials with fewer windows are the sensitivity "
+             "pass (ranking only); the budget is judged on all.", "",
+             "| trial | change | GEMMs | windows | kld_mean | relative_perplexity_increase | top1_agreement | s |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {i} | {', '.join(t['excluded_groups']) or '(none)'} | {t['excluded_gemms']} | {t['windows']} | "
-              f"{t['kld_mean']:.4g} | "
-              f"{t['relative_perplexity_increase']:.4g} | {t['top1_agreement']:.4f} | {t['wall_s']} |"
-              for i, t in enumerate(res.trials, 1)]
-    lines += ["", *res.notes, "", *why_lines(res), "", "Recipe snippet (pins this result without a search):", "", "```yaml",
-              res.snippet(forced), "```"]
+    prev: list[str] = []
+    for i, t in enumerate(res.trials, 1):
+        lines.append(f"| {i} | {_change(prev, t['excluded_groups'])} | {t['excluded_gemms']} | {t['windows']} | "
+                     f"{t['kld_mean']:.4g} | {t['relative_perplexity_increase']:.4g} | {t['top1_agreement']:.4f} | "
+                     f"{t['wall_s']} |")
+        prev = t["excluded_groups"]
+    tol = (f"Float-noise tolerance {res.tolerance['value']:.3g} (measured noise {res.tolerance['noise']:.3g}): "
+           "closer values are ties, broken by name." if res.tolerance else "")
+    lines += ["", *res.notes, tol, "", *why_lines(res), "", "Recipe snippet (pins this result without a search):",
+              "", "```yaml", res.snippet(forced), "```"]
     (folder / "budget.md").write_text("\n".join(lines) + "\n")
+
+
+def _change(prev: list[str], now: list[str], shown: int = 3) -> str:
+    """``+ a, - b`` from the set ``prev`` to ``now`` (at most ``shown`` names each way, then a count)."""
+    if not prev and not now:
+        return "(all quantized)"
+    if not prev:
+        return f"{len(now)} in high precision: " + _names(now, shown) if len(now) > 1 else f"+ {now[0]}"
+    plus, minus = [g for g in now if g not in prev], [g for g in prev if g not in now]
+    parts = ([f"+ {_names(plus, shown)}"] if plus else []) + ([f"- {_names(minus, shown)}"] if minus else [])
+    return ", ".join(parts) or "(same set)"
+
+
+def _names(names: list[str], shown: int) -> str:
+    return ", ".join(names[:shown]) + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
 
 
 def why_lines(res: BudgetResult) -> list[str]:

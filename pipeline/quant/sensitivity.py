@@ -23,6 +23,7 @@ group is left in high precision (all others quantized).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
@@ -241,28 +242,33 @@ class TrialRunner:
         feeds = self.feeds[:batches] if batches else self.feeds
         off = self.nodes_of(excluded_groups)
         key = frozenset(off)
-        if (key, len(feeds)) in self._cache:
-            return self._cache[(key, len(feeds))]
+        if (key, len(feeds)) in self._cache:  # the same GEMMs, perhaps named by other groups
+            hit = self._cache[(key, len(feeds))]
+            names = sorted(excluded_groups)
+            return hit if hit.excluded_groups == names else dataclasses.replace(hit, excluded_groups=names)
         start = time.perf_counter()
-        ref = self.reference()
         sess, switches = self._switched()
+        metrics = self.score(sess, switches, off, feeds)
+        windows = sum(int(f["input_ids"].shape[0]) for f in feeds)
+        trial = Trial(sorted(excluded_groups), len(off), metrics, time.perf_counter() - start, windows)
+        self._cache[(key, len(feeds))] = trial
+        self.trials.append(trial)
+        return trial
+
+    def score(self, sess: ort.InferenceSession, switches: dict[str, str], off: set[str],
+              feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:
+        """:data:`TRIAL_METRICS` of a switch-graph session with the GEMMs ``off`` in high precision."""
+        ref = self.reference()
         on = _switch_feeds(switches, {t.node for t in self.targets} - off)
         kl, nll, agree, row = 0.0, 0.0, 0, 0
         for f in feeds:
             lg = self.logits(sess, {**f, **on})[:, :-1]
             lg = lg.reshape(-1, lg.shape[-1])
-            n = lg.shape[0]
             k, l, a = _score_against(lg, ref, row)
-            kl, nll, agree, row = kl + k, nll + l, agree + a, row + n
+            kl, nll, agree, row = kl + k, nll + l, agree + a, row + lg.shape[0]
         ref_nll = float(ref.nll[:row].sum())  # the same scored tokens as the candidate's
-        metrics = {"kld_mean": kl / row, "relative_perplexity_increase": float(np.expm1((nll - ref_nll) / row)),
-                   "top1_agreement": agree / row}
-        skip = len(off)
-        windows = sum(int(f["input_ids"].shape[0]) for f in feeds)
-        trial = Trial(sorted(excluded_groups), skip, metrics, time.perf_counter() - start, windows)
-        self._cache[(key, len(feeds))] = trial
-        self.trials.append(trial)
-        return trial
+        return {"kld_mean": kl / row, "relative_perplexity_increase": float(np.expm1((nll - ref_nll) / row)),
+                "top1_agreement": agree / row}
 
     def _switched(self) -> tuple[ort.InferenceSession, dict[str, str]]:
         """The :func:`switch_graph` session, one switch per GEMM, and the switch names (built once)."""
@@ -316,10 +322,28 @@ def _score_against(lg: np.ndarray, ref: Reference, row: int) -> tuple[float, flo
     return kl, nll, agree
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+def thread_noise(runner: TrialRunner, metric: str, batches: int = 1) -> float:
+    """Float-kernel noise of a trial metric: ``|m_1 - m_default|`` of the all-quantized
+    configuration on the first ``batches`` tuning batches, measured in a session with one intra-op
+    thread (two where the default is one) against the runner's own: another thread count changes
+    how ONNX Runtime splits and sums the work. 0.0 when the two agree to the last bit."""
+    base = runner.measure([], batches)
+    per_node = {t.node: [t.node] for t in runner.targets}
+    graph, switches = switch_graph(runner.model, runner.targets, per_node, runner.amax, runner.fmt,
+                                   runner.per_channel, runner._weights)
+    threads = 1 if (ort.SessionOptions().intra_op_num_threads or 0) != 1 else 2
+    sess = _session(graph, threads)
+    del graph
+    other = runner.score(sess, switches, set(), runner.feeds[:batches])
+    return abs(other[metric] - base.metrics[metric])
+
+
+def _session(model: onnx.ModelProto, threads: int = 0) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of an in-memory graph, at the level validate uses for FP8 Q/DQ
-    (basic: exact simulated quantization; :mod:`pipeline.runtime`)."""
+    (basic: exact simulated quantization; :mod:`pipeline.runtime`); ``threads`` intra-op threads
+    (0: ONNX Runtime's default, one per core)."""
     opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])

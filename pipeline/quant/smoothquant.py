@@ -181,8 +181,9 @@ def _op(node: onnx.NodeProto | None) -> str:
     return "a graph input" if node is None else f"{node.op_type} node {node.name!r}"
 
 
-def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target],
-            batches: list[dict[str, np.ndarray]]) -> tuple[onnx.ModelProto, list[Target], str, dict]:
+def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target], batches: list[dict[str, np.ndarray]],
+            channel_amax: dict[str, np.ndarray] | None = None
+            ) -> tuple[onnx.ModelProto, list[Target], str, dict, dict[str, np.ndarray]]:
     """The quantize stage's SmoothQuant step (``quantize.smoothquant``), with the weights loaded.
 
     Loads ``model``'s weights from beside ``src``; with ``quantize.smoothquant`` set,
@@ -190,8 +191,13 @@ def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target],
     MatMul targets in ``kept`` and writes the smoothed FP32 graph to
     ``<stage>/smoothed_fp32.onnx`` (per-tensor calibration then runs on it).
 
+    Args:
+        channel_amax: a pinned per-channel amax (:mod:`pipeline.quant.pin`): used instead of
+            collecting it over ``batches``.
+
     Returns:
-        ``(model, kept targets re-found in it, graph path to calibrate, info for the artifact)``.
+        ``(model, kept targets re-found in it, graph path to calibrate, info for the artifact,
+        the per-channel amax used: float32 [channels] per activation, empty without SmoothQuant)``.
 
     Raises:
         QuantizationError: see :func:`smooth`.
@@ -206,14 +212,14 @@ def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target],
     load_external_data_for_model(model, str(Path(src).parent))
     sq = ctx.recipe.quantize.smoothquant
     if sq is None:
-        return model, kept, str(src), {}
+        return model, kept, str(src), {}, {}
     mm = [t for t in kept if t.weight_axis == 1 and t.node in {n.name for n in model.graph.node if n.op_type == "MatMul"}]
     acts = sorted({t.act for t in mm})
     with ctx.progress.step(f"smoothquant: per-channel amax of {len(acts)} GEMM inputs, alpha {sq.alpha}"):
-        chan = calibrate.collect_channel_amax(model, acts, batches)
+        chan = channel_amax if channel_amax is not None else calibrate.collect_channel_amax(model, acts, batches)
         report = smooth(model, mm, chan, sq.alpha)
     path = ctx.stage_dir / "smoothed_fp32.onnx"
     onnx_io.save_model_atomic(model, path)
     names = {t.node for t in kept}
     kept = [t for t in qdq.find_targets(model, [n for n in ("MatMul", "Gemm", "Conv")]) if t.node in names]
-    return model, kept, str(path), {"alpha": sq.alpha, **report.summary()}
+    return model, kept, str(path), {"alpha": sq.alpha, **report.summary()}, chan

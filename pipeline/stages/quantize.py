@@ -1,6 +1,7 @@
 """Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, or FP16."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,8 @@ from pipeline.context import StageContext
 from pipeline.errors import QuantizationError
 from pipeline.feeds import save_batches
 from pipeline.models import registry
-from pipeline.quant import autocast, budget, calibrate, qdq, smoothquant
+from pipeline.recipe import ExcludeConfig
+from pipeline.quant import autocast, budget, calibrate, pin, qdq, smoothquant
 
 
 def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
@@ -49,20 +51,34 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     batches, shortfall = calibration_data(ctx, exp)
     if shortfall:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
-    cal_src, extra = src, {}
+    pinned = ctx.pin.pinned if ctx.pin is not None else None
+    cal_src, extra, chan = src, {}, {}
     if q.smoothquant is not None or q.tuning is not None:  # issue 10: weights loaded, FP32 graph smoothed
-        model, kept, cal_src, smooth_info = smoothquant.prepare(ctx, src, model, kept, batches)
+        model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
+            ctx, src, model, kept, batches, pin.channel_amax(pinned) if pinned and q.smoothquant else None)
         extra = {"smoothquant": smooth_info} if smooth_info else {}
     acts = sorted({t.act for t in kept})
-    with ctx.progress.step(f"calibrate: {q.calibration.method} over {len(batches)} batches, {len(acts)} tensors"):
-        amax = calibrate.collect_amax(cal_src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
-                                      scratch_dir=ctx.stage_dir)
-    if q.tuning is not None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
+    if pinned is not None:
+        amax = _pinned_amax(pinned, acts, ctx.pin.path)
+        kept = _pinned_kept(model, kept, pinned, ctx.pin.path)
+        extra["tuning"] = {"source": pin.PINNED, "file": str(ctx.pin.path), "metrics": pinned.get("metrics", {}),
+                           "excluded": len(pinned["excluded"])}
+        ctx.progress.print(f"  quantize: {ctx.pin.describe()} ({len(pinned['excluded'])} GEMMs in high precision; "
+                           "no calibration, no search)")
+    else:
+        with ctx.progress.step(f"calibrate: {q.calibration.method} over {len(batches)} batches, {len(acts)} tensors"):
+            amax = calibrate.collect_amax(cal_src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
+                                          scratch_dir=ctx.stage_dir)
+    found = None
+    if q.tuning is not None and pinned is None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
         kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt)
-        excluded = [t for t in targets if t.node not in {k.node for k in kept}]
-        extra["quantized_fraction"] = len(kept) / len(targets)
         if found is not None:
             extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
+    if pinned is None:
+        _write_candidate(ctx, amax, chan, found)
+        extra["tuning"] = {"source": pin.SEARCHED if found else "calibrated", "reason": ctx.pin.reason if ctx.pin else ""}
+    excluded = [t for t in targets if t.node not in {k.node for k in kept}]
+    extra["quantized_fraction"] = len(kept) / len(targets)
     model = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights, base_dir=str(src.parent), inplace=True)
     graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
     model = autocast.cast_rest(model, q.rest_precision, base_dir=str(src.parent))  # fp32: unchanged
@@ -72,6 +88,45 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     art = QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info,
                             calibration_feeds_path=str(feeds_path))
     return _save(art, model, src)
+
+
+def _pinned_amax(pinned: dict, acts: list[str], path: Path) -> dict[str, float]:
+    """The pinned amax of ``acts``.
+
+    Raises:
+        QuantizationError: the pin lacks a tensor (the graph changed under a matching pin).
+    """
+    missing = [a for a in acts if a not in pinned["amax"]]
+    if missing:
+        raise QuantizationError(f"{path}: no pinned amax for {missing[:3]} ({len(missing)} tensors); the graph "
+                                "changed since it was tuned: re-tune (make tune), or bump pin.SEARCH_VERSION")
+    return {a: float(pinned["amax"][a]) for a in acts}
+
+
+def _pinned_kept(model: onnx.ModelProto, kept: list[qdq.Target], pinned: dict, path: Path) -> list[qdq.Target]:
+    """``kept`` without the pin's high-precision scopes, matched exactly as ``quantize.exclude.nodes``."""
+    if not pinned["excluded"]:
+        return kept
+    try:
+        return qdq.apply_exclusions(model, kept, ExcludeConfig(nodes=pinned["excluded"]))[0]
+    except QuantizationError as e:
+        raise QuantizationError(f"{path}: {e}; re-tune (make tune)") from None
+
+
+def _write_candidate(ctx: StageContext, amax: dict[str, float], chan: dict, found) -> None:
+    """``quantize/tuned.json``: what ``tune`` pins (:func:`pipeline.quant.pin.candidate`)."""
+    from pipeline.fsutil import write_text_atomic
+    from pipeline.manifest import tool_versions
+
+    if ctx.pin is None or (found is not None and found.status != "met"):
+        return
+    search = ({"status": found.status, "bound": found.bound, "trials": len(found.trials),
+               "notes": found.notes} if found else {"status": "no search (no accuracy_budget)"})
+    versions = tool_versions()
+    data = pin.candidate(ctx.pin.fields, excluded=found.excluded_scopes if found else [], amax=amax,
+                         channel_amax=chan, metrics=found.metrics if found else {}, search=search,
+                         recorded={"versions": versions, "cpu": versions.get("cpu", "")})
+    write_text_atomic(ctx.stage_dir / pin.CANDIDATE, json.dumps(data, indent=1) + "\n")
 
 
 def _save(art: QuantizedArtifact, model: onnx.ModelProto, src: Path) -> QuantizedArtifact:
