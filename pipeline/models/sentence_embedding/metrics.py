@@ -165,15 +165,22 @@ def drop_stderrs(ref: dict, cand: dict) -> dict:
         if not (np.isfinite(cr).all() and np.isfinite(cc).all()):
             continue
         idx = uncertainty.resample_indices(len(human))
-        drops[n] = 100.0 * (_rowwise_spearman(cr[idx], human[idx]) - _rowwise_spearman(cc[idx], human[idx]))
-    out: dict = {f"spearman_drop_{n}_stderr": float(np.std(drops[n], ddof=1)) if n in drops else None
-                 for n in WORD_SETS}
+        with np.errstate(invalid="ignore", divide="ignore"):  # a resample of one repeated pair: undefined rho
+            drops[n] = 100.0 * (_rowwise_spearman(cr[idx], human[idx]) - _rowwise_spearman(cc[idx], human[idx]))
+    out: dict = {f"spearman_drop_{n}_stderr": _finite_std(drops[n]) if n in drops else None for n in WORD_SETS}
     both = len(drops) == len(WORD_SETS)
-    out["spearman_drop_max_stderr"] = float(np.std(np.max(list(drops.values()), axis=0), ddof=1)) if both else None
+    out["spearman_drop_max_stderr"] = _finite_std(np.max(list(drops.values()), axis=0)) if both else None
     cos = cand["sentence_cosines"]
     out["mean_cosine_stderr"] = (uncertainty.ratio_of_sums_stderr(cos, np.ones_like(cos)) if len(cos) >= 2
                                  else None)
     return out
+
+
+def _finite_std(stat: np.ndarray) -> float | None:
+    """Sample standard deviation (ddof 1) of the finite resampled values (a resample whose
+    Spearman is undefined is left out); None when fewer than 2 are finite."""
+    finite = stat[np.isfinite(stat)]
+    return float(np.std(finite, ddof=1)) if len(finite) >= 2 else None
 
 
 def stderr_basis(ref: dict, n_sentences: int) -> dict:
