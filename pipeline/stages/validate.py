@@ -34,9 +34,9 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
 
     Raises:
         AccuracyError: the FP32 reference produced NaN (broken reference or input).
-        RecipeError: a gate asks for a metric this model kind does not produce;
-            ``quantize.rest_precision: bf16`` without an engine (BF16 is validated
-            only through TensorRT).
+        RecipeError: ``quantize.rest_precision: bf16`` without an engine (BF16 is validated
+            only through TensorRT); a statistical gate test whose metric came out
+            without a standard error (:func:`pipeline.gates.evaluate`).
         RunnerError: the engine does not load or run.
     """
     engine = engine_path(b)
