@@ -86,6 +86,13 @@ def test_spearman_drop_stderr_is_a_paired_bootstrap_over_pairs():
     # identical models: every resample's drop is exactly 0 (the pairing cancels all sampling noise)
     assert same["spearman_drop_wordsim353_stderr"] == 0.0 and same["mean_cosine_stderr"] == 0.0
     assert se_metrics.stderr_basis(ref, 50)["spearman_drop_simlex999"]["n"] == 150
+    # the vectorised rank correlation is scipy's Spearman rho (ties in the human scores included)
+    from scipy.stats import spearmanr
+
+    h = np.round(human["wordsim353"])  # ties
+    c = ref["cosines_wordsim353"]
+    rows = se_metrics._rowwise_spearman(np.stack([c, c[::-1]]), se_metrics._rank_rows(np.stack([h, h[::-1]])))
+    assert rows == pytest.approx([spearmanr(c, h).statistic] * 2, rel=1e-12)
 
 
 # --- margins, within noise, n needed --------------------------------------------------------------

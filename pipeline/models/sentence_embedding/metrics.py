@@ -138,11 +138,11 @@ def _rank_rows(x: np.ndarray) -> np.ndarray:
     return rankdata(x, axis=-1)
 
 
-def _rowwise_spearman(cos: np.ndarray, human: np.ndarray) -> np.ndarray:
-    """Spearman rho of each row pair of two ``[R, n]`` arrays: Pearson of their ranks, ``[R]``."""
-    a, b = _rank_rows(cos), _rank_rows(human)
+def _rowwise_spearman(cos: np.ndarray, human_ranks: np.ndarray) -> np.ndarray:
+    """Spearman rho of each row of ``cos`` ``[R, n]`` with the matching row of already
+    ranked human scores: the Pearson correlation of the ranks, ``[R]``."""
+    a, b = _rank_rows(cos), human_ranks - human_ranks.mean(1, keepdims=True)
     a -= a.mean(1, keepdims=True)
-    b -= b.mean(1, keepdims=True)
     return (a * b).sum(1) / np.sqrt((a * a).sum(1) * (b * b).sum(1))
 
 
@@ -166,7 +166,8 @@ def drop_stderrs(ref: dict, cand: dict) -> dict:
             continue
         idx = uncertainty.resample_indices(len(human))
         with np.errstate(invalid="ignore", divide="ignore"):  # a resample of one repeated pair: undefined rho
-            drops[n] = 100.0 * (_rowwise_spearman(cr[idx], human[idx]) - _rowwise_spearman(cc[idx], human[idx]))
+            ranks = _rank_rows(human[idx])
+            drops[n] = 100.0 * (_rowwise_spearman(cr[idx], ranks) - _rowwise_spearman(cc[idx], ranks))
     out: dict = {f"spearman_drop_{n}_stderr": _finite_std(drops[n]) if n in drops else None for n in WORD_SETS}
     both = len(drops) == len(WORD_SETS)
     out["spearman_drop_max_stderr"] = _finite_std(np.max(list(drops.values()), axis=0)) if both else None
