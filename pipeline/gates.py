@@ -186,7 +186,7 @@ def _evaluate_one(gate: Gate, metrics: dict, prefix: str) -> GateResult:
     se_raw = metrics.get(f"{metric}{STDERR_SUFFIX}")
     se = float(se_raw) if se_raw is not None and math.isfinite(float(se_raw)) else None
     upper = gate.max is not None
-    if upper:
+    if gate.max is not None:
         bound = float(gate.max)
     else:
         assert gate.min is not None  # the schema requires exactly one bound
