@@ -80,17 +80,61 @@ class BuildArtifact:
 
 @dataclass
 class GateResult:
+    """One gate's verdict (:func:`pipeline.gates.evaluate`), as the manifest's ``gates``
+    list, ``report.md`` and ``junit.xml`` carry it.
+
+    ``value``, ``stderr`` and ``bound`` are in the metric's unit. ``bound`` is the
+    recipe's bound (less the timing margin of a speedup gate); ``threshold`` is what
+    ``value`` was compared with: ``bound`` for a point comparison, ``bound ± z·stderr``
+    for a statistical test (``statistic``, ``confidence``). Where the metric has a
+    standard error: ``margin_se`` = (bound - value) / stderr for a max bound,
+    (value - bound) / stderr for a min bound (positive on the passing side);
+    ``within_noise`` when |margin_se| < 2; ``n`` eval tokens or items (``n_unit``)
+    the metric rests on, ``n_needed`` the count that would put the bound 2 standard
+    errors away (:func:`pipeline.gates.n_needed`), ``stderr_method`` how it was computed.
+    """
+
     name: str
     metric: str
     value: NullableFloat
     bound: float
     op: str  # "<=" or ">="
     passed: bool
+    stderr: float | None = None
+    margin_se: float | None = None
+    within_noise: bool | None = None
+    n: int | None = None
+    n_unit: str | None = None
+    n_needed: int | None = None
+    stderr_method: str | None = None
+    statistic: str = "point"
+    confidence: float | None = None
+    threshold: float | None = None
 
     @property
     def message(self) -> str:
+        """One line: verdict, value (± stderr), bound, margin in SE; "within noise" with
+        the eval count that would resolve it; the test and its threshold when not a point
+        comparison. Without a stderr: ``<name> passed: <metric> = <v> (bound <= <b>)``."""
         verdict = "passed" if self.passed else "FAILED"
-        return f"{self.name} {verdict}: {self.metric} = {self.value:.6g} (bound {self.op} {self.bound:.6g})"
+        value = f"{self.value:.6g}" + (f" ± {self.stderr:.2g}" if self.stderr is not None else "")
+        notes = [f"bound {self.op} {self.bound:.6g}"]
+        if self.statistic != "point" and self.threshold is not None:
+            notes.append(f"{self.statistic} at {self.confidence:.0%}: threshold {self.threshold:.6g}")
+        if self.margin_se is not None:
+            notes.append(f"margin {self.margin_se:+.2f} SE")
+        text = f"{self.name} {verdict}: {self.metric} = {value} ({'; '.join(notes)})"
+        return text + (f"; {self.noise_note}" if self.within_noise else "")
+
+    @property
+    def noise_note(self) -> str:
+        """``within noise: ~N eval tokens would resolve it`` (empty when not within noise)."""
+        if not self.within_noise:
+            return ""
+        unit = f"eval {self.n_unit}" if self.n_unit else "eval units"
+        need = f"~{self.n_needed:,} {unit} (now {self.n:,}) would resolve it" if self.n_needed else (
+            "the value sits on the bound: no eval size resolves it")
+        return f"within noise (|margin| < 2 SE): {need}"
 
 
 @dataclass

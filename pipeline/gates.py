@@ -5,16 +5,37 @@ A gate names a metric that its model kind writes to ``validate/metrics.json`` an
 exactly one bound (``max`` or ``min``). This module knows which metrics each kind
 produces (:func:`kind_metrics`), checks a gate list against them before any work
 (:func:`problems`) and turns measured metrics into verdicts (:func:`evaluate`).
+
+Uncertainty. Where a metric has a standard error σ (``<metric>_stderr`` in
+``metrics.json``, :data:`STDERR_METRICS`; :mod:`pipeline.metrics.uncertainty`), each
+verdict carries it, the margin in standard errors and a "within noise" flag (the value
+is less than :data:`NOISE_SE` standard errors from the bound), with the eval size
+that would resolve it (:func:`n_needed`). A gate's ``statistic`` chooses the test, as
+TensorRT-LLM's accuracy tests do (threshold = bound ± z_α·σ, σ the standard error of
+the mean, so it already holds the 1/√n; z_α = Φ⁻¹(confidence), one-sided):
+
+* ``point`` (default): value against the bound; a value within noise can go either way
+  on another eval set or CPU.
+* ``evidence_of_regression``: fails only when the value is past the bound by more than
+  z·σ (max: value > bound + z·σ; min: value < bound - z·σ). Errs toward passing: a
+  model exactly at the bound fails with probability at most 1 - confidence, and a true
+  regression smaller than about z·σ can pass. For CI that must not flake.
+* ``evidence_of_meeting``: passes only when the value is inside the bound by more than
+  z·σ (max: value <= bound - z·σ; min: value >= bound + z·σ). Errs toward failing: a
+  model past the bound passes with probability at most 1 - confidence, and a model that
+  truly meets it by less than about z·σ fails. For a release that must hold the bound.
 """
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pipeline.artifacts import GateResult
-from pipeline.errors import InternalError
+from pipeline.errors import InternalError, RecipeError
 from pipeline.metrics.speed import SPEEDUP_MARGIN
+from pipeline.metrics.uncertainty import BASIS_KEY, STDERR_SUFFIX
 
 if TYPE_CHECKING:
     from pipeline.recipe import Gate
@@ -29,6 +50,7 @@ _TEXT_GENERATION = frozenset({
     "perplexity_fp32",  # the reference itself (a floor on the eval data)
     # against FP32 per scored token, as llama.cpp's --kl-divergence (pipeline/metrics/llm_quality.py)
     "perplexity_ratio", "perplexity_ratio_stderr",  # PPL(cand) / PPL(fp32) and its standard error
+    "kld_mean_stderr", "top1_agreement_stderr",  # bootstrap standard errors (pipeline/metrics/llm_quality.py)
     "kld_mean", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max",  # KL(fp32 || cand), nats
     "top1_agreement",  # teacher-forced: same argmax at each scored position, fraction
     "delta_p_rms", "delta_p_p01", "delta_p_p99",  # p_cand - p_fp32 of the correct token
@@ -50,6 +72,20 @@ _GENERIC = frozenset({
     "max_abs_diff", "rel_l2",  # largest absolute difference; relative L2 error
     "top1_agreement",  # argmax of class-score outputs equal to FP32's
 })
+
+#: Model kind -> the gate metrics that have a standard error (``<metric>_stderr``), the
+#: only ones a statistical test (``statistic`` other than ``point``) may name.
+STDERR_METRICS: dict[str, frozenset[str]] = {
+    "text-generation": frozenset({"relative_perplexity_increase", "perplexity_ratio", "kld_mean", "top1_agreement",
+                                  "token_agreement"}),
+    "sentence-embedding": frozenset({"spearman_drop_wordsim353", "spearman_drop_simlex999", "spearman_drop_max",
+                                     "mean_cosine"}),
+}
+STDERR_METRICS["causal-lm"] = STDERR_METRICS["text-generation"]
+STDERR_METRICS["encoder"] = STDERR_METRICS["sentence-embedding"]
+
+#: a value closer to its bound than this many standard errors is "within noise"
+NOISE_SE = 2.0
 
 #: gate metric -> allowed shortfall below a ``min`` bound (timing noise; :data:`pipeline.metrics.speed.SPEEDUP_MARGIN`)
 NOISE_MARGINS = {"speedup_vs_fp32": SPEEDUP_MARGIN}
@@ -83,7 +119,8 @@ def problems(gates: Sequence[Gate], kind: str, at: Loc) -> list[tuple[Loc, str]]
     """What is wrong with ``gates`` for a ``kind`` model, as ``(key path, message)``:
     a metric the kind does not produce (naming the valid ones) or two gates with one
     name (their junit test case names must differ). ``at`` is the list's key path,
-    e.g. ``("validate", "gates")``; each problem's path adds the gate index.
+    e.g. ``("validate", "gates")``; each problem's path adds the gate index. A
+    statistical test on a metric without a standard error (:data:`STDERR_METRICS`) is one.
     """
     try:
         valid = kind_metrics(kind)
@@ -95,6 +132,9 @@ def problems(gates: Sequence[Gate], kind: str, at: Loc) -> list[tuple[Loc, str]]
         if gate.metric not in valid:
             out.append(((*at, i, "metric"), f"{gate.metric!r} is not a metric of a {kind} model; "
                         f"valid: {sorted(valid)}"))
+        if gate.statistic != "point" and gate.metric in valid and gate.metric not in STDERR_METRICS.get(kind, ()):
+            out.append(((*at, i, "statistic"), f"{gate.statistic} needs a standard error, and {gate.metric!r} has "
+                        f"none; use statistic: point, or a metric with one: {sorted(STDERR_METRICS.get(kind, ()))}"))
         if gate.label in seen:
             out.append(((*at, i), f"gate name {gate.label!r} is also the name of gate {seen[gate.label]}; "
                         "give one of them its own name (name: <text>)"))
@@ -111,35 +151,101 @@ def evaluate(gates: Sequence[Gate], metrics: dict, prefix: str = "") -> list[Gat
 
     Args:
         gates: the recipe's gates, in order.
-        metrics: metric name -> number or None, as the validate stage writes them.
+        metrics: metric name -> number or None, as the validate stage writes them; a
+            metric's standard error is read from ``<metric>_stderr`` and its eval size
+            from ``stderr_basis[<metric>]`` (:mod:`pipeline.metrics.uncertainty`).
         prefix: prepended to every gate's metric name.
 
     A ``min`` gate on a timing metric (:data:`NOISE_MARGINS`: ``speedup_vs_fp32``, "keep
     only if faster") passes at ``value >= min - margin`` (0.10: see
     :mod:`pipeline.metrics.speed`); its result's ``bound`` is that effective bound, so
     the report reads e.g. ``speedup_vs_fp32 = 0.95 (bound >= 0.9)`` for ``min: 1.0``.
+    A statistical ``statistic`` compares with :func:`threshold` (module docstring).
 
     Returns:
-        ``GateResult(name, metric, value, bound, op, passed)`` per gate; ``op`` is
-        ``"<="`` for a ``max`` bound, ``">="`` for a ``min`` bound.
+        :class:`~pipeline.artifacts.GateResult` per gate; ``op`` is ``"<="`` for a
+        ``max`` bound, ``">="`` for a ``min`` bound; the uncertainty fields are None
+        where the metric has no standard error.
 
     Raises:
         InternalError: a gate's metric is missing from ``metrics`` (the recipe check
             refuses gates on metrics the kind does not produce, so this is a bug).
+        RecipeError: a statistical test on a finite value whose standard error is
+            missing or null (e.g. one eval window: nothing to resample).
     """
-    out = []
-    for gate in gates:
-        metric = prefix + gate.metric
-        if metric not in metrics:
-            raise InternalError(f"gate {gate.label!r} needs metric {metric!r}, which was not measured; "
-                           f"measured: {sorted(metrics)}")
-        raw = metrics[metric]
-        value = math.nan if raw is None else float(raw)
-        if gate.max is not None:
-            op, bound, passed = "<=", gate.max, value <= gate.max
-        else:
-            assert gate.min is not None  # the schema requires exactly one bound
-            bound = gate.min - NOISE_MARGINS.get(gate.metric, 0.0)  # documented noise margin (speedup)
-            op, passed = ">=", value >= bound
-        out.append(GateResult(gate.label, metric, value, float(bound), op, bool(passed and math.isfinite(value))))
-    return out
+    return [_evaluate_one(gate, metrics, prefix) for gate in gates]
+
+
+def _evaluate_one(gate: Gate, metrics: dict, prefix: str) -> GateResult:
+    metric = prefix + gate.metric
+    if metric not in metrics:
+        raise InternalError(f"gate {gate.label!r} needs metric {metric!r}, which was not measured; "
+                            f"measured: {sorted(metrics)}")
+    raw = metrics[metric]
+    value = math.nan if raw is None else float(raw)
+    se_raw = metrics.get(f"{metric}{STDERR_SUFFIX}")
+    se = float(se_raw) if se_raw is not None and math.isfinite(float(se_raw)) else None
+    upper = gate.max is not None
+    if gate.max is not None:
+        bound = float(gate.max)
+    else:
+        assert gate.min is not None  # the schema requires exactly one bound
+        bound = float(gate.min) - NOISE_MARGINS.get(gate.metric, 0.0)  # documented noise margin (speedup)
+    if gate.statistic != "point" and se is None and math.isfinite(value):
+        raise RecipeError(f"validate.gates: {gate.label} asks for statistic {gate.statistic}, but {metric} has no "
+                          f"standard error here ({metrics.get(f'{metric}{STDERR_SUFFIX}_reason') or 'null'}); "
+                          "measure more than one eval window / item, or use statistic: point")
+    limit = threshold(bound, upper, se, gate.statistic, gate.confidence) if se is not None else bound
+    passed = value <= limit if upper else value >= limit
+    res = GateResult(gate.label, metric, value, bound, "<=" if upper else ">=", bool(passed and math.isfinite(value)),
+                     statistic=gate.statistic, threshold=limit,
+                     confidence=gate.confidence if gate.statistic != "point" else None)
+    if se is not None and math.isfinite(value):
+        _add_uncertainty(res, se, upper, metrics.get(BASIS_KEY, {}).get(metric, {}))
+    return res
+
+
+def threshold(bound: float, upper: bool, se: float, statistic: str, confidence: float) -> float:
+    """The value a gate compares with: ``bound`` (point), ``bound ± z·se`` otherwise,
+    z = Φ⁻¹(confidence) (one-sided normal quantile, :meth:`statistics.NormalDist.inv_cdf`).
+
+    ``evidence_of_regression`` moves the threshold past the bound (max: +z·se, min: -z·se);
+    ``evidence_of_meeting`` moves it inside (max: -z·se, min: +z·se).
+
+    Raises:
+        ValueError: an unknown ``statistic``.
+    """
+    if statistic == "point":
+        return bound
+    if statistic not in ("evidence_of_regression", "evidence_of_meeting"):
+        raise ValueError(f"statistic {statistic!r}; valid: point, evidence_of_regression, evidence_of_meeting")
+    shift = NormalDist().inv_cdf(confidence) * se
+    outward = shift if statistic == "evidence_of_regression" else -shift
+    return bound + outward if upper else bound - outward
+
+
+def margin_se(value: float, bound: float, upper: bool, se: float) -> float:
+    """Distance to the bound in standard errors, positive on the passing side:
+    (bound - value) / se for a max bound, (value - bound) / se for a min bound;
+    ±inf for se = 0 (the sign of the gap; 0 on the bound)."""
+    gap = (bound - value) if upper else (value - bound)
+    return gap / se if se > 0 else math.copysign(math.inf, gap) if gap else 0.0
+
+
+def n_needed(n_now: int, se: float, gap: float, k: float = NOISE_SE) -> int | None:
+    """Eval tokens (or items) that would put the bound ``k`` standard errors from the value:
+    a standard error of a mean scales as 1/√n, so se(n') = se·√(n/n') and
+    n' = n·(k·se / |gap|)², rounded up (``gap`` = value - bound). None when ``gap`` is 0
+    (no size resolves a value on the bound)."""
+    if gap == 0:
+        return None
+    return math.ceil(n_now * (k * se / abs(gap)) ** 2)
+
+
+def _add_uncertainty(res: GateResult, se: float, upper: bool, basis: dict) -> None:
+    """Fill the result's standard error, margin, noise flag and eval sizes."""
+    res.stderr, res.margin_se = se, margin_se(res.value, res.bound, upper, se)
+    res.within_noise = abs(res.margin_se) < NOISE_SE
+    res.n, res.n_unit, res.stderr_method = basis.get("n"), basis.get("unit"), basis.get("method")
+    if res.within_noise and res.n:
+        res.n_needed = n_needed(res.n, se, res.value - res.bound)

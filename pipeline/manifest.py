@@ -213,22 +213,77 @@ def write_outputs(man: dict, run_dir: Path) -> Path:
 NO_GATES = "no gates: validate.gates is empty, so nothing was enforced"
 
 
+#: a report section longer than this many lines or bytes is cut there, with a pointer to its file
+SECTION_MAX_LINES = 60
+SECTION_MAX_BYTES = 6000
+
+
 def report_markdown(man: dict) -> str:
+    """report.md: first screen the verdict, the gate table (value ± standard error, bound,
+    margin in standard errors, verdict / within noise) and the stage table; then the
+    metrics, the stages' sections (each cut at :data:`SECTION_MAX_LINES` lines /
+    :data:`SECTION_MAX_BYTES` bytes with a pointer to its full file), versions last."""
     name = man["recipe"]["name"]
-    lines = [f"# {name}: {man.get('verdict', 'incomplete').upper()}", "", "## Stages", "",
-             "| stage | status | cache | wall (s) | peak RSS (MiB) | notes |", "|---|---|---|---|---|---|"]
+    lines = [f"# {name}: {man.get('verdict', 'incomplete').upper()}"]
+    if "gates" in man:
+        lines += ["", "## Gates", ""] + (gate_table(man["gates"]) if man["gates"] else [f"- {NO_GATES}"])
+    lines += ["", "## Stages", "",
+              "| stage | status | cache | wall (s) | peak RSS (MiB) | notes |", "|---|---|---|---|---|---|"]
     for st, r in man["stages"].items():
         cache = "hit" if r.get("cache_hit") else "miss"
         lines.append(f"| {st} | {r['status']} | {cache} | {r['wall_s']} | {r.get('peak_rss_mib')} | {r['reason']} |")
-    if "gates" in man:
-        lines += ["", "## Gates", ""] + ([f"- {g['message']}" for g in man["gates"]] or [f"- {NO_GATES}"])
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += _metric_rows(man["metrics"])
     for title, section in man.get("sections", {}).items():  # added after the build, e.g. by `pipeline plan`
-        lines += ["", f"## {title}", "", section["markdown"].strip()]
+        lines += ["", f"## {title}", "", capped_section(section["markdown"], section.get("file"))]
     lines += ["", "## Versions", ""] + [f"- {k}: {v}" for k, v in man["versions"].items()]
     return "\n".join(lines) + "\n"
+
+
+def gate_table(gates: list[dict]) -> list[str]:
+    """Markdown rows of the manifest's ``gates`` (:class:`pipeline.artifacts.GateResult`
+    as dicts): gate | metric | value ± se | bound | margin (SE) | verdict; then one line
+    per standard-error method and per statistical test. Fields an older manifest lacks show "-"."""
+    rows = ["| gate | metric | value ± se | bound | margin (SE) | verdict |", "|---|---|---|---|---|---|"]
+    notes: list[str] = []
+    for g in gates:
+        value = _fmt(g.get("value"), g.get("value_reason")) + (f" ± {g['stderr']:.2g}" if g.get("stderr") is not None
+                                                               else "")
+        margin = f"{g['margin_se']:+.2f}" if isinstance(g.get("margin_se"), (int, float)) else "-"
+        verdict = "pass" if g["passed"] else "**FAIL**"
+        if g.get("within_noise"):
+            verdict += ", within noise" + (f": ~{g['n_needed']:,} eval {g.get('n_unit') or 'units'} would resolve it"
+                                           if g.get("n_needed") else " (on the bound)")
+        bound = f"{g['op']} {_fmt(g['bound'])}" if g.get("bound") is not None else "-"
+        rows.append(f"| {g['name']} | {g.get('metric', '-')} | {value} | {bound} | {margin} | {verdict} |")
+        if g.get("stderr_method"):
+            notes.append(f"standard error of {g['metric']}: {g['stderr_method']}, over {g.get('n')} "
+                         f"eval {g.get('n_unit')}")
+        if g.get("statistic", "point") != "point":
+            notes.append(f"{g['name']}: {g['statistic']} at confidence {g.get('confidence')}: compared with "
+                         f"threshold {_fmt(g.get('threshold'))} (bound ± z·se; pipeline/gates.py)")
+    return rows + ([""] + [f"- {n}" for n in dict.fromkeys(notes)] if notes else [])
+
+
+def capped_section(markdown: str, file: str | None = None, max_lines: int = SECTION_MAX_LINES,
+                   max_bytes: int = SECTION_MAX_BYTES) -> str:
+    """``markdown`` stripped, cut after ``max_lines`` lines or before ``max_bytes`` UTF-8
+    bytes (whole lines), whichever comes first, ending with a line naming how much was
+    left out and where the full text is (``file``, relative to the run folder; else
+    manifest.json's ``sections``)."""
+    text = markdown.strip()
+    lines = text.splitlines()
+    kept, size = [], 0
+    for line in lines[:max_lines]:
+        size += len(line.encode()) + 1
+        if size > max_bytes:
+            break
+        kept.append(line)
+    if len(kept) == len(lines):
+        return text
+    where = f"`{file}`" if file else "manifest.json (`sections`)"
+    return "\n".join(kept) + f"\n\n... {len(lines) - len(kept)} more lines: the full section is in {where}"
 
 
 def add_report_section(run_dir: Path, title: str, markdown: str) -> None:
@@ -264,16 +319,27 @@ def _fmt(v, reason: str | None = None) -> str:
 
 
 def junit_xml(man: dict) -> str:
-    """One <testcase> per accuracy gate, plus one per failed stage."""
+    """One <testcase> per accuracy gate, plus one per failed stage. A gate's case holds
+    ``<properties>`` (value, stderr, bound, margin_se, within_noise, n, statistic,
+    threshold: the fields it has) and its message as ``<system-out>``; a failed gate's
+    message is also the ``<failure>`` message."""
     gates = man.get("gates", [])
     failed_stages = {k: v for k, v in man["stages"].items() if v["status"] == "failed"}
     cases = []
     for g in gates:
         body = "" if g["passed"] else f"<failure message={quoteattr(g['message'])}/>"
-        cases.append(f'  <testcase classname="gates" name={quoteattr(g["name"])}>{body}</testcase>')
+        props = "".join(f"<property name={quoteattr(k)} value={quoteattr(str(g[k]))}/>" for k in _JUNIT_PROPERTIES
+                        if g.get(k) is not None)
+        out = f"<properties>{props}</properties>{body}<system-out>{escape(g['message'])}</system-out>"
+        cases.append(f'  <testcase classname="gates" name={quoteattr(g["name"])}>{out}</testcase>')
     for st, r in failed_stages.items():
         cases.append(f'  <testcase classname="stages" name={quoteattr(st)}><error message={quoteattr(r["reason"])}/></testcase>')
     failures = sum(not g["passed"] for g in gates)
     name = escape(man["recipe"]["name"])
     return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{name}" tests="{len(cases)}" '
             f'failures="{failures}" errors="{len(failed_stages)}">\n' + "\n".join(cases) + "\n</testsuite>\n")
+
+
+#: GateResult fields written as junit ``<property>`` of a gate's test case
+_JUNIT_PROPERTIES = ("metric", "value", "stderr", "op", "bound", "margin_se", "within_noise", "n", "n_unit",
+                     "n_needed", "statistic", "threshold")

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from pipeline.datasets.schema import DataSource
@@ -219,6 +220,9 @@ class QuantizeConfig(Strict):
         if self.accuracy_budget is not None and self.accuracy_budget.metric not in trial:
             raise ValueError(f"accuracy_budget.metric {self.accuracy_budget.metric!r} is not measured on the tuning "
                              f"split; valid: {list(trial)}")
+        if self.accuracy_budget is not None and self.accuracy_budget.statistic != "point":
+            raise ValueError(f"accuracy_budget.statistic {self.accuracy_budget.statistic!r}: the budget search compares "
+                             "point values (its trials have no standard error); valid: 'point'")
         return self
 
 
@@ -310,13 +314,32 @@ class Gate(Strict):
     min: float | None = Field(None, allow_inf_nan=False, description="passes when metric >= min")
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$",
                              description="report and junit name; default max_<metric> or min_<metric>")
+    statistic: Literal["point", "evidence_of_regression", "evidence_of_meeting"] = Field(
+        "point", description="point: compare the value with the bound; evidence_of_regression: fail only when "
+        "the value is past the bound by z*stderr (errs toward passing); evidence_of_meeting: pass only when it "
+        "is inside the bound by z*stderr (errs toward failing). The metric needs a standard error (pipeline.gates)")
+    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="one-sided confidence of a statistical test: "
+                              "z = Phi^-1(confidence), 1.645 at 0.95")
 
     @model_validator(mode="after")
     def _one_bound(self) -> "Gate":
         if (self.max is None) == (self.min is None):
             got = "both" if self.max is not None else "neither"
             raise ValueError(f"give exactly one bound, max: <x> or min: <x> (got {got})")
+        if self.statistic == "point" and "confidence" in self.model_fields_set:
+            raise ValueError("confidence applies to a statistical test only; add statistic: evidence_of_regression "
+                             "or statistic: evidence_of_meeting, or drop confidence")
         return self
+
+    @model_serializer(mode="wrap")
+    def _point_as_before(self, handler):
+        """A point gate dumps without ``statistic`` / ``confidence``, so recipe digests and
+        stage keys of recipes that do not use a test are what they were before the test existed."""
+        data = handler(self)
+        if self.statistic == "point" and isinstance(data, dict):
+            data.pop("statistic", None)
+            data.pop("confidence", None)
+        return data
 
     @property
     def label(self) -> str:

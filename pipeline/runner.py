@@ -283,5 +283,5 @@ _SECTION_FILES = {"Quantization sensitivity": "quantize/sensitivity.md",
 
 
 def _report_sections(run_dir: Path) -> dict[str, dict]:
-    return {title: {"markdown": (run_dir / rel).read_text()}
+    return {title: {"markdown": (run_dir / rel).read_text(), "file": rel}
             for title, rel in _SECTION_FILES.items() if (run_dir / rel).is_file()}

@@ -110,5 +110,11 @@ def test_similarity_metrics_reference_candidate_and_broken(tokenizer):
     assert res["candidate"]["mean_cosine"] > 0.99 and res["candidate"]["nonfinite_rows"] == 0
     assert res["naive_ort"]["mean_cosine"] == -1.0 and res["naive_ort"]["nonfinite_rows"] > 2
     assert math.isnan(res["naive_ort"]["spearman_simlex999"])
+    # standard errors: paired bootstrap over the real word pairs (pipeline.metrics.uncertainty)
+    flat = se_metrics._flatten(res, "int8", 2)
+    n_pairs = {n: len(res["reference"]["human_scores"][n]) for n in se_metrics.WORD_SETS}
+    assert all(0 < flat[f"spearman_drop_{n}_stderr"] < 5 for n in se_metrics.WORD_SETS)
+    assert flat["spearman_drop_max_stderr"] > 0 and flat["mean_cosine_stderr"] >= 0
+    assert flat["stderr_basis"]["spearman_drop_simlex999"]["n"] == n_pairs["simlex999"] > 100
     with pytest.raises(AccuracyError, match="FP32 reference"):
         se_metrics.similarity_metrics({"reference": _FakeSession(nan=True)}, tokenizer, ["A sentence."], 16, 32)

@@ -85,7 +85,8 @@ def test_a_failing_engine_blocks_publishing_while_onnxruntime_passes(tmp_path, t
     row = next(r for r in table.splitlines() if r.startswith("| relative_perplexity_increase |"))
     assert f"{m['relative_perplexity_increase']:.6g}" in row and f"{m['engine.relative_perplexity_increase']:.6g}" in row
     report = (run_dir / "report.md").read_text()
-    assert "FAILED: engine.relative_perplexity_increase" in report and "| engine.perplexity_fp8 |" in report
+    row = next(r for r in report.splitlines() if r.startswith("| max_relative_perplexity_increase |"))
+    assert "| engine.relative_perplexity_increase |" in row and "**FAIL**" in row and "| engine.perplexity_fp8 |" in report
 
 
 def test_gates_use_engine_numbers_and_a_faithful_engine_passes(tmp_path, tiny_model, monkeypatch):
@@ -103,6 +104,11 @@ def test_gates_use_engine_numbers_and_a_faithful_engine_passes(tmp_path, tiny_mo
     assert art.passed and [g.metric for g in art.gates] == ["engine.relative_perplexity_increase"]
     assert math.isclose(m["engine.perplexity_fp8"], m["perplexity_fp8"], rel_tol=1e-6)
     assert m["engine.token_agreement"] == m["token_agreement"]
+    # the engine's gate carries its own paired-bootstrap standard error (same windows as ORT's)
+    [gate] = art.gates
+    assert gate.stderr == m["engine.relative_perplexity_increase_stderr"] and gate.n == m["eval_tokens"]
+    assert math.isclose(gate.stderr, m["relative_perplexity_increase_stderr"], rel_tol=1e-3)
+    assert m["stderr_basis"]["engine.relative_perplexity_increase"] == m["stderr_basis"]["relative_perplexity_increase"]
 
     # no engine: the ONNX graph is what was validated and what is served; gates on ORT numbers
     skipped = BuildArtifact("skipped", "no CUDA GPU visible", None, None, b.trtexec_cmd_path, b.profiles)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.metrics.llm_quality import QUALITY_KEYS, QualityAccumulator
+from pipeline.metrics.uncertainty import resample_counts
 from pipeline.models.text_generation.metrics import mean_nll
 
 IDS = np.array([[0, 1, 2, 3], [3, 3, 0, 1]], dtype=np.int64)
@@ -53,10 +54,15 @@ def test_hand_case_matches_direct_formulas():
     ratio = math.exp(d.mean())
     assert got["perplexity_ratio"] == pytest.approx(ratio, rel=1e-12)
     assert got["perplexity_ratio"] == pytest.approx(math.exp(nll_c.mean()) / math.exp(nll_r.mean()), rel=1e-12)
-    # llama.cpp's form: sqrt(se_c^2 + se_r^2 - 2 cov) over n - 1, equal to std(d) / sqrt(n - 1)
-    cov = np.cov(nll_c, nll_r, ddof=0)
-    se = math.sqrt((cov[0, 0] + cov[1, 1] - 2 * cov[0, 1]) / (n - 1))
-    assert got["perplexity_ratio_stderr"] == pytest.approx(ratio * se, rel=1e-12)
+    # paired bootstrap over the 2 windows: each resample draws windows (a, b) with counts
+    # (c0, c1), and the ratio is exp((c0 d_0 + c1 d_1) / (3 c0 + 3 c1)), d_w the window's summed d
+    counts = resample_counts(2)
+    dw, sw, kw = d.reshape(2, 3).sum(1), same.reshape(2, 3).sum(1), kld.reshape(2, 3).sum(1)
+    boot = [math.exp((c @ dw) / (3 * c.sum())) for c in counts]
+    assert got["perplexity_ratio_stderr"] == pytest.approx(np.std(boot, ddof=1), rel=1e-12)
+    assert got["top1_agreement_stderr"] == pytest.approx(np.std([(c @ sw) / (3 * c.sum()) for c in counts], ddof=1))
+    assert got["kld_mean_stderr"] == pytest.approx(np.std([(c @ kw) / (3 * c.sum()) for c in counts], ddof=1))
+    assert n == 6 and got["perplexity_ratio_stderr"] > 0
     assert got["kld_mean"] == pytest.approx(kld.mean(), rel=1e-12)
     assert got["kld_max"] == pytest.approx(kld.max(), rel=1e-12)
     for key, q in (("kld_p50", 50), ("kld_p90", 90), ("kld_p99", 99), ("kld_p999", 99.9)):

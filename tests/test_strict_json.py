@@ -94,8 +94,11 @@ def test_manifest_is_strict_and_the_report_shows_the_reason(tmp_path):
 
 
 def test_encoder_nan_metrics_carry_the_model_that_caused_them(tmp_path):
-    ok = {"spearman_wordsim353": 0.70, "spearman_simlex999": 0.40, "nonfinite_rows": 0}
-    res = {"reference": ok, "candidate": {**ok, "spearman_wordsim353": 0.69, "mean_cosine": 0.99, "min_cosine": 0.9},
+    per_item = {"cosines_wordsim353": np.linspace(0, 1, 5), "cosines_simlex999": np.linspace(1, 0, 4),
+                "human_scores": {"wordsim353": np.arange(5.0), "simlex999": np.arange(4.0)}}
+    ok = {"spearman_wordsim353": 0.70, "spearman_simlex999": 0.40, "nonfinite_rows": 0, **per_item}
+    res = {"reference": ok, "candidate": {**ok, "spearman_wordsim353": 0.69, "mean_cosine": 0.99, "min_cosine": 0.9,
+                                          "sentence_cosines": np.full(5, 0.99)},
            "naive_ort": {"spearman_wordsim353": math.nan, "spearman_simlex999": math.nan, "nonfinite_rows": 7,
                          "mean_cosine": -1.0, "min_cosine": -1.0}}
     flat = encoder._flatten(res, "fp8", 5)

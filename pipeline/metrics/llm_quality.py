@@ -13,12 +13,12 @@ float64 on ``chunk`` positions at a time, so extra memory is about
 Keys of :meth:`QualityAccumulator.summary` (``validate/metrics.json``):
 
 * ``perplexity_ratio`` = PPL(cand) / PPL(ref) = exp(mean(d)), d_t = NLL_cand(t) - NLL_ref(t)
-  (nats). ``perplexity_ratio_stderr``: first-order error propagation of the
-  standard error of mean(d), as llama.cpp: with n scored tokens,
-  ``se(ln ratio) = sqrt(se_c^2 + se_r^2 - 2 cov) = sqrt(var(d) / (n - 1))``
-  (``var`` the population variance; ``se_c``, ``se_r`` the standard errors of the
-  two mean NLLs and ``cov`` their covariance term, all over ``n - 1``), and
-  ``stderr = ratio * se(ln ratio)``. Tokens are treated as independent, as llama.cpp does.
+  (nats). ``perplexity_ratio_stderr``: its standard error by a paired bootstrap over
+  eval windows (:mod:`pipeline.metrics.uncertainty`): whole windows are resampled with
+  replacement and the ratio recomputed from their summed d and token counts. Unlike
+  llama.cpp's ``sqrt(var(d) / (n - 1))`` it does not treat the tokens of a window as
+  independent. ``kld_mean_stderr`` and ``top1_agreement_stderr``: the same bootstrap
+  (same resamples) of those means. With one window the three are ``None``.
 * ``kld_mean``, ``kld_p50``, ``kld_p90``, ``kld_p99``, ``kld_p999``, ``kld_max``:
   KL(ref || cand) = sum_v p_ref(v) (log p_ref(v) - log p_cand(v)) per token (nats);
   percentiles by linear interpolation (``numpy.percentile``).
@@ -33,12 +33,16 @@ import math
 import numpy as np
 from scipy.special import logsumexp
 
+from pipeline.metrics import uncertainty
+
 #: metric names written by :meth:`QualityAccumulator.summary` (all gateable).
 QUALITY_KEYS: tuple[str, ...] = (
     "perplexity_ratio", "perplexity_ratio_stderr",
-    "kld_mean", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max",
-    "top1_agreement", "delta_p_rms", "delta_p_p01", "delta_p_p99",
+    "kld_mean", "kld_mean_stderr", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max",
+    "top1_agreement", "top1_agreement_stderr", "delta_p_rms", "delta_p_p01", "delta_p_p99",
 )
+#: the keys of :data:`QUALITY_KEYS` that have a bootstrap standard error (``<key>_stderr``)
+STDERR_KEYS: tuple[str, ...] = ("perplexity_ratio", "kld_mean", "top1_agreement")
 
 _KLD_PERCENTILES = {"kld_p50": 50.0, "kld_p90": 90.0, "kld_p99": 99.0, "kld_p999": 99.9}
 
@@ -121,6 +125,40 @@ class QualityAccumulator:
         """Scored tokens so far."""
         return sum(len(p) for p in self._parts["kld"])
 
+    @property
+    def windows(self) -> int:
+        """Windows scored so far."""
+        return len(self._parts["kld"])
+
+    def window_sums(self, key: str) -> np.ndarray:
+        """Per-window sums of ``key`` (as :meth:`values`; ``same`` counts matches): float64 ``[windows]``."""
+        return np.array([p.sum(dtype=np.float64) for p in self._parts[key]])
+
+    def window_tokens(self) -> np.ndarray:
+        """Scored tokens per window: float64 ``[windows]``."""
+        return np.array([len(p) for p in self._parts["kld"]], dtype=np.float64)
+
+    def stderrs(self) -> dict[str, float | None]:
+        """``<key>_stderr`` for :data:`STDERR_KEYS`: paired bootstrap over windows
+        (:func:`pipeline.metrics.uncertainty.ratio_of_sums_stderr`, one set of resamples
+        for all three); ``None`` with fewer than 2 windows."""
+        names = [f"{k}{uncertainty.STDERR_SUFFIX}" for k in STDERR_KEYS]
+        if self.windows < 2:
+            return dict.fromkeys(names)
+        counts, tokens = uncertainty.resample_counts(self.windows), self.window_tokens()
+        d = self.window_sums("nll_cand") - self.window_sums("nll_ref")
+        return dict(zip(names, (uncertainty.ratio_of_sums_stderr(d, tokens, np.exp, counts),
+                                uncertainty.ratio_of_sums_stderr(self.window_sums("kld"), tokens, counts=counts),
+                                uncertainty.ratio_of_sums_stderr(self.window_sums("same"), tokens, counts=counts))))
+
+    def basis(self) -> dict[str, dict]:
+        """``stderr_basis`` records (:func:`pipeline.metrics.uncertainty.basis`) of
+        :data:`STDERR_KEYS`; empty with fewer than 2 windows."""
+        if self.windows < 2:
+            return {}
+        rec = uncertainty.basis(self.tokens, "tokens", self.windows, "eval windows")
+        return {k: dict(rec) for k in STDERR_KEYS}
+
     def values(self, key: str) -> np.ndarray:
         """All per-token values of ``key`` (``nll_ref``, ``nll_cand``, ``kld``, ``dp``, ``same``)."""
         parts = self._parts[key]
@@ -145,9 +183,7 @@ class QualityAccumulator:
             return {**{k: None for k in QUALITY_KEYS},
                     "quality_statistics_reason": f"{bad} of {n} scored tokens have non-finite candidate statistics "
                                                  "(NaN/inf logits)"}
-        ratio = math.exp(float(d.mean()))
-        out = {"perplexity_ratio": ratio,
-               "perplexity_ratio_stderr": ratio * math.sqrt(float(d.var()) / (n - 1)),
+        out = {"perplexity_ratio": math.exp(float(d.mean())), **self.stderrs(),
                "kld_mean": float(kld.mean()), "kld_max": float(kld.max()),
                "top1_agreement": float(self.values("same").mean()),
                "delta_p_rms": math.sqrt(float(np.mean(dp * dp))),
@@ -157,7 +193,7 @@ class QualityAccumulator:
 
 
 def paired_perplexity(run_ref, run_cand, windows: np.ndarray, batch: int, progress, label: str,
-                      context: int = 1) -> tuple[float, float, dict]:
+                      context: int = 1, acc: QualityAccumulator | None = None) -> tuple[float, float, dict]:
     """Run the reference and the candidate on each batch of windows and feed both
     logits to one :class:`QualityAccumulator` (one batch of logits per model in memory).
 
@@ -166,6 +202,7 @@ def paired_perplexity(run_ref, run_cand, windows: np.ndarray, batch: int, progre
         windows: int64 ``[n, seq]`` (:func:`pipeline.data.token_windows`).
         batch: windows per call; progress: the stage's progress (``track``).
         label: the candidate's name in the progress line; context: as in :class:`QualityAccumulator`.
+        acc: an empty accumulator to fill (the caller keeps its per-window sums); a new one when None.
 
     Returns:
         ``(perplexity_ref, perplexity_cand, statistics)``: the perplexities are
@@ -178,7 +215,7 @@ def paired_perplexity(run_ref, run_cand, windows: np.ndarray, batch: int, progre
     """
     from pipeline.errors import AccuracyError
 
-    acc = QualityAccumulator(context)
+    acc = QualityAccumulator(context) if acc is None else acc
     for i in progress.track(list(range(0, len(windows), batch)), f"validate: perplexity (fp32 and {label})"):
         ids = windows[i : i + batch]
         ref = run_ref(ids)

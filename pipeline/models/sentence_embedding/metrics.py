@@ -64,23 +64,31 @@ def word_vectors(sess, tok, words: list[str], batch: int) -> dict[str, np.ndarra
     return dict(zip(words, vecs))
 
 
+def pair_cosines(vectors: dict[str, np.ndarray], pairs: list[tuple[str, str]]) -> np.ndarray:
+    """Cosine of each word pair's two embeddings: float64 ``[len(pairs)]``."""
+    a = np.stack([vectors[x] for x, _ in pairs])
+    b = np.stack([vectors[y] for _, y in pairs])
+    return row_cosine(a, b)
+
+
 def pair_spearman(vectors: dict[str, np.ndarray], pairs: list[tuple[str, str]], human: np.ndarray) -> float:
     """Spearman rho between pair cosines and human scores (float64 ``[n]``); NaN when a
     cosine is not finite (a broken candidate model)."""
     from scipy.stats import spearmanr
 
-    a = np.stack([vectors[x] for x, _ in pairs])
-    b = np.stack([vectors[y] for _, y in pairs])
-    cos = row_cosine(a, b)
+    cos = pair_cosines(vectors, pairs)
     return float(spearmanr(cos, human).statistic) if np.isfinite(cos).all() else math.nan
 
 
 def _one_model(sess, tok, sets: dict, sentences: list[str], batch: int, max_len: int) -> tuple[dict, np.ndarray]:
-    """Spearman per word set and the count of non-finite embedding rows (words and
-    sentences) for one session; also the sentence embeddings, float32 ``[N, H]``."""
+    """Spearman and pair cosines (``cosines_<set>``) per word set and the count of
+    non-finite embedding rows (words and sentences) for one session; also the
+    sentence embeddings, float32 ``[N, H]``."""
     words = sorted({w for pairs, _ in sets.values() for p in pairs for w in p})
     vecs = word_vectors(sess, tok, words, batch)
     res: dict = {f"spearman_{n}": pair_spearman(vecs, pairs, human) for n, (pairs, human) in sets.items()}
+    res.update({f"cosines_{n}": pair_cosines(vecs, pairs) for n, (pairs, _) in sets.items()})
+    res["human_scores"] = {n: np.asarray(human, np.float64) for n, (_, human) in sets.items()}
     emb = embed(sess, tok, sentences, batch, max_len)
     bad_words = int((~np.isfinite(np.stack(list(vecs.values())))).any(1).sum())
     res["nonfinite_rows"] = bad_words + int((~np.isfinite(emb)).any(1).sum())
@@ -92,7 +100,9 @@ def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, ma
     non-finite row count and, for the others, mean / min cosine to the reference on
     ``sentences`` (a non-finite row counts as cosine -1).
 
-    Returns ``{label: {"spearman_<set>": rho, "nonfinite_rows": n, "mean_cosine": c, "min_cosine": c}}``.
+    Returns ``{label: {"spearman_<set>": rho, "nonfinite_rows": n, "mean_cosine": c, "min_cosine": c}}``,
+    plus the per-item values the bootstrap needs: ``cosines_<set>`` (float64 ``[pairs]``),
+    ``human_scores`` (``{set: [pairs]}``) and, for the others, ``sentence_cosines`` (``[N]``).
 
     Raises:
         AccuracyError: the reference embeddings hold NaN or Inf.
@@ -110,7 +120,7 @@ def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, ma
             ref = emb
         else:
             cos = np.nan_to_num(row_cosine(ref, emb), nan=-1.0)
-            res.update(mean_cosine=float(cos.mean()), min_cosine=float(cos.min()))
+            res.update(mean_cosine=float(cos.mean()), min_cosine=float(cos.min()), sentence_cosines=cos)
         out[label] = res
     return out
 
@@ -119,6 +129,73 @@ def drop_points(ref: dict, cand: dict) -> dict[str, float]:
     """Spearman drop per word set in points (``100 * (ref - cand)``) and their max (NaN if any is)."""
     drops = {f"spearman_drop_{n}": 100.0 * (ref[f"spearman_{n}"] - cand[f"spearman_{n}"]) for n in WORD_SETS}
     return {**drops, "spearman_drop_max": float(np.max(list(drops.values())))}
+
+
+def _rank_rows(x: np.ndarray) -> np.ndarray:
+    """Average ranks along the last axis (ties share their mean rank, as Spearman's rho)."""
+    from scipy.stats import rankdata
+
+    return rankdata(x, axis=-1)
+
+
+def _rowwise_spearman(cos: np.ndarray, human_ranks: np.ndarray) -> np.ndarray:
+    """Spearman rho of each row of ``cos`` ``[R, n]`` with the matching row of already
+    ranked human scores: the Pearson correlation of the ranks, ``[R]``."""
+    a, b = _rank_rows(cos), human_ranks - human_ranks.mean(1, keepdims=True)
+    a -= a.mean(1, keepdims=True)
+    return (a * b).sum(1) / np.sqrt((a * a).sum(1) * (b * b).sum(1))
+
+
+def drop_stderrs(ref: dict, cand: dict) -> dict:
+    """Standard errors of :func:`drop_points` (points) by a paired bootstrap over word
+    pairs (:mod:`pipeline.metrics.uncertainty`): each resample draws pairs with
+    replacement and recomputes both models' Spearman on the same pairs; the max's
+    resample is the larger of the sets' resampled drops. Also ``mean_cosine_stderr``,
+    a bootstrap over the held-out sentences. None where a cosine is not finite.
+
+    Args:
+        ref, cand: :func:`similarity_metrics` entries (``cosines_<set>``, ``human_scores``,
+            ``sentence_cosines`` for the candidate).
+    """
+    from pipeline.metrics import uncertainty
+
+    drops: dict[str, np.ndarray] = {}
+    for n in WORD_SETS:
+        cr, cc, human = ref[f"cosines_{n}"], cand[f"cosines_{n}"], ref["human_scores"][n]
+        if not (np.isfinite(cr).all() and np.isfinite(cc).all()):
+            continue
+        idx = uncertainty.resample_indices(len(human))
+        with np.errstate(invalid="ignore", divide="ignore"):  # a resample of one repeated pair: undefined rho
+            ranks = _rank_rows(human[idx])
+            drops[n] = 100.0 * (_rowwise_spearman(cr[idx], ranks) - _rowwise_spearman(cc[idx], ranks))
+    out: dict = {f"spearman_drop_{n}_stderr": _finite_std(drops[n]) if n in drops else None for n in WORD_SETS}
+    both = len(drops) == len(WORD_SETS)
+    out["spearman_drop_max_stderr"] = _finite_std(np.max(list(drops.values()), axis=0)) if both else None
+    cos = cand["sentence_cosines"]
+    out["mean_cosine_stderr"] = (uncertainty.ratio_of_sums_stderr(cos, np.ones_like(cos)) if len(cos) >= 2
+                                 else None)
+    return out
+
+
+def _finite_std(stat: np.ndarray) -> float | None:
+    """Sample standard deviation (ddof 1) of the finite resampled values (a resample whose
+    Spearman is undefined is left out); None when fewer than 2 are finite."""
+    finite = stat[np.isfinite(stat)]
+    return float(np.std(finite, ddof=1)) if len(finite) >= 2 else None
+
+
+def stderr_basis(ref: dict, n_sentences: int) -> dict:
+    """``stderr_basis`` records of :func:`drop_stderrs`' metrics (pairs per word set; the
+    max rests on both sets' pairs)."""
+    from pipeline.metrics import uncertainty
+
+    sizes = {n: len(ref["human_scores"][n]) for n in WORD_SETS}
+    out = {f"spearman_drop_{n}": uncertainty.basis(k, "word pairs", k, f"{n} word pairs") for n, k in sizes.items()}
+    total = sum(sizes.values())
+    out["spearman_drop_max"] = uncertainty.basis(total, "word pairs", total, "word pairs (each set resampled alone)")
+    if n_sentences >= 2:
+        out["mean_cosine"] = uncertainty.basis(n_sentences, "sentences", n_sentences, "held-out sentences")
+    return out
 
 
 class _FeedReader(CalibrationDataReader):
@@ -195,7 +272,9 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
     Returns a flat dict: ``spearman_<set>_fp32``, ``spearman_<set>_<precision>``,
     ``spearman_drop_<set>`` and ``spearman_drop_max`` (points), ``mean_cosine``,
     ``min_cosine``, ``nonfinite_rows``, ``eval_sentences``, and the same with a
-    ``naive_ort_`` prefix (int8/fp8 only). A broken candidate gives NaN, never an error.
+    ``naive_ort_`` prefix (int8/fp8 only); standard errors ``spearman_drop_<set>_stderr``,
+    ``spearman_drop_max_stderr``, ``mean_cosine_stderr`` (:func:`drop_stderrs`) and
+    ``stderr_basis`` (:func:`stderr_basis`). A broken candidate gives NaN, never an error.
 
     Raises:
         AccuracyError: NaN/Inf in the FP32 reference, or no held-out sentence.
@@ -219,7 +298,9 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
         with ctx.progress.step("validate: word similarity + cosine (engine)"):
             res = similarity_metrics(models, tok, sentences, v.batch_size, v.seq_len)
         flat = _flatten(res, q.precision, len(sentences))
+        basis = flat.pop("stderr_basis")
         out.update({f"{ENGINE_PREFIX}{k}": val for k, val in flat.items() if not k.endswith("_fp32")})
+        out["stderr_basis"].update({f"{ENGINE_PREFIX}{k}": rec for k, rec in basis.items()})
     return out
 
 
@@ -231,6 +312,8 @@ def _flatten(res: dict[str, dict], precision: str, n_sentences: int) -> dict:
         out[f"spearman_{n}_{precision}"] = cand[f"spearman_{n}"]
     out.update(drop_points(ref, cand))
     out.update({k: cand[k] for k in ("mean_cosine", "min_cosine", "nonfinite_rows")})
+    out.update(drop_stderrs(ref, cand))
+    out["stderr_basis"] = stderr_basis(ref, n_sentences)
     if "naive_ort" in res:
         naive = res["naive_ort"]
         out.update({f"naive_ort_spearman_{n}": naive[f"spearman_{n}"] for n in WORD_SETS})

@@ -9,6 +9,10 @@ Metric names (``validate/metrics.json``): ``perplexity_fp32``,
 Against FP32 (not the engine): :data:`pipeline.metrics.llm_quality.QUALITY_KEYS`
 (perplexity ratio and its stderr, KL divergence, teacher-forced top-1, delta p);
 ``speedup_vs_fp32`` and its context (:mod:`pipeline.metrics.speed`).
+Standard errors (:mod:`pipeline.metrics.uncertainty`), ``<metric>_stderr``:
+``relative_perplexity_increase`` (= the perplexity ratio's: the increase is ratio - 1)
+and its ``engine.`` twin by a paired bootstrap over eval windows; ``token_agreement``
+by a bootstrap over greedy prompts; ``stderr_basis`` says what each rests on.
 """
 from __future__ import annotations
 
@@ -19,12 +23,12 @@ from scipy.special import logsumexp
 
 from pipeline import data, runners
 from pipeline.errors import AccuracyError
-from pipeline.metrics import llm_quality, speed
+from pipeline.metrics import llm_quality, speed, uncertainty
 from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
 from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
 
-def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1) -> tuple[float, int]:
+def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1, rows: list | None = None) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and token count.
 
     Args:
@@ -44,12 +48,15 @@ def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1) -> tuple[flo
         picked = np.take_along_axis(lg, tokens[context:, None], axis=-1)[:, 0]
         nll = logsumexp(lg, axis=-1) - picked
         total, count = total + float(nll.sum()), count + int(nll.size)
+        if rows is not None:
+            rows.append(float(nll.sum()))
     return total, count
 
 
-def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str, context: int = 1) -> float:
+def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str, context: int = 1,
+               rows: list | None = None) -> float:
     """``exp(mean NLL)`` over all windows (Jelinek et al., 1977; the usual LM metric);
-    ``context`` as in :func:`mean_nll`.
+    ``context`` and ``rows`` (per-window NLL sums, appended) as in :func:`mean_nll`.
 
     Raises:
         AccuracyError: NaN logits from the reference model.
@@ -60,7 +67,7 @@ def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str
         logits = run_logits(windows[i : i + batch])
         if label == "fp32" and np.isnan(logits).any():
             raise AccuracyError("validate: the FP32 reference produced NaN logits")
-        s, n = mean_nll(logits, windows[i : i + batch], context)
+        s, n = mean_nll(logits, windows[i : i + batch], context, rows)
         total, count = total + s, count + n
     return math.exp(total / count) if math.isfinite(total) else math.inf
 
@@ -102,17 +109,24 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     logits_of = {label: (lambda ids, s=sess: s.run(["logits"], prefill_feeds(exp, ids))[0])  # noqa: E731
                  for label, sess in sessions.items()}
     # both graphs per window batch, into one accumulator (pipeline.metrics.llm_quality)
+    acc = llm_quality.QualityAccumulator(context)
     metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"], stats = llm_quality.paired_perplexity(
-        logits_of["fp32"], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context)
+        logits_of["fp32"], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context, acc)
     metrics.update(stats)
     metrics.update(speed.llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
+    engine_rows: list[float] = []
     if engine is not None:
         metrics[f"{ENGINE}perplexity_{q.precision}"] = perplexity(
-            logits_of[ENGINE], windows, v.batch_size, ctx.progress, ENGINE, context)
+            logits_of[ENGINE], windows, v.batch_size, ctx.progress, ENGINE, context, engine_rows)
     ref, cand = metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"]
     metrics["relative_perplexity_increase"] = (cand - ref) / ref
+    # (cand - ref) / ref = ratio - 1, so it has the perplexity ratio's standard error
+    metrics["relative_perplexity_increase_stderr"] = stats["perplexity_ratio_stderr"]
+    basis = acc.basis()
+    basis.update({"relative_perplexity_increase": basis["perplexity_ratio"]} if basis else {})
     if engine is not None:
         metrics[f"{ENGINE}relative_perplexity_increase"] = (metrics[f"{ENGINE}perplexity_{q.precision}"] - ref) / ref
+        metrics.update(_engine_stderr(acc, engine_rows, basis))
     tokens: dict = {}
     if v.generation is not None:
         metrics.update(_greedy(ctx, tok, docs, layout, {k: s for k, s in sessions.items() if k != ENGINE}, tokens))
@@ -120,7 +134,24 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
             engine_tokens: dict = {"fp32": tokens["fp32"]}
             metrics.update(_greedy(ctx, tok, docs, layout, {ENGINE: sessions[ENGINE]}, engine_tokens, prefix=ENGINE))
             tokens["engine"] = engine_tokens[ENGINE]
+        prompts, new = metrics["generation_prompts"], metrics["generation_new_tokens"]
+        if prompts >= 2:
+            rec = uncertainty.basis(prompts * new, "generated tokens", prompts, "greedy prompts")
+            basis.update({f"{p}token_agreement": rec for p in ("", ENGINE) if f"{p}token_agreement" in metrics})
+    metrics[uncertainty.BASIS_KEY] = basis
     return metrics, tokens
+
+
+def _engine_stderr(acc, engine_rows: list[float], basis: dict) -> dict:
+    """``engine.relative_perplexity_increase_stderr``: the paired bootstrap over windows of
+    the engine's per-window NLL sums against the reference's in ``acc`` (same windows, same
+    order); adds its record to ``basis``. None with fewer than 2 windows."""
+    key = f"{ENGINE}relative_perplexity_increase"
+    if acc.windows < 2:
+        return {f"{key}_stderr": None}
+    d = np.asarray(engine_rows) - acc.window_sums("nll_ref")
+    basis[key] = basis["perplexity_ratio"]
+    return {f"{key}_stderr": uncertainty.ratio_of_sums_stderr(d, acc.window_tokens(), np.exp)}
 
 
 def convention_text(conv: dict) -> str:
@@ -150,7 +181,18 @@ def _greedy(ctx, tok, docs, layout, sessions: dict, tokens: dict, prefix: str = 
     common = np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
     return {
         f"{prefix}token_agreement": float(same.mean()),
+        **_agreement_stderr(same, prefix),
         f"{prefix}prompts_identical": int(same.all(1).sum()),
         f"{prefix}mean_common_prefix_tokens": float(common.mean()),
         **({} if prefix else {"generation_prompts": int(same.shape[0]), "generation_new_tokens": int(same.shape[1])}),
     }
+
+
+def _agreement_stderr(same: np.ndarray, prefix: str) -> dict:
+    """``token_agreement_stderr``: bootstrap over prompts of the greedy agreement
+    (``same``: bool ``[prompts, new_tokens]``), None for a single prompt."""
+    key = f"{prefix}token_agreement"
+    if same.shape[0] < 2:
+        return {f"{key}_stderr": None}
+    se = uncertainty.ratio_of_sums_stderr(same.sum(1), np.full(same.shape[0], float(same.shape[1])))
+    return {f"{key}_stderr": se}
