@@ -6,10 +6,12 @@ import sys
 from pathlib import Path
 
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 from conftest import ROOT
 from pipeline import onnx_io
+from pipeline.errors import EnvironmentFault
 from pipeline.recipe import load_recipe
 from pipeline.runner import run_pipeline
 from tiny import make_tiny_llama, tiny_recipe
@@ -95,3 +97,13 @@ def test_strip_removes_stack_traces_everywhere_and_keeps_name_scopes(tmp_path):
     assert {p.key: p.value for p in got.metadata_props} == {"license": "MIT"}
     before = path.read_bytes()
     assert onnx_io.strip_file(path) == 0 and path.read_bytes() == before  # nothing left: not rewritten
+
+
+def test_replacing_refuses_a_written_file_that_is_not_onnx_and_keeps_the_old_one(tmp_path):
+    path = tmp_path / "model.onnx"
+    onnx_io.save_model_atomic(helper.make_model(helper.make_graph([_traced("n")], "g", [], [])), path)
+    before = path.read_bytes()
+    with pytest.raises(EnvironmentFault, match=r"model\.onnx: the writer produced a file that does not parse as ONNX"):
+        with onnx_io.replacing(path) as tmp:
+            tmp.write_bytes(b"\x00not a protobuf")
+    assert path.read_bytes() == before and STACK.encode() not in before  # save_model_atomic stripped it too
