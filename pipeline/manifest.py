@@ -25,17 +25,33 @@ _TOOLS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnxruntime-gpu", "t
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first ``field`` line of Linux ``/proc/cpuinfo``; None where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((l.split(":", 1)[1].strip() for l in lines if l.split(":", 1)[0].strip() == field), None)
+
+
 def cpu_description() -> str:
     """``"<machine> <flag>..."``: the architecture and which of :data:`_CPU_FLAGS` the CPU
     has (Linux ``/proc/cpuinfo``; the architecture alone elsewhere). FP8 perplexity moves
     ~0.4 % when activation scales move by one float32 ulp, so kernels matter."""
     import platform
 
-    try:
-        flags = set(next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
-    except (OSError, StopIteration):
-        flags = set()
+    flags = set((_cpuinfo("flags") or "").split())
     return " ".join([platform.machine(), *(f for f in _CPU_FLAGS if f in flags)])
+
+
+def cpu_model() -> str:
+    """The CPU's model name, e.g. ``"AMD EPYC 9654 96-Core Processor"``: ``/proc/cpuinfo``
+    ``model name`` (x86), else :func:`platform.processor`, else ``"unknown"``. Recorded in
+    the manifest (``cpu_model``) so two runners' numbers can be told apart; it is not part
+    of :func:`tool_versions`, hence of no stage key (the flags, which pick the kernels, are)."""
+    import platform
+
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 def _version(dist: str) -> str:
@@ -101,6 +117,7 @@ def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
             **data_inputs(recipe, Path(recipe_path).parent),
         },
         "versions": versions,
+        "cpu_model": cpu_model(),
         "stages": {},
     }
 
@@ -238,6 +255,8 @@ def report_markdown(man: dict) -> str:
     for title, section in man.get("sections", {}).items():  # added after the build, e.g. by `pipeline plan`
         lines += ["", f"## {title}", "", capped_section(section["markdown"], section.get("file"))]
     lines += ["", "## Versions", ""] + [f"- {k}: {v}" for k, v in man["versions"].items()]
+    if man.get("cpu_model"):
+        lines.append(f"- cpu model: {man['cpu_model']}")
     return "\n".join(lines) + "\n"
 
 

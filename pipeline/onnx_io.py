@@ -13,6 +13,10 @@
   a large model is never held in memory twice.
 * :func:`check_loadable` says whether a file on disk can be loaded: it parses,
   and every external-data file exists inside its folder and is long enough.
+* Every graph written here is stripped of what records the machine rather than
+  the graph (:func:`strip_machine_metadata`: the exporter's per-node Python
+  stack traces, with absolute paths of the checkout and the venv), so the same
+  build in two folders or on two machines writes the same bytes.
 """
 from __future__ import annotations
 
@@ -37,6 +41,10 @@ PROTOBUF_LIMIT = 2**31  # bytes; protobuf cannot serialize a message this large
 THRESHOLD_ENV = "PIPELINE_EXTERNAL_DATA_THRESHOLD"
 DATA_SUFFIX = ".data"
 MIN_EXTERNAL_TENSOR = 1024  # bytes; smaller tensors stay inline (onnx's own default)
+#: Metadata keys whose values depend on where the graph was built, not on the graph:
+#: torch's dynamo exporter records each node's Python stack trace, absolute paths included.
+#: (``pkg.torch.onnx.name_scopes`` is kept: the quantize stage matches exclusions on it.)
+MACHINE_METADATA_KEYS = frozenset({"pkg.torch.onnx.stack_trace"})
 _FOUR_BIT = {TensorProto.INT4, TensorProto.UINT4, getattr(TensorProto, "FLOAT4E2M1", -1)}
 
 
@@ -122,6 +130,7 @@ def save_model_atomic(model: onnx.ModelProto, path: str | Path, *, external_data
             ``base_dir`` one at a time. With external data, the model's large
             tensors afterwards refer to the saved ``<name>.data`` (their bytes
             are dropped from memory): do not save the same object elsewhere.
+            Its machine metadata is stripped in place (:func:`strip_machine_metadata`).
         path: the ``.onnx`` file; its data file is ``<path>.data``.
         external_data: force (True) or refuse (False) external data; None picks
             it when :func:`model_nbytes` reaches :func:`external_data_threshold`.
@@ -140,7 +149,8 @@ def save_model_atomic(model: onnx.ModelProto, path: str | Path, *, external_data
     if lazy and base_dir is None:
         raise ValueError(f"saving {path}: the model has tensors on disk; pass base_dir (the folder they refer to)")
     use_external = external_data if external_data is not None else model_nbytes(model) >= external_data_threshold()
-    with replacing(path) as tmp:
+    strip_machine_metadata(model)
+    with replacing(path, strip=False) as tmp:  # stripped here, in memory
         if use_external:
             _write_external(model, tmp, base_dir)
         else:
@@ -164,7 +174,7 @@ def _write_external(model: onnx.ModelProto, tmp: Path, base_dir: str | Path | No
 
 
 @contextlib.contextmanager
-def replacing(path: str | Path) -> Iterator[Path]:
+def replacing(path: str | Path, *, strip: bool = True) -> Iterator[Path]:
     """``with replacing(p) as tmp: write(tmp)``: the files then replace ``p`` and its data.
 
     ``tmp`` has ``p``'s name, in a new folder beside ``p``; every file written
@@ -172,6 +182,10 @@ def replacing(path: str | Path) -> Iterator[Path]:
     ``p``'s folder, data files first and the graph last. A stale ``<p>.data``
     that the new graph no longer uses is removed. If the block raises, nothing
     at ``p`` changes.
+
+    Args:
+        strip: first strip the written graph's machine metadata
+            (:func:`strip_file`); False when the writer already did.
 
     Raises:
         EnvironmentFault: the block wrote no file named ``tmp``.
@@ -184,6 +198,8 @@ def replacing(path: str | Path) -> Iterator[Path]:
         yield tmp
         if not tmp.is_file():
             raise EnvironmentFault(f"{path}: the writer produced no file at {tmp}")
+        if strip:
+            strip_file(tmp)
         files = sorted(p for p in scratch.rglob("*") if p.is_file() and p != tmp)
         for f in [*files, tmp]:
             _fsync(f)
@@ -197,6 +213,71 @@ def replacing(path: str | Path) -> Iterator[Path]:
             stale.unlink()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def strip_machine_metadata(model: onnx.ModelProto) -> int:
+    """Remove, in place, what records the build machine rather than the graph.
+
+    That is every ``metadata_props`` entry keyed in :data:`MACHINE_METADATA_KEYS`
+    (on the model, graphs, subgraphs, functions, nodes, value infos and
+    initializers) and every node ``doc_string`` (torch's TorchScript exporter
+    wrote the Python stack trace there). Node names, ``name_scopes`` and the
+    producer name/version are kept: they depend on the model and the tools only.
+
+    Returns:
+        How many entries were removed or cleared.
+    """
+    removed = _strip_props(model.metadata_props) + _strip_graph(model.graph)
+    for fn in model.functions:
+        removed += _strip_props(fn.metadata_props) + sum(_strip_node(n) for n in fn.node)
+    return removed
+
+
+def _strip_props(props) -> int:
+    """Drop the machine-specific entries of a repeated ``StringStringEntryProto`` field."""
+    drop = [i for i, p in enumerate(props) if p.key in MACHINE_METADATA_KEYS]
+    for i in reversed(drop):
+        del props[i]
+    return len(drop)
+
+
+def _strip_graph(graph: onnx.GraphProto) -> int:
+    removed = _strip_props(graph.metadata_props) + sum(_strip_node(n) for n in graph.node)
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        removed += _strip_props(value.metadata_props)
+    return removed + sum(_strip_props(t.metadata_props) for t in graph.initializer)
+
+
+def _strip_node(node: onnx.NodeProto) -> int:
+    removed = _strip_props(node.metadata_props)
+    if node.doc_string:
+        node.doc_string = ""
+        removed += 1
+    for attr in node.attribute:
+        subgraphs = [attr.g] if attr.HasField("g") else []
+        removed += sum(_strip_graph(g) for g in [*subgraphs, *attr.graphs])
+    return removed
+
+
+def strip_file(path: str | Path) -> int:
+    """:func:`strip_machine_metadata` of the ONNX file at ``path``, rewritten in place only
+    when something was removed. External data files are neither read nor changed.
+
+    Returns:
+        How many entries were removed.
+
+    Raises:
+        EnvironmentFault: the file does not parse as ONNX (names it).
+    """
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError and others
+        raise EnvironmentFault(f"{path}: the writer produced a file that does not parse as ONNX "
+                               f"({type(e).__name__}: {e})") from e
+    removed = strip_machine_metadata(model)
+    if removed:
+        onnx.save_model(model, str(path))  # tensors on disk stay references: only the graph is written
+    return removed
 
 
 def _fsync(path: Path) -> None:

@@ -144,10 +144,17 @@ def test_manifest_versions_name_the_numeric_stack_and_the_cpu(monkeypatch, tmp_p
     v = manifest.tool_versions()
     assert {"numpy", "ml_dtypes", "python", "cpu"} <= set(v) and v["numpy"] != "absent"
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9654 96-Core Processor\n"
+                       "flags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
     real = manifest.Path
     monkeypatch.setattr(manifest, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
     assert manifest.cpu_description().split()[1:] == ["avx2", "avx512f", "avx512_vnni"]
+    # The model name is recorded, but outside the versions that every stage key hashes.
+    assert manifest.cpu_model() == "AMD EPYC 9654 96-Core Processor"
+    assert "AMD EPYC" not in json.dumps(manifest.tool_versions())
+    report = manifest.report_markdown({"recipe": {"name": "r"}, "stages": {}, "versions": {"cpu": "x86_64 avx2"},
+                                       "cpu_model": manifest.cpu_model()})
+    assert report.endswith("- cpu: x86_64 avx2\n- cpu model: AMD EPYC 9654 96-Core Processor\n")
 
 
 def test_a_recipe_without_gates_says_nothing_was_enforced():
