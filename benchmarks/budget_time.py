@@ -1,4 +1,10 @@
-"""Wall time of the accuracy-budget search for fp8-llm (issue 10 §7: under 10 minutes on 2 cores).
+"""Wall time of the accuracy-budget search for fp8-llm (issue 10 §7; issue 18 §5: <= 60 s on 2 cores).
+
+``--compare REV`` times the search of git revision ``REV`` (default ``fc23566``, the last one
+before the proxy-ranked fine search) and of this checkout side by side in one run, on the same
+exported graph, and prints both results and the ratios (time, trials, GEMMs kept):
+
+    .venv/bin/python benchmarks/budget_time.py --compare [REV]
 
 Runs what the quantize stage runs for ``quantize.accuracy_budget`` (calibration,
 then :func:`pipeline.quant.budget.tune`: FP32 reference once, sensitivity on half
@@ -54,7 +60,7 @@ def calibrated(ctx, exp) -> tuple:
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     fmt = qdq.FORMATS[q.precision]
     batches, _ = quantize.calibration_data(ctx, exp)
-    model, kept, cal_src, _ = smoothquant.prepare(ctx, src, model, kept, batches)
+    model, kept, cal_src, *_ = smoothquant.prepare(ctx, src, model, kept, batches)
     amax = calibrate.collect_amax(cal_src, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
                                   q.calibration.percentile, scratch_dir=ctx.stage_dir)
     return model, kept, excluded, amax, fmt
@@ -73,7 +79,11 @@ def main() -> int:
     ap.add_argument("--groups", default=None, choices=["per_block", "per_projection", "per_gemm"],
                     help="override the grouping")
     ap.add_argument("--refine", default=None, choices=["on", "off"], help="override sensitivity.refine")
+    ap.add_argument("--compare", nargs="?", const="fc23566", default=None, metavar="REV",
+                    help="time REV's search and this checkout's side by side")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args)
     over: dict = {"work_dir": args.work_dir, "output_dir": f"{args.work_dir}/repo"}
     if args.groups:
         over["quantize.sensitivity.groups"] = args.groups
@@ -120,6 +130,46 @@ def main() -> int:
            "quantized_fraction": found.get("quantized_fraction"), "folder": str(ctx.stage_dir)}
     print(json.dumps(out, indent=1))
     return 0
+
+
+def compare(args) -> int:
+    """Run this script for ``args.compare`` (in a temporary git worktree) and for this checkout,
+    one after the other on the same export, and print both JSON results and the ratios."""
+    import subprocess
+    import tempfile
+
+    rest = [a for a in sys.argv[1:] if a not in ("--compare", args.compare)]
+    work = Path(args.work_dir)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="budget-before-") as tmp:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", tmp, args.compare], check=True,
+                       capture_output=True)
+        try:
+            for label, tree in (("after", ROOT), ("before", Path(tmp))):  # after first: it exports for both
+                work.mkdir(parents=True, exist_ok=True)
+                out = subprocess.run([sys.executable, str(tree / "benchmarks" / "budget_time.py"), *rest,
+                                      "--work-dir", str(work / label)], cwd=tree, capture_output=True, text=True,
+                                     env={**__import__("os").environ, "PYTHONPATH": str(tree)})
+                if label == "after":
+                    _share_export(work / "after", work / "before")
+                text = out.stdout[out.stdout.index("{"):] if "{" in out.stdout else "{}"
+                results[label] = json.loads(text)
+                results[label]["rev"] = args.compare if label == "before" else "HEAD"
+                print(f"{label}: exit {out.returncode}", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tmp], capture_output=True)
+    b, a = results["before"], results["after"]
+    ratio = {k: round(b[k] / a[k], 2) for k in ("sensitivity_and_search_s", "trials") if b.get(k) and a.get(k)}
+    print(json.dumps({"before": b, "after": a, "before_over_after": ratio}, indent=1))
+    return 0
+
+
+def _share_export(src: Path, dst: Path) -> None:
+    """Give the second run the first run's cached export (the pickled artifact points at its files)."""
+    for pkl in src.glob("*/export/export.pkl"):
+        target = dst / pkl.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(pkl.read_bytes())
 
 
 if __name__ == "__main__":

@@ -269,7 +269,7 @@ def test_fine_search_keeps_single_gemms_within_the_budget(runner):
     bound = (sens.baseline + sens.rows[0]["metric_value"]) / 2
     gate = Gate(metric="kld_mean", max=bound)
     tol = budget.Tolerance.of(gate, S.thread_noise(runner, "kld_mean"))
-    gains = budget._fine_gains(runner, sens, runner.amax, runner.fmt, False)
+    gains = budget._fine_gains(runner, sens, None)
     assert set(gains) == set(S.groups(runner.targets, "per_gemm")) and all(v >= 0 for v in gains.values())
     before = len(runner.trials)
     fine = budget.search_fine(runner, gains, gate, total_gemms=14, min_fraction=0.0, max_trials=80,

@@ -8,9 +8,9 @@
 3. Step back: re-quantize each reverted group, last reverted first, and keep it
    quantized if the budget still holds.
 4. With ``sensitivity.refine``, instead of 2-3: GEMM by GEMM (:func:`search_fine`). Each GEMM's
-   gain is predicted from its group's trial and its own local output error
-   (:mod:`pipeline.quant.proxy`); a few full trials bracket how many of the top-ranked GEMMs
-   stay in high precision (at most :data:`FULL_TRIALS`).
+   gain is predicted from one trial per projection and one per block (:mod:`pipeline.quant.proxy`);
+   a few full trials bracket how many of the top-ranked GEMMs stay in high precision (at most
+   :data:`FULL_TRIALS`).
 
 Float noise: the search estimates the trial metric's float-kernel noise once
 (:func:`pipeline.quant.sensitivity.thread_noise`) and sets a :class:`Tolerance` well above it.
@@ -41,7 +41,7 @@ from pathlib import Path
 import onnx
 import yaml
 
-from pipeline import gates as gate_eval
+from pipeline import gates as gate_eval, onnx_io
 from pipeline.errors import GateFailed, QuantizationError
 from pipeline.quant import qdq, sensitivity as S
 
@@ -253,7 +253,7 @@ def search_fine(runner: S.TrialRunner, gains: dict[str, float], budget, *, total
         status = "limit reached" if tr.limited() else "unreachable"
         return _result(runner, status, budget, best, frac)
     res = _result(runner, "met", budget, best, frac)
-    res.notes = [f"Fine search: {len(order)} GEMMs ranked by predicted gain (group trials x local output error, "
+    res.notes = [f"Fine search: {len(order)} GEMMs ranked by predicted gain (projection x block trials, "
                  f"pipeline/quant/proxy.py); {used} full trials bracket the count in high precision: {hi} meets "
                  f"the budget, {lo} does not" + (" (bracket not closed: trial cap)." if hi - lo > 1 else ".")
                  + f" Tolerance {tol.value:.3g} (noise {tol.noise:.3g})."]
@@ -338,8 +338,8 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     with ctx.progress.step("float-kernel noise: the all-quantized trial at another thread count"):
         tol = Tolerance.of(q.accuracy_budget, S.thread_noise(runner, metric))
     if q.sensitivity and q.sensitivity.refine:
-        with ctx.progress.step("proxy: local output error of each GEMM on one tuning batch"):
-            gains = _fine_gains(runner, sens, amax, fmt, q.per_channel_weights)
+        with ctx.progress.step(f"proxy: one trial per block ({half} of {len(feeds)} tuning batches)"):
+            gains = _fine_gains(runner, sens, half)
         with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric}, GEMM by GEMM"):
             res = search_fine(runner, gains, q.accuracy_budget, tol=tol, **bounds)
     else:
@@ -350,7 +350,7 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     if res.status != "met":
         best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
                               q.per_channel_weights)
-        onnx.save(best, str(ctx.stage_dir / "budget_best.onnx"))
+        onnx_io.save_model_atomic(best, ctx.stage_dir / "budget_best.onnx")
         if res.status == "limit reached" and passes(q.accuracy_budget, res.metrics):
             raise GateFailed(
                 f"quantize.accuracy_budget: the search stopped at tuning.max_trials ({tun.max_trials}) or "
@@ -368,21 +368,28 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     return [t for t in targets if t.node not in skip], res, sens
 
 
-def _fine_gains(runner: S.TrialRunner, sens: S.Sensitivity, amax: dict[str, float], fmt: qdq.QFormat,
-                per_channel: bool) -> dict[str, float]:
+def _fine_gains(runner: S.TrialRunner, sens: S.Sensitivity, batches: int | None) -> dict[str, float]:
     """Predicted gain per single-GEMM group (module scope), added to ``runner``'s groups
-    (:mod:`pipeline.quant.proxy`: the group trials of ``sens`` x each GEMM's local output error)."""
+    (:mod:`pipeline.quant.proxy`): one trial per projection and one per block on the first
+    ``batches`` tuning batches (those of ``sens`` are reused)."""
     from pipeline.quant import proxy
 
-    acts = sorted({t.act for t in runner.targets})
-    inputs = proxy.capture_inputs(runner.model, acts, runner.feeds[:1], S._session)
-    errors = proxy.local_error(runner.model, runner.targets, inputs, amax, fmt, per_channel)
-    del inputs
-    node_gain = proxy.predicted_gain(errors, {r['group']: runner.group_nodes[r['group']] for r in sens.rows},
-                                     {r["group"]: float(r["improvement"]) for r in sens.rows})
-    fine = S.groups(runner.targets, "per_gemm")
-    runner.add_groups(fine)
-    return {g: sum(node_gain.get(n, 0.0) for n in nodes) for g, nodes in fine.items()}
+    gains = {grouping: _group_gains(runner, grouping, sens.metric, batches) for grouping in ("per_projection", "per_block")}
+    runner.add_groups(S.groups(runner.targets, "per_gemm"))
+    return proxy.predicted_gain(runner.targets, gains["per_projection"], gains["per_block"])
+
+
+def _group_gains(runner: S.TrialRunner, grouping: str, metric: str, batches: int | None) -> dict[str, float]:
+    """Group -> how much reverting it alone improves ``metric`` (trials already made are reused)."""
+    groups = S.groups(runner.targets, grouping)
+    runner.add_groups(groups)
+    lower = S.TRIAL_METRICS[metric]
+    base = runner.measure([], batches).metrics[metric]
+    out = {}
+    for g in groups:
+        v = runner.measure([g], batches).metrics[metric]
+        out[g] = (base - v) if lower else (v - base)
+    return out
 
 
 def _nodes(runner: S.TrialRunner, res: BudgetResult) -> set[str]:
