@@ -136,15 +136,15 @@ def test_validate_writes_strict_metrics_and_the_cached_run_agrees(tmp_path, monk
 
 def test_manifest_versions_name_the_numeric_stack_and_the_cpu(monkeypatch, tmp_path):
     """FP8 perplexity moves ~0.4 % with one-ulp scale changes: the manifest records what computes."""
-    from pipeline import manifest
+    from pipeline import provenance
 
-    v = manifest.tool_versions()
+    v = provenance.tool_versions()
     assert {"numpy", "ml_dtypes", "python", "cpu"} <= set(v) and v["numpy"] != "absent"
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
-    real = manifest.Path
+    real = provenance.Path
     monkeypatch.setattr(manifest, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
-    assert manifest.cpu_description().split()[1:] == ["avx2", "avx512f", "avx512_vnni"]
+    assert provenance.cpu_description().split()[1:] == ["avx2", "avx512f", "avx512_vnni"]
 
 
 def test_a_recipe_without_gates_says_nothing_was_enforced():
