@@ -1,7 +1,6 @@
 """manifest.json, report.md and junit.xml: what ran, with what, and the verdict."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path

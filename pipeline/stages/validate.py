@@ -17,7 +17,8 @@ from pipeline import data, runners
 from pipeline.artifacts import BuildArtifact, ExportArtifact, GateResult, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import RecipeError
-from pipeline.manifest import code_hash, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic
+from pipeline.fsutil import sha256_file, strict_jsonable, write_json_atomic, write_text_atomic
+from pipeline.provenance import code_hash
 from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX
 from pipeline.gates import evaluate
