@@ -63,7 +63,7 @@ def calibrated(ctx, exp) -> tuple:
 def main() -> int:
     from pipeline.context import Progress, StageContext
     from pipeline.quant import budget
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.stages import export
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

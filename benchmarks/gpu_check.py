@@ -31,7 +31,8 @@ from pipeline import data  # noqa: E402
 from pipeline.artifacts import ExportArtifact, TensorSpec  # noqa: E402
 from pipeline.models import registry  # noqa: E402
 from pipeline.models.text_generation.model import prefill_feeds  # noqa: E402
-from pipeline.recipe import Recipe, load_recipe  # noqa: E402
+from pipeline.recipe import Recipe
+from pipeline.recipe_load import load_recipe# noqa: E402
 from pipeline.runtime import ort_session  # noqa: E402
 from pipeline.models.text_generation.metrics import mean_nll  # noqa: E402
 

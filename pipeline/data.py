@@ -23,7 +23,7 @@ def documents(source: DataSource) -> list[str]:
     """The texts of a recipe data source's ``split``, in order: a document per record
     of a ``corpus`` (lee_background) or ``text`` source, the text field of a ``jsonl``
     one (labels dropped). ``source`` is bound to the recipe's folder (as
-    :func:`pipeline.recipe.load_recipe` leaves it) and names its recipe key in errors.
+    :func:`pipeline.recipe_load.load_recipe` leaves it) and names its recipe key in errors.
 
     Raises:
         DataError: a file is missing or malformed, the split reaches past the data,

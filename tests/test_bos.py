@@ -111,7 +111,7 @@ def test_convention_names_window_stride_and_bos(saved):
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     from pipeline.models.text_generation.model import load_causal_lm
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     return load_causal_lm(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)[1]
 
@@ -119,7 +119,7 @@ def smollm2_tokenizer():
 def test_smollm2_adds_no_prefix_so_its_windows_and_prompts_are_unchanged(smollm2_tokenizer):
     """The shipped recipe's token streams are the pre-BOS ones: plain text windows, and
     prompts that are each document's first 16 tokens."""
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     tok = smollm2_tokenizer
     v = load_recipe(ROOT / "recipes" / "fp8-llm.yaml").validate_
@@ -158,7 +158,7 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     convention named, BOS never counted, prompts as the served model makes them."""
     from pipeline.artifacts import ExportArtifact, QuantizedArtifact, TensorSpec
     from pipeline.context import Progress
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     tok, served, bos = saved
     vocab = len(tok)

@@ -20,7 +20,8 @@ from conftest import ROOT
 from pipeline import feeds, fsutil, interrupts, manifest, onnx_io, runners
 from pipeline.errors import ExportError, PipelineError, RecipeError, TritonConfigError
 from pipeline.models import base, registry
-from pipeline.recipe import ModelKind, load_recipe
+from pipeline.recipe import ModelKind
+from pipeline.recipe_load import load_recipe
 
 KIND_MODULES = ("pipeline.models.text_generation", "pipeline.models.sentence_embedding",
                 "pipeline.models.image_classification", "pipeline.models.generic")

@@ -513,7 +513,7 @@ def test_chat_rendering_matches_transformers_apply_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
     from pipeline.models.sources import package_file
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     gguf = package_file(load_recipe(Path(__file__).parents[1] / "recipes" / "fp8-llm.yaml").model)
     folder = tmp_path / "smollm2_tokenizer"  # as the export stage saves it

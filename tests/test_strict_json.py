@@ -116,7 +116,7 @@ def test_a_gate_on_a_null_metric_fails():
 
 def test_validate_writes_strict_metrics_and_the_cached_run_agrees(tmp_path, monkeypatch):
     from conftest import ROOT
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     measured = {"spearman_drop_max": math.nan, "spearman_drop_max_reason": "the fp8 model gave 3 non-finite rows",
                 "mean_cosine": 0.995}
