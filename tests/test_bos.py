@@ -32,7 +32,7 @@ def saved(request, tmp_path):
     """
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.models.registry import load_tokenizer
+    from pipeline.data import load_tokenizer
 
     tk = _word_tokenizer("<s> $A" if request.param else None)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -165,7 +165,7 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     sessions = {"fp32.onnx": _FakeLM(vocab), "fp8.onnx": _FakeLM(vocab)}
     monkeypatch.setattr("pipeline.runtime.ort_session", lambda path: sessions[path])
     monkeypatch.setattr(data, "documents", lambda source: DOCS)
-    monkeypatch.setattr("pipeline.models.registry.load_tokenizer", lambda folder: tok)
+    monkeypatch.setattr("pipeline.data.load_tokenizer", lambda folder: tok)
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {
         "validate.seq_len": 8, "validate.max_windows": 4, "validate.batch_size": 2,
         "validate.generation": {"prompts": 2, "new_tokens": 3}})

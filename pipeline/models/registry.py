@@ -49,9 +49,3 @@ def adapter(source: ModelSource) -> ModelAdapter:
     """
     return adapter_class(source.kind)(source)
 
-
-def load_tokenizer(folder: str):
-    """The tokenizer saved by the export stage (local files only)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

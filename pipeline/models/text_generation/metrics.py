@@ -20,7 +20,6 @@ from scipy.special import logsumexp
 from pipeline import data, runners
 from pipeline.errors import AccuracyError
 from pipeline.metrics import llm_quality, speed
-from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
 from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
 
@@ -83,7 +82,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
         AccuracyError: no window of ``seq_len`` tokens, or NaN logits from the reference.
     """
     v = ctx.recipe.validate_
-    tok = registry.load_tokenizer(exp.tokenizer_dir)
+    tok = data.load_tokenizer(exp.tokenizer_dir)
     docs = data.documents(v.data)
     windows = data.token_windows(tok, docs, v.seq_len, v.max_windows)
     if len(windows) == 0:
