@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 import pipeline.triton
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.triton.config import graph_io, parse_config
-from pipeline.triton.repository import write_repository
+from pipeline.stages.triton import write_repository
 from test_serve_generation import CancellingRequest, fake_backend
 from test_triton_repository import (
     EOS, HEAD_DIM, HEADS, LAYERS, VOCAB, FakeRequest, build_artifact, load_template, make_recipe, ort_session,

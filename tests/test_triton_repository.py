@@ -26,7 +26,8 @@ from pipeline.triton.config import graph_io, parse_config
 from pipeline.triton import publish as publish_mod
 from pipeline.models.text_generation.kv import KVLayout
 from pipeline.models.text_generation.triton import kv_layout
-from pipeline.triton.repository import resolve_target, write_repository
+from pipeline.stages.triton import write_repository
+from pipeline.triton.repository import resolve_target
 
 LAYERS, HEADS, HEAD_DIM, VOCAB, EOS = 2, 1, 4, 11, 0
 WORDS = ["<eos>", *"abcdefghij"]
