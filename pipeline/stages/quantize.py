@@ -58,7 +58,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         amax = calibrate.collect_amax(cal_src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
                                       scratch_dir=ctx.stage_dir)
     if q.tuning is not None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
-        kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt)
+        kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
+                                     calibration_feeds=registry.adapter(ctx.recipe.model).calibration_feeds)
         excluded = [t for t in targets if t.node not in {k.node for k in kept}]
         extra["quantized_fraction"] = len(kept) / len(targets)
         if found is not None:

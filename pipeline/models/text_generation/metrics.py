@@ -104,7 +104,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"], stats = llm_quality.paired_perplexity(
         logits_of["fp32"], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context)
     metrics.update(stats)
-    metrics.update(speed.llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
+    metrics.update(llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
     if engine is not None:
         metrics[f"{ENGINE}perplexity_{q.precision}"] = perplexity(
             logits_of[ENGINE], windows, v.batch_size, ctx.progress, ENGINE, context)
@@ -153,3 +153,27 @@ def _greedy(ctx, tok, docs, layout, sessions: dict, tokens: dict, prefix: str = 
         f"{prefix}mean_common_prefix_tokens": float(common.mean()),
         **({} if prefix else {"generation_prompts": int(same.shape[0]), "generation_new_tokens": int(same.shape[1])}),
     }
+
+
+def llm_prefill_speedup(exp, precision: str, reference, candidate, ids, runs: int = 5) -> dict:
+    """:func:`pipeline.metrics.speed.speedup_metrics` of one prefill (``logits`` only) of
+    token ids int64 ``[batch, seq]``.
+
+    Args:
+        exp: the export artifact (graph I/O, for the empty KV cache).
+        reference, candidate: :class:`pipeline.runners.Runner` (ONNX Runtime in validate).
+
+    Returns:
+        :func:`~pipeline.metrics.speed.speedup_metrics`; ``speedup_vs_fp32`` None with
+        ``speedup_vs_fp32_reason`` where either runner is not an ONNX Runtime session (nothing served is timed).
+    """
+    cand_level = speed.session_level(candidate)
+    if speed.session_level(reference) is None or cand_level is None:
+        return {"speedup_vs_fp32": None,
+                "speedup_vs_fp32_reason": "timed only when both graphs run in ONNX Runtime sessions"}
+    level, providers = cand_level
+    feeds = prefill_feeds(exp, ids)
+    ref, cand = runners.SessionView(reference), runners.SessionView(candidate)
+    return speed.speedup_metrics(lambda: ref.run(["logits"], feeds), lambda: cand.run(["logits"], feeds),
+                                 shape=f"prefill batch {ids.shape[0]} x {ids.shape[1]} tokens", precision=precision,
+                                 level=level, providers=providers, runs=runs)
