@@ -115,14 +115,6 @@ def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") 
     return "all"
 
 
-def has_qdq(path: str) -> bool:
-    """True when the ONNX graph at ``path`` holds Q/DQ nodes (reads no weights)."""
-    import onnx
-
-    model = onnx.load(path, load_external_data=False)
-    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
-
-
 def ort_session(path: str) -> ort.InferenceSession:
     """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
     :func:`optimization_level`."""

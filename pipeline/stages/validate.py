@@ -11,29 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 
 from pipeline import data, runners
-from pipeline.artifacts import BuildArtifact, ExportArtifact, GateResult, QuantizedArtifact, ValidationArtifact
+from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import RecipeError
 from pipeline.fsutil import sha256_file, strict_jsonable, write_json_atomic, write_text_atomic
-from pipeline.provenance import code_hash
 from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX
+from pipeline.provenance import code_hash
 from pipeline.gates import evaluate
 
 ENGINE = ENGINE_PREFIX  # prefix of the engine's metrics
 COMPARISON_FILE = "engine_vs_onnxruntime.md"
-
-# gate field -> (metric name, comparison)
-GATE_METRICS = {
-    "max_relative_perplexity_increase": ("relative_perplexity_increase", "<="),
-    "min_token_agreement": ("token_agreement", ">="),
-    "max_spearman_drop": ("spearman_drop_max", "<="),
-    "min_mean_cosine": ("mean_cosine", ">="),
-}
-
 
 def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildArtifact | None = None) -> ValidationArtifact:
     """Measure, then gate. Never raises on a failed gate: the runner decides the exit code.
@@ -133,27 +123,3 @@ def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, e
     parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision,
              code_hash(), sha256_file(engine) if engine else "no engine", data.recipe_data_sha256(ctx.recipe)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
-
-
-def evaluate_gates(gates: Gates, metrics: dict, prefix: str = "") -> list[GateResult]:
-    """One GateResult per gate the recipe sets, on metric ``prefix + <metric>``
-    (``engine.`` where an engine ships); a metric with no finite value
-    (``null`` with a ``<metric>_reason``) fails its gate with value NaN.
-
-    Raises:
-        RecipeError: the gate's metric was not measured.
-    """
-    out = []
-    for field, bound in gates.model_dump().items():
-        if bound is None:
-            continue
-        metric, op = GATE_METRICS[field]
-        metric = prefix + metric
-        if metric not in metrics:
-            raise RecipeError(f"validate.gates.{field}: needs metric {metric!r}, which this model kind does not produce")
-        value = math.nan if metrics[metric] is None else float(metrics[metric])
-        passed = value <= bound if op == "<=" else value >= bound
-        out.append(GateResult(field, metric, value, float(bound), op, bool(passed and math.isfinite(value))))
-    return out
-
-
