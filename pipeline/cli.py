@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 
 from pipeline import interrupts
-from pipeline.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError, RecipeError, RepositoryCorrupt
+from pipeline.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError, RepositoryCorrupt
 from pipeline.recipe_load import load_from_args, parse_set
 
 FALLBACK_LOG = Path("pipeline-error.log")

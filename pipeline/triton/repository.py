@@ -37,7 +37,7 @@ from pathlib import Path
 
 import onnx
 
-from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec, TritonArtifact
+from pipeline.artifacts import BuildArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
 from pipeline.errors import TritonConfigError
 from pipeline.fsutil import copy_file
 from pipeline.triton import publish
