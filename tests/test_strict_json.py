@@ -143,7 +143,7 @@ def test_manifest_versions_name_the_numeric_stack_and_the_cpu(monkeypatch, tmp_p
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
     real = provenance.Path
-    monkeypatch.setattr(manifest, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
+    monkeypatch.setattr(provenance, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
     assert provenance.cpu_description().split()[1:] == ["avx2", "avx512f", "avx512_vnni"]
 
 
