@@ -142,7 +142,8 @@ def write_text_atomic(path: str | Path, text: str, *, durable: bool = False) -> 
 REASON_SUFFIX = "_reason"
 
 
-def _nonfinite_reason(value: float) -> str:
+def nonfinite_reason(value: float) -> str:
+    """The ``<key>_reason`` text for a NaN/inf float that strict JSON writes as null."""
     return f"not a finite number ({value!r})"
 
 
@@ -172,7 +173,7 @@ def strict_jsonable(data):
             if reason_key in data or not isinstance(k, str):
                 continue
             if out[k] is None and v is not None:
-                out[reason_key] = _nonfinite_reason(float(v))
+                out[reason_key] = nonfinite_reason(float(v))
             elif isinstance(v, (list, tuple)) and _lost(v, out[k]):
                 out[reason_key] = f"elements {_lost(v, out[k])} were not finite numbers (written as null)"
         return out

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
 from pipeline.fsutil import (  # noqa: F401  (re-exported: the stages and tests import them from here)
-    REASON_SUFFIX, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic)
+    REASON_SUFFIX, nonfinite_reason, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic)
 from pipeline.provenance import code_hash, cpu_description, tool_versions  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def _metric_rows(metrics: dict) -> list[str]:
 def _fmt(v, reason: str | None = None) -> str:
     """A metric value for report.md; a missing or non-finite one is ``n/a (reason)``."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        why = reason or (_nonfinite_reason(v) if isinstance(v, float) else "no value")
+        why = reason or (nonfinite_reason(v) if isinstance(v, float) else "no value")
         return f"n/a ({why})"
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
