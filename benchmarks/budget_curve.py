@@ -59,7 +59,7 @@ def main() -> int:
     from pipeline.context import Progress, StageContext
     from pipeline.models import registry
     from pipeline.quant import sensitivity as S
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runtime import ort_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

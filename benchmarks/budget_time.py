@@ -68,8 +68,9 @@ def calibrated(ctx, exp) -> tuple:
 
 def main() -> int:
     from pipeline.context import Progress, StageContext
+    from pipeline.models import registry
     from pipeline.quant import budget
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.stages import export
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,7 +116,8 @@ def main() -> int:
     t = time.perf_counter()
     status, result = "met", None
     try:
-        chosen, result, sens = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt)
+        chosen, result, sens = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
+                                           calibration_feeds=registry.adapter(recipe.model).calibration_feeds)
     except Exception as e:  # GateFailed: report the numbers anyway
         status = f"{type(e).__name__}: {e}"
     times["sensitivity_and_search_s"] = time.perf_counter() - t

@@ -50,7 +50,7 @@ def make_large_llama(folder: Path) -> int:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from pipeline.models.sources import package_file
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     src = package_file(load_recipe(Path("recipes/fp8-llm.yaml")).model)
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline import data  # noqa: E402
 from pipeline.artifacts import ExportArtifact, TensorSpec  # noqa: E402
-from pipeline.models import registry  # noqa: E402
 from pipeline.models.text_generation.model import prefill_feeds  # noqa: E402
-from pipeline.recipe import Recipe, load_recipe  # noqa: E402
+from pipeline.recipe import Recipe
+from pipeline.recipe_load import load_recipe# noqa: E402
 from pipeline.runtime import ort_session  # noqa: E402
 from pipeline.models.text_generation.metrics import mean_nll  # noqa: E402
 
@@ -139,7 +139,7 @@ def check(recipe: Recipe, engines: dict[str, Path], windows_limit: int) -> dict[
     run_dir = Path(recipe.work_dir) / recipe.name
     exp = load_export(run_dir)
     v = recipe.validate_
-    tok = registry.load_tokenizer(exp.tokenizer_dir)
+    tok = data.load_tokenizer(exp.tokenizer_dir)
     windows = data.token_windows(tok, data.documents(v.data), v.seq_len, min(v.max_windows, windows_limit))
     context = v.seq_len - data.window_convention(tok, v.seq_len)["scored_per_window"]
     quantized = run_dir / "quantize" / "model.onnx"

@@ -34,54 +34,10 @@ import traceback
 from pathlib import Path
 
 from pipeline import interrupts
-from pipeline.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError, RecipeError, RepositoryCorrupt
+from pipeline.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError, RepositoryCorrupt
+from pipeline.recipe_load import load_from_args, parse_set
 
 FALLBACK_LOG = Path("pipeline-error.log")
-
-
-def parse_set_value(text: str) -> object:
-    """A ``--set`` VALUE: YAML when it parses, else a bracketed list of plain strings
-    (``[*mlp*, "x"]``), else the plain string."""
-    from pipeline.recipe import parse_yaml
-
-    try:
-        return parse_yaml(text, "value")[0]
-    except RecipeError:
-        pass
-    inner = text.strip()
-    if inner.startswith("[") and inner.endswith("]"):
-        items = [item.strip() for item in inner[1:-1].split(",")]
-        return [item[1:-1] if len(item) > 1 and item[0] == item[-1] and item[0] in "\"'" else item
-                for item in items if item]
-    return text
-
-
-def parse_set(items: list[str]) -> dict[str, object]:
-    """``["a.b=1", ...]`` -> ``{"a.b": 1, ...}`` (see :func:`parse_set_value`).
-
-    Raises:
-        RecipeError: an item without ``=`` or with an empty key.
-    """
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. validate.gates.0.max=0.01")
-        out[key.strip()] = parse_set_value(value)
-    return out
-
-
-def load(args):
-    """The recipe of ``args`` with its ``--set`` overrides; kept on ``args`` so an
-    internal error can save its traceback next to the recipe's artifacts.
-
-    Raises:
-        RecipeError: see :func:`pipeline.recipe.load_recipe`.
-    """
-    from pipeline.recipe import load_recipe
-
-    args.loaded_recipe = load_recipe(args.recipe, parse_set(args.set))
-    return args.loaded_recipe
 
 
 def preflight(args):
@@ -96,7 +52,7 @@ def preflight(args):
     """
     from pipeline.models.sources import package_file
 
-    recipe = load(args)
+    recipe = load_from_args(args)
     from pipeline import datasets, manifest
     datasets.check_disjoint(manifest.data_uses(recipe, Path(args.recipe).parent))  # calibration vs eval data
     from pipeline.stages.triton import check_names_free
@@ -166,7 +122,7 @@ def _served(args):
     from pipeline.serve.prepare import built_artifacts
     from pipeline.serve.run import prepare_for_server
 
-    recipe = load(args)
+    recipe = load_from_args(args)
     return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet))
 
 

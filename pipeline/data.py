@@ -15,7 +15,7 @@ from pipeline.datasets import DataSource, load
 from pipeline.datasets.base import DataError
 from pipeline.datasets.corpus import CORPORA, WORD_SIM, test_data_dir
 
-__all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "documents", "recipe_data_sha256", "word_pairs", "special_prefix",
+__all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "load_tokenizer", "documents", "recipe_data_sha256", "word_pairs", "special_prefix",
            "serving_ids", "window_convention", "token_windows", "prompt_texts", "prompts"]
 
 
@@ -23,7 +23,7 @@ def documents(source: DataSource) -> list[str]:
     """The texts of a recipe data source's ``split``, in order: a document per record
     of a ``corpus`` (lee_background) or ``text`` source, the text field of a ``jsonl``
     one (labels dropped). ``source`` is bound to the recipe's folder (as
-    :func:`pipeline.recipe.load_recipe` leaves it) and names its recipe key in errors.
+    :func:`pipeline.recipe_load.load_recipe` leaves it) and names its recipe key in errors.
 
     Raises:
         DataError: a file is missing or malformed, the split reaches past the data,
@@ -172,3 +172,11 @@ def word_pairs(name: str) -> tuple[list[tuple[str, str]], np.ndarray]:
     """Word pairs and human scores (float64 ``[n]``) of a built-in word-similarity set."""
     pairs = load({"type": "corpus", "name": name}, None, where=f"{name} word pairs").items()
     return [(p.text_a, p.text_b) for p in pairs], np.asarray([p.score for p in pairs], np.float64)
+
+
+def load_tokenizer(folder: str):
+    """The Hugging Face tokenizer saved in ``folder`` by the export stage, read from
+    local files only (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -4,10 +4,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+import numpy as np
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -77,6 +81,17 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sha256_file(path: str | Path, _cache: dict = {}) -> str:
+    """sha256 hex digest of a file (:func:`file_sha256`), memoised on
+    (path, size, mtime): for stage keys, which hash the same large files many times.
+    Verification of published files uses the unmemoised one."""
+    st = os.stat(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _cache:
+        _cache[key] = file_sha256(Path(path))
+    return _cache[key]
+
+
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], *, durable: bool = False) -> None:
     """Replace ``path`` atomically with what ``write(fh)`` writes to a binary file: a temp
     file in the same folder (mode 0644), then ``os.replace``; a reader sees the old or the
@@ -122,3 +137,72 @@ def write_bytes_atomic(path: str | Path, data: bytes | memoryview, *, durable: b
 def write_text_atomic(path: str | Path, text: str, *, durable: bool = False) -> None:
     """:func:`write_atomic` of ``text`` encoded as UTF-8."""
     write_atomic(path, lambda fh: fh.write(text.encode("utf-8")), durable=durable)
+
+
+REASON_SUFFIX = "_reason"
+
+
+def nonfinite_reason(value: float) -> str:
+    """The ``<key>_reason`` text for a NaN/inf float that strict JSON writes as null."""
+    return f"not a finite number ({value!r})"
+
+
+def _clean(value):
+    """``value`` with numpy scalars made Python ones and non-finite floats made None."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return strict_jsonable(value) if isinstance(value, (dict, list, tuple)) else value
+
+
+def strict_jsonable(data):
+    """A copy of ``data`` (dicts, lists, tuples, scalars) that strict JSON can hold:
+    every NaN/inf float (numpy scalars included) becomes ``None``. In a dict, a
+    key ``k`` that lost its value gets ``k + "_reason"`` unless the producer
+    already set one (e.g. "the naive_ort model gave 384 non-finite embeddings");
+    a list that lost an element gets the reason under its own key.
+
+    Returns the new object; the input is not changed.
+    """
+    if isinstance(data, dict):
+        out: dict = {}
+        for k, v in data.items():
+            out[k] = _clean(v)
+            reason_key = f"{k}{REASON_SUFFIX}"
+            if reason_key in data or not isinstance(k, str):
+                continue
+            if out[k] is None and v is not None:
+                out[reason_key] = nonfinite_reason(float(v))
+            elif isinstance(v, (list, tuple)) and _lost(v, out[k]):
+                out[reason_key] = f"elements {_lost(v, out[k])} were not finite numbers (written as null)"
+        return out
+    if isinstance(data, (list, tuple)):
+        return [_clean(v) for v in data]
+    return _clean(data)
+
+
+def _lost(before, after) -> list[int]:
+    """Indices where a list element was a value and became None."""
+    return [i for i, (a, b) in enumerate(zip(before, after)) if a is not None and b is None]
+
+
+def write_json_atomic(path: Path, data: dict, *, strict: bool = True) -> None:
+    """Write ``data`` as indented JSON via a temp file and rename.
+
+    ``strict=True`` (metrics.json, manifest.json, bench.json): sanitised with
+    :func:`strict_jsonable` first, then dumped with ``allow_nan=False``, so the
+    file is strict JSON (RFC 8259) that any parser reads; the default, also for
+    the stage cache (``GateResult.value`` reads ``null`` back as NaN).
+    ``strict=False`` keeps Python's NaN/Infinity tokens.
+    Objects JSON does not know are written as ``str(obj)``.
+
+    Raises:
+        ValueError: a non-finite float the sanitiser cannot reach (a NaN dict
+            key); nothing is written.
+    """
+    if strict:
+        text = json.dumps(strict_jsonable(data), indent=2, default=str, allow_nan=False)
+    else:
+        text = json.dumps(data, indent=2, default=str)
+    write_text_atomic(path, text)

@@ -1,102 +1,18 @@
 """manifest.json, report.md and junit.xml: what ran, with what, and the verdict."""
 from __future__ import annotations
 
-import functools
-import hashlib
-import sys
 import json
 import math
-import os
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
-import numpy as np
+from pipeline.fsutil import (  # noqa: F401  (re-exported: the stages and tests import them from here)
+    REASON_SUFFIX, nonfinite_reason, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic)
+from pipeline.provenance import code_hash, cpu_description, cpu_model, tool_versions  # noqa: F401  (re-exported)
 
-from pipeline.fsutil import file_sha256, write_text_atomic  # noqa: F401  (write_text_atomic: re-exported)
-
-if TYPE_CHECKING:  # type only: pipeline.datasets imports this module, and the recipe will import datasets
+if TYPE_CHECKING:
     from pipeline.recipe import Recipe
-
-_TOOLS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnxruntime-gpu", "transformers": "transformers",
-          "numpy": "numpy", "ml_dtypes": "ml_dtypes"}
-#: CPU features that change ONNX Runtime's kernels (INT8 GEMMs: VNNI; FP32: AVX-512), hence the numbers.
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
-
-
-def _cpuinfo(field: str) -> str | None:
-    """The value of the first ``field`` line of Linux ``/proc/cpuinfo``; None where there is none."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return next((l.split(":", 1)[1].strip() for l in lines if l.split(":", 1)[0].strip() == field), None)
-
-
-def cpu_description() -> str:
-    """``"<machine> <flag>..."``: the architecture and which of :data:`_CPU_FLAGS` the CPU
-    has (Linux ``/proc/cpuinfo``; the architecture alone elsewhere). FP8 perplexity moves
-    ~0.4 % when activation scales move by one float32 ulp, so kernels matter."""
-    import platform
-
-    flags = set((_cpuinfo("flags") or "").split())
-    return " ".join([platform.machine(), *(f for f in _CPU_FLAGS if f in flags)])
-
-
-def cpu_model() -> str:
-    """The CPU's model name, e.g. ``"AMD EPYC 9654 96-Core Processor"``: ``/proc/cpuinfo``
-    ``model name`` (x86), else :func:`platform.processor`, else ``"unknown"``. Recorded in
-    the manifest (``cpu_model``) so two runners' numbers can be told apart; it is not part
-    of :func:`tool_versions`, hence of no stage key (the flags, which pick the kernels, are)."""
-    import platform
-
-    return _cpuinfo("model name") or platform.processor() or "unknown"
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "absent"
-
-
-def tool_versions() -> dict[str, str]:
-    """Versions of the tools that shape the artifacts; TensorRT or "absent"."""
-    out = {k: _version(d) for k, d in _TOOLS.items()}
-    if out["onnxruntime"] == "absent":
-        out["onnxruntime"] = _version("onnxruntime")
-    try:
-        import tensorrt  # type: ignore[import-not-found]
-
-        out["tensorrt"] = tensorrt.__version__
-    except Exception:
-        out["tensorrt"] = "absent"
-    out["trt-pipeline"] = f"{_version('trt-pipeline')}+src.{code_hash()[:12]}"
-    out["python"] = sys.version.split()[0]
-    out["cpu"] = cpu_description()
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def code_hash() -> str:
-    """sha256 of this package's Python sources and templates: a code change invalidates the stage cache."""
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
-    return h.hexdigest()
-
-
-def sha256_file(path: str | Path, _cache: dict = {}) -> str:
-    """sha256 hex digest of a file (:func:`pipeline.fsutil.file_sha256`), memoised on
-    (path, size, mtime): for stage keys, which hash the same large files many times.
-    Verification of published files uses the unmemoised one."""
-    st = os.stat(path)
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _cache:
-        _cache[key] = file_sha256(Path(path))
-    return _cache[key]
 
 
 def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
@@ -145,74 +61,6 @@ def data_inputs(recipe: Recipe, base_dir: Path) -> dict[str, dict[str, str]]:
 
 def stage_record(status: str, reason: str = "", wall_s: float = 0.0, peak_rss_mib: float | None = None) -> dict:
     return {"status": status, "reason": reason, "wall_s": round(wall_s, 2), "peak_rss_mib": peak_rss_mib}
-
-
-REASON_SUFFIX = "_reason"
-
-
-def _nonfinite_reason(value: float) -> str:
-    return f"not a finite number ({value!r})"
-
-
-def _clean(value):
-    """``value`` with numpy scalars made Python ones and non-finite floats made None."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return strict_jsonable(value) if isinstance(value, (dict, list, tuple)) else value
-
-
-def strict_jsonable(data):
-    """A copy of ``data`` (dicts, lists, tuples, scalars) that strict JSON can hold:
-    every NaN/inf float (numpy scalars included) becomes ``None``. In a dict, a
-    key ``k`` that lost its value gets ``k + "_reason"`` unless the producer
-    already set one (e.g. "the naive_ort model gave 384 non-finite embeddings");
-    a list that lost an element gets the reason under its own key.
-
-    Returns the new object; the input is not changed.
-    """
-    if isinstance(data, dict):
-        out: dict = {}
-        for k, v in data.items():
-            out[k] = _clean(v)
-            reason_key = f"{k}{REASON_SUFFIX}"
-            if reason_key in data or not isinstance(k, str):
-                continue
-            if out[k] is None and v is not None:
-                out[reason_key] = _nonfinite_reason(float(v))
-            elif isinstance(v, (list, tuple)) and _lost(v, out[k]):
-                out[reason_key] = f"elements {_lost(v, out[k])} were not finite numbers (written as null)"
-        return out
-    if isinstance(data, (list, tuple)):
-        return [_clean(v) for v in data]
-    return _clean(data)
-
-
-def _lost(before, after) -> list[int]:
-    """Indices where a list element was a value and became None."""
-    return [i for i, (a, b) in enumerate(zip(before, after)) if a is not None and b is None]
-
-
-def write_json_atomic(path: Path, data: dict, *, strict: bool = True) -> None:
-    """Write ``data`` as indented JSON via a temp file and rename.
-
-    ``strict=True`` (metrics.json, manifest.json, bench.json): sanitised with
-    :func:`strict_jsonable` first, then dumped with ``allow_nan=False``, so the
-    file is strict JSON (RFC 8259) that any parser reads; the default, also for
-    the stage cache (``GateResult.value`` reads ``null`` back as NaN).
-    ``strict=False`` keeps Python's NaN/Infinity tokens.
-    Objects JSON does not know are written as ``str(obj)``.
-
-    Raises:
-        ValueError: a non-finite float the sanitiser cannot reach (a NaN dict
-            key); nothing is written.
-    """
-    if strict:
-        text = json.dumps(strict_jsonable(data), indent=2, default=str, allow_nan=False)
-    else:
-        text = json.dumps(data, indent=2, default=str)
-    write_text_atomic(path, text)
 
 
 def write_outputs(man: dict, run_dir: Path) -> Path:
@@ -332,7 +180,7 @@ def _metric_rows(metrics: dict) -> list[str]:
 def _fmt(v, reason: str | None = None) -> str:
     """A metric value for report.md; a missing or non-finite one is ``n/a (reason)``."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        why = reason or (_nonfinite_reason(v) if isinstance(v, float) else "no value")
+        why = reason or (nonfinite_reason(v) if isinstance(v, float) else "no value")
         return f"n/a ({why})"
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 

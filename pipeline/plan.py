@@ -575,9 +575,9 @@ def cmd_plan(args) -> int:
     Raises:
         PipelineError: see :func:`build_plan` (exit 2; an unbuilt recipe says to run make build first).
     """
-    from pipeline.cli import load
+    from pipeline.recipe_load import load_from_args
 
-    recipe = load(args)
+    recipe = load_from_args(args)
     workspace = None if args.workspace_gib is None else int(args.workspace_gib * 2**30)
     plan = build_plan(recipe, rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens,
                       workspace_bytes=workspace, measure=args.measure)

@@ -1,27 +1,24 @@
 """Recipe schema: the strict, typed description of one pipeline run.
 
 Every section is a pydantic model with ``extra="forbid"``: an unknown key, a
-wrong type or an impossible value fails in :func:`load_recipe`, before any
-work starts, with the file, the key path and what would be valid.
+wrong type or an impossible value fails in :func:`pipeline.recipe_load.load_recipe`,
+before any work starts, with the file, the key path and what would be valid. The
+constraints between sections are :mod:`pipeline.recipe_checks`, which the loader runs.
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-import typing
-from pathlib import Path
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from pipeline.datasets.schema import DataSource
-from pipeline.errors import RecipeError
-from pipeline.models.sources import SOURCE_KEYS, ModelSourceSpec, legacy_problem
+from pipeline.models.sources import ModelSourceSpec, legacy_problem
+from pipeline.recipe_problems import ConstraintErrors, Problem
 
 Precision = Literal["fp8", "int8", "fp16", "fp32"]
 CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
@@ -52,8 +49,6 @@ class ModelSource(Strict):
     @classmethod
     def _moved_fields(cls, data):
         """``model.package`` / ``model.path`` of older recipes fail with the ``source:`` form."""
-        from pipeline.recipe_checks import ConstraintErrors
-
         problem = legacy_problem(data)
         if problem:
             field = "package" if "package" in data else "path"
@@ -104,8 +99,6 @@ def _refuse_old_fields(data: object, at: tuple[str, ...], fields: Sequence[str])
     Raises:
         ConstraintErrors: (loc, message) per old field found, ``loc`` from the recipe root.
     """
-    from pipeline.recipe_checks import ConstraintErrors, Problem
-
     if not isinstance(data, dict):
         return data
     problems: list[Problem] = []
@@ -473,6 +466,11 @@ class ServeConfig(Strict):
 
 
 class Recipe(Strict):
+    """One pipeline run. Validating it checks each section on its own; the constraints
+    between sections (:func:`pipeline.recipe_checks.constraint_problems`) are checked by
+    :func:`pipeline.recipe_load.load_recipe`, so ``check`` and ``build`` refuse them before
+    any stage runs."""
+
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     model: ModelSource
     export: ExportConfig
@@ -485,18 +483,6 @@ class Recipe(Strict):
     work_dir: str = "artifacts"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    @model_validator(mode="after")
-    def _preflight(self) -> "Recipe":
-        """Every constraint between sections that the recipe alone decides, so that
-        ``check`` and the start of ``build`` catch it before any stage runs
-        (:func:`pipeline.recipe_checks.constraint_problems`)."""
-        from pipeline.recipe_checks import ConstraintErrors, constraint_problems
-
-        problems = constraint_problems(self)
-        if problems:
-            raise ConstraintErrors(problems)
-        return self
 
     def section_hash(self, *sections: str) -> str:
         """sha256 of the named top-level sections (``"validate"`` for validation)."""
@@ -513,252 +499,3 @@ class Recipe(Strict):
     def digest(self) -> str:
         data = self.model_dump(mode="json", by_alias=True)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
-
-    def construct_mapping(self, node, deep=False):
-        _refuse_duplicates(self, node, (), recurse=False)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _key_value(loader: yaml.SafeLoader, key_node: yaml.Node) -> object:
-    """The key as the mapping will hold it (``0`` and ``00`` are both int 0)."""
-    try:
-        value = loader.construct_object(key_node, deep=True)
-        hash(value)
-        return value
-    except (yaml.YAMLError, TypeError):
-        return (key_node.tag, str(key_node.value))
-
-
-def _refuse_duplicates(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, recurse: bool = True) -> None:
-    """Raise RecipeError for a key listed twice in one mapping (anywhere under ``node``
-    when ``recurse``); ``path`` is the key path of ``node``, for the message."""
-    if isinstance(node, yaml.SequenceNode) and recurse:
-        for i, item in enumerate(node.value):
-            _refuse_duplicates(loader, item, (*path, i))
-    if not isinstance(node, yaml.MappingNode):
-        return
-    seen: dict[object, int] = {}
-    for key_node, value_node in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = _key_value(loader, key_node)
-        line = key_node.start_mark.line + 1
-        if key in seen:
-            where = ".".join(str(p) for p in (*path, key_node.value))
-            raise RecipeError(f"key {where!r} is given twice, at lines {seen[key]} and {line}; "
-                              "keep one (YAML would silently keep the last)")
-        seen[key] = line
-        if recurse:
-            _refuse_duplicates(loader, value_node, (*path, key_node.value))
-
-
-def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
-    """Parse one YAML document; returns (data, node tree for line lookups).
-
-    Raises:
-        RecipeError: not YAML, or a key given twice in one mapping (naming the
-            key path and both lines); the message starts with ``source``.
-    """
-    try:
-        loader = _RecipeLoader(text)  # the reader refuses control characters here
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{source}: not valid YAML: {e}") from None
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, None
-        _refuse_duplicates(loader, node, ())
-        return loader.construct_document(node), node
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{source}: not valid YAML: {e}") from None
-    except RecipeError as e:
-        raise RecipeError(f"{source}: {e}") from None
-    finally:
-        loader.dispose()
-
-
-def yaml_line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
-    """1-based line of the key at ``loc`` in the node tree (of its deepest existing
-    parent when the key itself is absent); None without a tree."""
-    line = None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next(((k, v) for k, v in node.value if str(k.value) == str(part)), None)
-            if match is None:
-                break
-            line, node = match[0].start_mark.line + 1, match[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
-
-
-#: Union fields whose error locations carry the chosen member's tag (``model.source.entry.entry``).
-_UNION_TAGS = {"source": set(SOURCE_KEYS),
-               "data": {"corpus", "text", "jsonl", "pairs", "images", "npz"}}
-
-
-def _untagged(loc: tuple) -> tuple:
-    """``loc`` without the tag pydantic inserts after a discriminated union field."""
-    return tuple(part for i, part in enumerate(loc)
-                 if not (i and isinstance(loc[i - 1], str) and part in _UNION_TAGS.get(loc[i - 1], ())
-                         and i + 1 < len(loc)))
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model that holds the key at ``loc`` (a validation error's location), or None
-    where the path goes through something other than plain nested models and lists."""
-    model: type[BaseModel] = Recipe
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue  # a list item: its model is the list's item type, resolved below
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        target = field.annotation
-        while typing.get_origin(target) is not None:  # Optional[...] / list[...] / Annotated[...]
-            args = [a for a in typing.get_args(target) if a is not type(None)]
-            if len(args) != 1:
-                return None
-            target = args[0]
-        if not (isinstance(target, type) and issubclass(target, BaseModel)):
-            return None
-        model = target
-    return model
-
-
-def _unknown_key_message(loc: tuple) -> str:
-    """``unknown key`` with the closest valid key and the valid keys, where they can be found."""
-    model = _model_at(loc)
-    if model is None or not isinstance(loc[-1], str):
-        return "unknown key; remove it or check its spelling"
-    valid = sorted(f.alias or name for name, f in model.model_fields.items())
-    close = difflib.get_close_matches(loc[-1], valid, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
-
-
-def _format_errors(path: Path, err: ValidationError, node: yaml.Node | None, overrides: Sequence[str]) -> str:
-    """One line per failing key: ``file:line: key.path: what is wrong (got ...)``."""
-    from pipeline.recipe_checks import ConstraintErrors, dotted
-
-    items: list[tuple[tuple, str]] = []
-    for e in err.errors():
-        cause = (e.get("ctx") or {}).get("error")
-        if isinstance(cause, ConstraintErrors):
-            items += cause.problems
-            continue
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = _unknown_key_message(tuple(e["loc"]))
-        got = e.get("input")
-        shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
-        items.append((_untagged(tuple(e["loc"])), msg + shown))
-    lines = [f"{path}: invalid recipe ({len(items)} error(s))"]
-    for loc, msg in items:
-        key = dotted(loc)
-        setters = [o for o in overrides if key == o or key.startswith(o + ".") or o.startswith(key + ".")]
-        line = yaml_line(node, loc)
-        if setters:
-            lines.append(f"  {key}: {msg} [from --set {setters[-1]}]")
-        elif line is not None:
-            lines.append(f"  {path}:{line}: {key}: {msg}")
-        else:
-            lines.append(f"  {key}: {msg}")
-    return "\n".join(lines)
-
-
-def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
-    """Read and validate a YAML recipe. Its data sources are bound to the recipe's
-    folder: relative data paths are read from there.
-
-    Args:
-        path: the recipe file.
-        overrides: dotted key path (list indices allowed, ``build.profiles.0.dims.batch.max``)
-            -> value, applied before validation (the CLI's ``--set``).
-
-    Raises:
-        RecipeError: the file is missing, is not YAML, gives a key twice in one
-            mapping, an override path does not fit the recipe, or the recipe breaks
-            the schema; the message names the file, each failing key path with its
-            YAML line (or the ``--set`` that set it) and what is valid.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"{path}: recipe file not found")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{path}: cannot read the recipe: {e}") from None
-    data, node = parse_yaml(text, str(path))
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: top level must be a mapping of sections")
-    for dotted_key, value in (overrides or {}).items():
-        _refuse_old_set(dotted_key)
-        set_dotted(data, dotted_key, value)
-    try:
-        return Recipe.model_validate(data, context={"base_dir": path.parent})
-    except ValidationError as e:
-        raise RecipeError(_format_errors(path, e, node, list(overrides or {}))) from None
-
-
-def _refuse_old_set(dotted_key: str) -> None:
-    """A ``--set`` of a field of the older recipe shape fails with the key to set now.
-
-    Raises:
-        RecipeError: the key is a flat gate field, ``dataset``/``split`` of calibration
-            or validate, or ``validate.metric``.
-    """
-    parts = dotted_key.split(".")
-    if parts[:2] == ["validate", "gates"] and len(parts) == 3 and parts[2] in OLD_GATE_FIELDS:
-        metric, bound = OLD_GATE_FIELDS[parts[2]]
-        raise RecipeError(f"--set {dotted_key}: validate.gates is now a list; set the bound of the gate on "
-                          f"{metric} by index (--set validate.gates.<i>.{bound}=<x>) or give the whole list "
-                          f"(--set 'validate.gates=[{{metric: {metric}, {bound}: <x>}}]')")
-    for section in (["validate"], ["quantize", "calibration"]):
-        n = len(section)
-        if parts[:n] == section and len(parts) > n and parts[n] in ("dataset", "split"):
-            rest = ".".join(["split", *parts[n + 1:]] if parts[n] == "split" else ["name"])
-            raise RecipeError(f"--set {dotted_key}: {parts[n]} moved into the data source; "
-                              f"set {'.'.join(section)}.data.{rest}")
-    if parts == ["validate", "metric"]:
-        raise RecipeError("--set validate.metric: removed (it was never read); drop this --set")
-
-
-def set_dotted(data: dict, dotted_key: str, value: object) -> None:
-    """Set ``data[k1][k2]...`` = ``value`` for ``dotted_key`` "k1.k2...": a part that
-    indexes a list must be an index in range; missing mapping keys are created.
-
-    Raises:
-        RecipeError: an empty part, an index that is not an int or out of range, or a
-            path through a scalar; the message names ``--set KEY``.
-    """
-    parts = dotted_key.split(".")
-    if not all(parts):
-        raise RecipeError(f"--set {dotted_key}: empty key part; write a dotted path like validate.gates.0.max")
-    node: object = data
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        here = ".".join(parts[:depth]) or "the recipe"
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise RecipeError(f"--set {dotted_key}: {here} is a list of {len(node)} item(s); "
-                                  f"{part!r} is not an index in 0..{len(node) - 1}; to add or remove items, "
-                                  f"set the whole list: --set '{here}=[...]'")
-            if last:
-                node[int(part)] = value
-            else:
-                node = node[int(part)]
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
-        else:
-            raise RecipeError(f"--set {dotted_key}: {here} is {node!r}, not a section or list, so it has no {part!r}")

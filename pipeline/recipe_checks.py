@@ -1,23 +1,22 @@
-"""Recipe constraints between sections, checked by the schema before any stage runs.
+"""Recipe constraints between sections, checked by the loader before any stage runs.
 
 Everything here is decided by the recipe alone (no graph, no weights, no GPU):
 the export's dynamic axes, the profiles, calibration shapes, gates and data types for the model
 kind, the Triton section. Checks that need the exported graph (every dynamic
 axis of every input covered by a profile, KV-cache geometry, dtypes) stay in the
 export and triton stages. Each problem carries the key path (``loc``) it is
-about, so :func:`pipeline.recipe.load_recipe` can print the YAML line.
+about, so :func:`pipeline.recipe_load.load_recipe` can print the YAML line.
 """
 from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING
 
+from pipeline.recipe_problems import ConstraintErrors, Loc, Problem, dotted  # noqa: F401  (re-exported)
+
 if TYPE_CHECKING:
     from pipeline.datasets import DataSource
     from pipeline.recipe import Profile, Recipe
-
-Loc = tuple[str | int, ...]
-Problem = tuple[Loc, str]
 
 #: Inputs of the encoder graph (pipeline.models.sentence_embedding.model.INPUTS), all int64 [batch, sequence].
 ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -31,19 +30,6 @@ TEXT_KINDS = frozenset({"text-generation", "sentence-embedding", "causal-lm", "e
 TEXT_RECORDS = ("documents", "labeled_documents")
 #: Metrics measured by greedy generation, so only with validate.generation.
 GENERATION_METRICS = frozenset({"token_agreement", "prompts_identical", "mean_common_prefix_tokens"})
-
-
-class ConstraintErrors(ValueError):
-    """Cross-section constraint violations of one recipe; ``problems`` holds (loc, message)."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("; ".join(f"{dotted(loc)}: {msg}" for loc, msg in problems))
-
-
-def dotted(loc: Loc) -> str:
-    """``("build", "profiles", 0, "name")`` -> ``"build.profiles.0.name"``."""
-    return ".".join(str(p) for p in loc) or "<root>"
 
 
 def constraint_problems(r: Recipe) -> list[Problem]:

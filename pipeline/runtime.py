@@ -7,6 +7,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from pipeline.errors import ExportError
+
 
 def providers() -> list[str]:
     """CUDAExecutionProvider first when this onnxruntime build has it and a GPU answers."""
@@ -113,14 +115,6 @@ def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") 
     return "all"
 
 
-def has_qdq(path: str) -> bool:
-    """True when the ONNX graph at ``path`` holds Q/DQ nodes (reads no weights)."""
-    import onnx
-
-    model = onnx.load(path, load_external_data=False)
-    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
-
-
 def ort_session(path: str) -> ort.InferenceSession:
     """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
     :func:`optimization_level`."""
@@ -135,6 +129,26 @@ def ort_session(path: str) -> ort.InferenceSession:
 # a large weight (a tied lm_head reading the embedding) into a new initializer
 # that ORT then refuses to embed (its 2 GiB limit for in-memory initializers).
 _LARGE_MODEL_DISABLED = ["TransposeOptimizer", "ConstantFolding"]
+
+
+def load_session(path: str | Path, source: Path | None = None):
+    """An ONNX Runtime session for ``path`` (:func:`ort_session`).
+
+    Args:
+        source: the ``model.source.onnx`` graph that ``path`` is a copy of, if any.
+
+    Raises:
+        ExportError: ONNX Runtime cannot load the graph; names the file (and the
+            source graph) and ONNX Runtime's message.
+    """
+    try:
+        return ort_session(str(path))
+    except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph / NotImplemented types
+        copy = f" (copied to {path})" if source is not None and Path(path) != Path(source) else ""
+        what = f"model.source.onnx {source}{copy}" if source is not None else f"the exported graph {path}"
+        raise ExportError(f"export: ONNX Runtime cannot load {what}: {type(e).__name__}: {str(e).strip()[:600]}. "
+                          "The graph must load in ONNX Runtime (check its opset, custom-op domains and "
+                          "external data files)") from e
 
 
 def _large_model_optimizers(path: str) -> list[str]:

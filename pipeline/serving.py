@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipeline.recipe import ServingRuntime
+from typing import Protocol
 
 # Triton container tag -> the TensorRT it ships, only rows confirmed against
 # NVIDIA's own table: "Release Compatibility Matrix", Container Name:
@@ -87,7 +84,21 @@ class Target:
         return container_image(self.container) if self.container else None
 
 
-def declared_target(cfg: ServingRuntime) -> Target:
+class ServingSection(Protocol):
+    """What :func:`declared_target` reads of the recipe's ``triton.serving``
+    (:class:`pipeline.recipe.ServingRuntime`, whose validator uses this module's tables)."""
+
+    @property
+    def container(self) -> str | None: ...
+    @property
+    def tensorrt(self) -> str | None: ...
+    @property
+    def gpu(self) -> str: ...
+    @property
+    def compute_capability(self) -> str | None: ...
+
+
+def declared_target(cfg: ServingSection) -> Target:
     """The recipe's ``triton.serving`` as a :class:`Target` (TensorRT from the container
     table unless given; compute capability from the GPU table unless given)."""
     trt = cfg.tensorrt or container_tensorrt(cfg.container or "")

@@ -105,7 +105,7 @@ def run_test(recipe_path: Path, recipe, user_overrides: dict, quiet: bool = Fals
     Raises:
         PipelineError: the source cannot be copied, or a stage failed (its own exit code).
     """
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     location = hf_location(recipe)

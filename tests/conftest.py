@@ -24,7 +24,7 @@ def llm_overrides(ws: Path, **extra) -> dict:
 @pytest.fixture(scope="session")
 def fp8_llm_run(llm_workspace):
     """The real fp8-llm recipe, end to end, into a temporary workspace."""
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     path = ROOT / "recipes" / "fp8-llm.yaml"

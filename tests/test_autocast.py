@@ -11,7 +11,7 @@ from onnx import TensorProto
 
 from pipeline.models.text_generation.model import prefill_feeds
 from pipeline.quant.autocast import cast_rest, qdq_gemms, to_bf16
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.runtime import ort_session
 from tiny import make_tiny_llama, tiny_recipe

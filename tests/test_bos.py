@@ -32,7 +32,7 @@ def saved(request, tmp_path):
     """
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.models.registry import load_tokenizer
+    from pipeline.data import load_tokenizer
 
     tk = _word_tokenizer("<s> $A" if request.param else None)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -111,7 +111,7 @@ def test_convention_names_window_stride_and_bos(saved):
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     from pipeline.models.text_generation.model import load_causal_lm
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     return load_causal_lm(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)[1]
 
@@ -119,7 +119,7 @@ def smollm2_tokenizer():
 def test_smollm2_adds_no_prefix_so_its_windows_and_prompts_are_unchanged(smollm2_tokenizer):
     """The shipped recipe's token streams are the pre-BOS ones: plain text windows, and
     prompts that are each document's first 16 tokens."""
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     tok = smollm2_tokenizer
     v = load_recipe(ROOT / "recipes" / "fp8-llm.yaml").validate_
@@ -158,14 +158,14 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     convention named, BOS never counted, prompts as the served model makes them."""
     from pipeline.artifacts import ExportArtifact, QuantizedArtifact, TensorSpec
     from pipeline.context import Progress
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     tok, served, bos = saved
     vocab = len(tok)
     sessions = {"fp32.onnx": _FakeLM(vocab), "fp8.onnx": _FakeLM(vocab)}
     monkeypatch.setattr("pipeline.runtime.ort_session", lambda path: sessions[path])
     monkeypatch.setattr(data, "documents", lambda source: DOCS)
-    monkeypatch.setattr("pipeline.models.registry.load_tokenizer", lambda folder: tok)
+    monkeypatch.setattr("pipeline.data.load_tokenizer", lambda folder: tok)
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {
         "validate.seq_len": 8, "validate.max_windows": 4, "validate.batch_size": 2,
         "validate.generation": {"prompts": 2, "new_tokens": 3}})

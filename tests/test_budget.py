@@ -13,7 +13,8 @@ from pipeline.datasets import DataError
 from pipeline.errors import GateFailed
 from pipeline.models import registry
 from pipeline.quant import budget, calibrate, qdq, sensitivity as S
-from pipeline.recipe import Gate, load_recipe
+from pipeline.recipe import Gate
+from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.runtime import ort_session
 from tiny import make_tiny_llama, tiny_recipe

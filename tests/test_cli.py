@@ -9,7 +9,8 @@ import yaml
 
 from conftest import ROOT
 from pipeline import cli
-from pipeline.cli import main, parse_set_value
+from pipeline.cli import main
+from pipeline.recipe_load import parse_set_value
 from pipeline.errors import GateFailed, LockHeld
 
 RECIPE = str(ROOT / "recipes" / "fp8-llm.yaml")
@@ -106,7 +107,7 @@ def test_internal_error_saves_traceback_next_to_the_recipe(capsys, monkeypatch, 
 def test_internal_error_before_the_recipe_is_read_goes_to_the_cwd(capsys, monkeypatch, tmp_path):
     def broken(*args, **kwargs):
         raise AttributeError("'NoneType' object has no attribute 'x'")
-    monkeypatch.setattr("pipeline.recipe.load_recipe", broken)
+    monkeypatch.setattr("pipeline.recipe_load.load_recipe", broken)
     monkeypatch.chdir(tmp_path)
     code, out, err = run(capsys, "check", RECIPE)
     assert code == 3 and str(cli.FALLBACK_LOG) in err and "Traceback" not in out + err

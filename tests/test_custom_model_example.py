@@ -52,7 +52,7 @@ def _workspace(tmp_path: Path) -> Path:
 
 
 def test_example_builds_end_to_end_and_passes_its_agreement_gates(tmp_path):
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     path = _workspace(tmp_path)
@@ -94,7 +94,7 @@ def test_example_graph_as_an_onnx_source_is_verified_not_exported(tmp_path):
     import onnx
 
     from pipeline.export_checks import export_module
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     path = _workspace(tmp_path)

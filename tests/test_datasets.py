@@ -16,7 +16,7 @@ from conftest import ROOT
 from pipeline import data, datasets
 from pipeline.datasets import DataError, DataSource, Labeled, Pair, check_disjoint, load
 from pipeline.errors import EXIT_BAD_INPUT
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 
 DATA = ROOT / "tests" / "data" / "datasets"
 
@@ -349,7 +349,7 @@ def test_same_file_read_as_two_units_is_refused():
 
 def test_manifest_hashes_each_data_use_of_a_shipped_recipe():
     from pipeline.manifest import data_inputs, data_uses, sha256_file
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")
     corpus = data.test_data_dir() / "lee_background.cor"

@@ -11,7 +11,8 @@ from pipeline.errors import AccuracyError, ExportError
 from pipeline.models.sentence_embedding import metrics as se_metrics
 from pipeline.models.sentence_embedding import model as se_model
 from pipeline.models.sentence_embedding.adapter import SentenceEmbeddingAdapter, window_feeds
-from pipeline.recipe import ExportConfig, load_recipe
+from pipeline.recipe import ExportConfig
+from pipeline.recipe_load import load_recipe
 
 RECIPES = ["int8-encoder", "fp8-encoder"]
 

@@ -33,7 +33,7 @@ def encoder_ws(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def int8_encoder_run(encoder_ws):
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     return run_pipeline(load_recipe(RECIPE, _overrides(encoder_ws)), RECIPE, quiet=True)
@@ -82,7 +82,7 @@ def test_int8_qdq_is_symmetric_and_per_output_channel(int8_encoder_run):
 
 def test_exclusion_pattern_matching_no_node_is_an_error(int8_encoder_run, encoder_ws, tmp_path):
     from pipeline.errors import QuantizationError
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     # Reuse the finished export (its stage cache) so only quantize runs.

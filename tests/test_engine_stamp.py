@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 from pipeline.artifacts import BuildArtifact
 from pipeline.errors import TritonConfigError
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.stages import build
 from pipeline.stages.triton import check_engine
 

@@ -16,7 +16,7 @@ from pipeline import runners
 from pipeline.artifacts import BuildArtifact
 from pipeline.cli import main as cli_main
 from pipeline.context import Progress, StageContext
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.stages import build, validate
 from tiny import make_tiny_llama, tiny_recipe
 

@@ -187,7 +187,7 @@ def test_tiny_bert_encoder_passes_through_the_encoder_export(tmp_path):
     from conftest import ROOT
     from pipeline.models.sentence_embedding.adapter import SentenceEmbeddingAdapter as EncoderAdapter
     from pipeline.models.sentence_embedding.model import INPUTS, MeanPooledEncoder, random_feeds
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=1200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -212,7 +212,7 @@ def test_export_stage_checks_a_fully_masked_row_on_the_tiny_llama(tmp_path):
     point with batch >= 2 is also run with one row of attention_mask all zeros."""
     import json
 
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
     from tiny import make_tiny_llama, tiny_recipe
 

@@ -17,7 +17,8 @@ from pipeline.errors import RecipeError
 from pipeline.metrics import uncertainty
 from pipeline.metrics.llm_quality import QualityAccumulator
 from pipeline.models.sentence_embedding import metrics as se_metrics
-from pipeline.recipe import Gate, load_recipe
+from pipeline.recipe import Gate
+from pipeline.recipe_load import load_recipe
 
 
 # --- the bootstrap ------------------------------------------------------------------------------

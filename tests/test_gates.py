@@ -13,7 +13,8 @@ from conftest import ROOT
 from pipeline import gates
 from pipeline.cli import main
 from pipeline.errors import InternalError, RecipeError
-from pipeline.recipe import Gate, load_recipe
+from pipeline.recipe import Gate
+from pipeline.recipe_load import load_recipe
 
 LLM = ROOT / "recipes" / "fp8-llm.yaml"
 ENCODER = ROOT / "recipes" / "int8-encoder.yaml"

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT
 from pipeline.models.text_generation.attention import GROUPED, grouped_attention_forward, use_grouped_attention
 from pipeline.models.text_generation.model import KVCacheLM, kv_layout, load_causal_lm, sample_feeds
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from tiny import make_tiny_llama, tiny_recipe
 
 ATOL = 1e-5

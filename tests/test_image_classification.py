@@ -365,7 +365,7 @@ def _recipe_path() -> Path:
 def test_recipe_builds_end_to_end_on_a_small_subset(lines, tmp_path):
     """The shipped recipe on 16 calibration and 48 eval images (of 128 / 800): every stage runs,
     the gates pass and the repository holds compute + preprocess + ensemble."""
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     path = _recipe_path()

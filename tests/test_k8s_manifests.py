@@ -25,7 +25,7 @@ import yaml
 
 from conftest import ROOT
 from pipeline.errors import PipelineError
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.remote import k8s
 
 K8S_VERSION = "1.33.0"

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pipeline.models.text_generation.model import LAST_LOGITS, KVCacheLM, kv_layout, load_causal_lm, sample_feeds
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.models.text_generation.kv import KVLayout
 from pipeline.models.text_generation.triton import DEPLOY_NOTES, shm_bytes
-from pipeline.triton.repository import write_repository
+from pipeline.stages.triton import write_repository
 from test_triton_repository import make_recipe, stage  # noqa: F401  (fixture)
 from tiny import make_tiny_llama, tiny_recipe
 

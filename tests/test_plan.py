@@ -16,7 +16,7 @@ from pipeline.artifacts import to_jsonable
 from pipeline.context import Progress, StageContext
 from pipeline.errors import PipelineError
 from pipeline.plan_gpus import GPUS
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from tiny import make_tiny_llama, tiny_recipe
 
 # --- formulas against hand-computed cases -----------------------------------------------------------

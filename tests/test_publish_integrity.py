@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.triton.publish import JOURNAL_FILE, verify_repository
 from tiny import make_tiny_llama, tiny_recipe

@@ -6,7 +6,7 @@ import yaml
 from conftest import ROOT
 from pipeline.errors import RecipeError
 from pipeline.gates import kind_metrics
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 
 RECIPE = ROOT / "recipes" / "fp8-llm.yaml"
 

@@ -14,7 +14,7 @@ from pipeline import data
 from pipeline.cli import main
 from pipeline.datasets import DataError, load
 from pipeline.errors import RecipeError
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from tiny import make_tiny_llama, tiny_recipe
 

@@ -119,7 +119,7 @@ def test_cached_triton_stage_is_a_miss_once_another_recipe_owns_its_model(owner_
     assert code == 2 and "cached" not in err  # the pre-flight refuses before any stage
     assert "model 'custom_int8'" in err and "belongs to recipe 'scratch'" in err
     # Past the pre-flight (the Python API), the cached triton stage is a miss, then refused.
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 
     with pytest.raises(PipelineError, match="belongs to recipe 'scratch'"):
@@ -131,7 +131,7 @@ def test_cached_triton_stage_is_a_miss_once_another_recipe_owns_its_model(owner_
 
 def test_check_names_free_names_the_recipe_field_of_each_taken_model(tmp_path):
     from conftest import ROOT
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.stages.triton import check_names_free, model_names
 
     repo = tmp_path / "repo"

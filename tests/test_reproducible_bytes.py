@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from conftest import ROOT
 from pipeline import onnx_io
 from pipeline.errors import EnvironmentFault
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from tiny import make_tiny_llama, tiny_recipe
 

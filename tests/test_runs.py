@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 from pipeline.errors import PipelineError
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_lock, run_pipeline
 from tiny import make_tiny_llama, tiny_recipe
 

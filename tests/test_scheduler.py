@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 import pipeline.triton
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.triton.config import graph_io, parse_config
-from pipeline.triton.repository import write_repository
+from pipeline.stages.triton import write_repository
 from test_serve_generation import CancellingRequest, fake_backend
 from test_triton_repository import (
     EOS, HEAD_DIM, HEADS, LAYERS, VOCAB, FakeRequest, build_artifact, load_template, make_recipe, ort_session,
@@ -513,7 +513,7 @@ def test_chat_rendering_matches_transformers_apply_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
     from pipeline.models.sources import package_file
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     gguf = package_file(load_recipe(Path(__file__).parents[1] / "recipes" / "fp8-llm.yaml").model)
     folder = tmp_path / "smollm2_tokenizer"  # as the export stage saves it

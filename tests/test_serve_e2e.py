@@ -33,7 +33,7 @@ def processes_with(text: str) -> list[int]:
 
 def test_served_fp8_llm_streams_the_validate_greedy_tokens(fp8_llm_run, llm_workspace, record_property):
     pytest.importorskip("pytriton")
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
     from pipeline.serve.check import check_greedy
     from pipeline.serve.run import launch, prepare_for_server
     from pipeline.triton.server import find_server

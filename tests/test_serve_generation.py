@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 import pipeline.triton
 from pipeline.errors import PipelineError
 from pipeline.serve.client import ServeClientError, StreamClient, generation_inputs
-from pipeline.triton.repository import write_repository
+from pipeline.stages.triton import write_repository
 from serve_tiny import context_build, llm_artifacts, llm_recipe, tiny_metaspace
 from test_triton_repository import FakeRequest, fake_pb_utils, load_template, ort_session, reference_generate
 

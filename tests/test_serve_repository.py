@@ -12,7 +12,7 @@ import pytest
 from pipeline.errors import PipelineError
 from pipeline.serve.prepare import prepare, write_variants
 from pipeline.triton.config import parse_config
-from pipeline.triton.repository import write_repository
+from pipeline.stages.triton import write_repository
 from pipeline.triton.server import ServerDist
 from serve_tiny import llm_artifacts, llm_recipe
 from test_triton_repository import fake_pb_utils, llm_feeds, load_template, ort_session, snapshot

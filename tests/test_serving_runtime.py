@@ -6,7 +6,7 @@ import pytest
 from conftest import ROOT
 from pipeline import serving
 from pipeline.errors import RecipeError
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 
 
 def _load(cfg):

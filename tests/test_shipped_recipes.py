@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT
 from pipeline.artifacts import TensorSpec
 from pipeline.profiles import resolve_profiles
-from pipeline.recipe import InstanceGroup, Recipe, load_recipe
+from pipeline.recipe import InstanceGroup, Recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.triton.config import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,

@@ -9,7 +9,7 @@ import pytest
 from pipeline.errors import QuantizationError
 from pipeline.models.text_generation.model import prefill_feeds
 from pipeline.quant import calibrate, qdq, smoothquant
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.runtime import ort_session
 from tiny import make_tiny_llama, tiny_recipe

@@ -119,7 +119,7 @@ def test_a_gate_on_a_null_metric_fails():
 
 def test_validate_writes_strict_metrics_and_the_cached_run_agrees(tmp_path, monkeypatch):
     from conftest import ROOT
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     measured = {"spearman_drop_max": math.nan, "spearman_drop_max_reason": "the fp8 model gave 3 non-finite rows",
                 "mean_cosine": 0.995}
@@ -139,21 +139,23 @@ def test_validate_writes_strict_metrics_and_the_cached_run_agrees(tmp_path, monk
 
 def test_manifest_versions_name_the_numeric_stack_and_the_cpu(monkeypatch, tmp_path):
     """FP8 perplexity moves ~0.4 % with one-ulp scale changes: the manifest records what computes."""
-    from pipeline import manifest
+    from pipeline import provenance
 
-    v = manifest.tool_versions()
+    v = provenance.tool_versions()
     assert {"numpy", "ml_dtypes", "python", "cpu"} <= set(v) and v["numpy"] != "absent"
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9654 96-Core Processor\n"
                        "flags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
-    real = manifest.Path
-    monkeypatch.setattr(manifest, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
-    assert manifest.cpu_description().split()[1:] == ["avx2", "avx512f", "avx512_vnni"]
+    real = provenance.Path
+    monkeypatch.setattr(provenance, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
+    assert provenance.cpu_description().split()[1:] == ["avx2", "avx512f", "avx512_vnni"]
     # The model name is recorded, but outside the versions that every stage key hashes.
-    assert manifest.cpu_model() == "AMD EPYC 9654 96-Core Processor"
-    assert "AMD EPYC" not in json.dumps(manifest.tool_versions())
+    assert provenance.cpu_model() == "AMD EPYC 9654 96-Core Processor"
+    assert "AMD EPYC" not in json.dumps(provenance.tool_versions())
+    from pipeline import manifest
+
     report = manifest.report_markdown({"recipe": {"name": "r"}, "stages": {}, "versions": {"cpu": "x86_64 avx2"},
-                                       "cpu_model": manifest.cpu_model()})
+                                       "cpu_model": provenance.cpu_model()})
     assert report.endswith("- cpu: x86_64 avx2\n- cpu model: AMD EPYC 9654 96-Core Processor\n")
 
 

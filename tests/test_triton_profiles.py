@@ -8,9 +8,10 @@ import pytest
 
 from pipeline.artifacts import BuildArtifact, ResolvedProfile
 from pipeline.errors import RecipeError, TritonConfigError
-from pipeline.recipe import load_recipe
+from pipeline.recipe_load import load_recipe
 from pipeline.triton.config import check_config, compute_config, parse_config
-from pipeline.triton.repository import context_limits, profile_batch, write_repository
+from pipeline.stages.triton import write_repository
+from pipeline.triton.repository import context_limits, profile_batch
 from test_triton_repository import HEAD_DIM, HEADS, make_recipe, stage  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]

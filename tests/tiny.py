@@ -17,7 +17,7 @@ def make_tiny_llama(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipeline.models.text_generation.model import load_causal_lm
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe_load import load_recipe
 
     if (folder / "config.json").exists():
         return folder

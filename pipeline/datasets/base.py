@@ -1,28 +1,49 @@
 """What every data source shares: its error type, record types, path
 resolution against the recipe folder, range selection and file hashing.
 
-Imports nothing from the rest of the pipeline but ``errors`` and ``manifest``'s
-hashing (neither imports the recipe), so ``pipeline.recipe`` can import the
-source schema without a cycle.
+Imports nothing from the rest of the pipeline but ``errors`` and ``fsutil``'s
+hashing, so the source schema and the recipe stand on it.
 """
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from pydantic import BaseModel, PrivateAttr, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
 
 from pipeline.errors import InternalError, PipelineError
-from pipeline.manifest import sha256_file
-
-if TYPE_CHECKING:
-    from pipeline.datasets.schema import Range
+from pipeline.fsutil import sha256_file
 
 
 class DataError(PipelineError):
     """Eval, calibration or bench data is missing, malformed, too small for the
     recipe, or overlaps another use (exit 2)."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Range(Strict):
+    """Half-open range ``[start, stop)`` of records; ``stop`` None: to the end."""
+
+    start: int = Field(0, ge=0)
+    stop: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Range":
+        if self.stop is not None and self.stop <= self.start:
+            raise ValueError(f"stop ({self.stop}) must be greater than start ({self.start})")
+        return self
+
+    def overlaps(self, other: "Range") -> bool:
+        """True when the two ranges share a record (an open end reaches every later one)."""
+        return ((self.stop is None or other.start < self.stop)
+                and (other.stop is None or self.start < other.stop))
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {'end' if self.stop is None else self.stop})"
 
 
 class Pair(NamedTuple):
@@ -47,7 +68,7 @@ class Claim(NamedTuple):
 
     path: Path
     unit: str
-    range: "Range | None"
+    range: Range | None
 
 
 def resolve(src, value: str, field: str, *, folder: bool = False) -> Path:

@@ -26,37 +26,12 @@ import abc
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from pipeline.datasets import corpus, images, jsonl, npz, pairs, text
-from pipeline.datasets.base import Claim, RecipeBound, files_sha256
+from pipeline.datasets.base import Claim, Range, RecipeBound, Strict, files_sha256
 
 RecordKind = Literal["documents", "labeled_documents", "pairs", "images", "feeds"]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Range(Strict):
-    """Half-open range ``[start, stop)`` of records; ``stop`` None: to the end."""
-
-    start: int = Field(0, ge=0)
-    stop: int | None = Field(None, gt=0)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "Range":
-        if self.stop is not None and self.stop <= self.start:
-            raise ValueError(f"stop ({self.stop}) must be greater than start ({self.start})")
-        return self
-
-    def overlaps(self, other: "Range") -> bool:
-        """True when the two ranges share a record (an open end reaches every later one)."""
-        return ((self.stop is None or other.start < self.stop)
-                and (other.stop is None or self.start < other.stop))
-
-    def __str__(self) -> str:
-        return f"[{self.start}, {'end' if self.stop is None else self.stop})"
 
 
 class _Source(Strict, RecipeBound, abc.ABC):

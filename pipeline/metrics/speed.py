@@ -27,8 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-#: allowed shortfall of ``speedup_vs_fp32`` below a gate's ``min`` (timing noise), fraction.
-SPEEDUP_MARGIN = 0.10
+from pipeline.gates import SPEEDUP_MARGIN  # noqa: F401  (the gate's margin; its measurement is above)
 
 
 def speed_note(precision: str, level: str, providers: list[str] | None = None) -> str:
@@ -95,29 +94,3 @@ def session_level(runner) -> tuple[str, list[str]] | None:
     level = session.get_session_options().graph_optimization_level
     names = [k for k, v in ORT_LEVELS.items() if v == level]
     return (names[0] if names else str(level)), list(session.get_providers())
-
-
-def llm_prefill_speedup(exp, precision: str, reference, candidate, ids, runs: int = 5) -> dict:
-    """:func:`speedup_metrics` of one prefill (``logits`` only) of token ids int64 ``[batch, seq]``.
-
-    Args:
-        exp: the export artifact (graph I/O, for the empty KV cache).
-        reference, candidate: :class:`pipeline.runners.Runner` (ONNX Runtime in validate).
-
-    Returns:
-        :func:`speedup_metrics`; ``speedup_vs_fp32`` None with ``speedup_vs_fp32_reason``
-        where either runner is not an ONNX Runtime session (nothing served is timed).
-    """
-    from pipeline.models.text_generation.model import prefill_feeds
-    from pipeline.runners import SessionView
-
-    cand_level = session_level(candidate)
-    if session_level(reference) is None or cand_level is None:
-        return {"speedup_vs_fp32": None,
-                "speedup_vs_fp32_reason": "timed only when both graphs run in ONNX Runtime sessions"}
-    level, providers = cand_level
-    feeds = prefill_feeds(exp, ids)
-    ref, cand = SessionView(reference), SessionView(candidate)
-    return speedup_metrics(lambda: ref.run(["logits"], feeds), lambda: cand.run(["logits"], feeds),
-                           shape=f"prefill batch {ids.shape[0]} x {ids.shape[1]} tokens", precision=precision,
-                           level=level, providers=providers, runs=runs)

@@ -20,12 +20,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pipeline.gates import BASIS_KEY, STDERR_SUFFIX  # noqa: F401  (the names gates read; re-exported)
+
 RESAMPLES = 2000
 SEED = 0
-#: suffix of a metric's standard error in ``metrics.json``
-STDERR_SUFFIX = "_stderr"
-#: ``metrics.json`` key of the per-metric :func:`basis` records
-BASIS_KEY = "stderr_basis"
 
 
 def resample_counts(n_units: int, resamples: int = RESAMPLES, seed: int = SEED) -> np.ndarray:

@@ -230,16 +230,3 @@ class ModelAdapter(Protocol):
         """
         ...
 
-
-def not_implemented(kind: str):
-    """An adapter factory for a declared kind whose adapter is not written yet: selecting
-    it raises a clear PipelineError (exit 2), never falls back to another kind."""
-
-    def make(source):
-        from pipeline.errors import PipelineError
-
-        raise PipelineError(f"model.kind: {kind!r} is declared but its adapter is not implemented yet "
-                            f"(pipeline/models/{kind.replace('-', '_')}/); implemented kinds: "
-                            "text-generation, sentence-embedding")
-
-    return make

@@ -41,9 +41,8 @@ def text_batches(exp, data, cal, feeds_for_ids: Callable[[object, np.ndarray], d
         DataError: ``data`` does not hold documents.
     """
     from pipeline import data as text_data
-    from pipeline.models.registry import load_tokenizer
 
     docs = text_data.documents(data)
-    tok = load_tokenizer(exp.tokenizer_dir)
+    tok = text_data.load_tokenizer(exp.tokenizer_dir)
     windows = text_data.token_windows(tok, docs, cal.seq_len, cal.samples)
     return [feeds_for_ids(exp, windows[i : i + cal.batch_size]) for i in range(0, len(windows), cal.batch_size)]

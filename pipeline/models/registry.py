@@ -8,13 +8,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pipeline.models.base import not_implemented
-
 if TYPE_CHECKING:
     from pipeline.models.base import ModelAdapter
     from pipeline.recipe import ModelSource
 
-#: kind -> "module:class" of its adapter, or a factory that refuses a declared, unwritten kind.
+#: kind -> "module:class" of its adapter.
 ADAPTERS = {
     "text-generation": "pipeline.models.text_generation.adapter:TextGenerationAdapter",
     "sentence-embedding": "pipeline.models.sentence_embedding.adapter:SentenceEmbeddingAdapter",
@@ -24,19 +22,16 @@ ADAPTERS = {
 
 
 def adapter_class(kind: str):
-    """The adapter class (or refusing factory) of ``kind``.
+    """The adapter class of ``kind``.
 
     Raises:
-        PipelineError: ``kind`` is not a model kind (names the valid ones), or its
-            adapter is not implemented yet.
+        PipelineError: ``kind`` is not a model kind (names the valid ones).
     """
     from pipeline.errors import PipelineError
 
     target = ADAPTERS.get(kind)
     if target is None:
         raise PipelineError(f"model.kind: {kind!r} is not a model kind; valid: {sorted(ADAPTERS)}")
-    if not isinstance(target, str):
-        return target
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -45,13 +40,7 @@ def adapter(source: ModelSource) -> ModelAdapter:
     """The adapter for ``source.kind``, bound to ``source``.
 
     Raises:
-        PipelineError: the kind's adapter is not implemented yet (see :func:`adapter_class`).
+        PipelineError: ``source.kind`` is not a model kind (see :func:`adapter_class`).
     """
     return adapter_class(source.kind)(source)
 
-
-def load_tokenizer(folder: str):
-    """The tokenizer saved by the export stage (local files only)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

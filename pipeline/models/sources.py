@@ -35,16 +35,13 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Protocol, Union
 
 import numpy as np
 from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator
 
 from pipeline.datasets.base import RecipeBound, files_sha256
 from pipeline.errors import ExportError, PipelineError
-
-if TYPE_CHECKING:
-    from pipeline.recipe import ModelSource
 
 _PACKAGE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 SOURCE_KEYS = ("package", "path", "entry", "onnx")
@@ -54,7 +51,15 @@ class ModelFileError(PipelineError):
     """A model source's file, folder, package or callable is missing or unusable (exit 2)."""
 
 
-def package_file(model: ModelSource) -> Path:
+class ModelSection(Protocol):
+    """What this module reads of the recipe's ``model`` section (:class:`pipeline.recipe.ModelSource`,
+    which imports this module): its ``source``."""
+
+    @property
+    def source(self) -> _ModelSource: ...
+
+
+def package_file(model: ModelSection) -> Path:
     """The model's file or folder for the recipe's ``model`` section: its
     ``source``'s :meth:`~_ModelSource.location`.
 
@@ -64,7 +69,7 @@ def package_file(model: ModelSource) -> Path:
     return model.source.location()
 
 
-def manifest_input(model: ModelSource) -> dict[str, str]:
+def manifest_input(model: ModelSection) -> dict[str, str]:
     """The manifest's ``inputs.model_file`` entry, ``{"path", "sha256"}``, for the recipe's
     ``model`` section: its ``source``'s location and :meth:`~_ModelSource.sha256` (for
     ``entry:``, the entry file and every ``.py`` file in its folder).

@@ -294,7 +294,7 @@ def check_data(recipe) -> None:
 
 
 def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: int, amax: dict[str, float],
-         fmt: qdq.QFormat) -> tuple[list[qdq.Target], BudgetResult | None, S.Sensitivity]:
+         fmt: qdq.QFormat, *, calibration_feeds) -> tuple[list[qdq.Target], BudgetResult | None, S.Sensitivity]:
     """Sensitivity and (with ``quantize.accuracy_budget``) the budget search for the quantize stage.
 
     Args:
@@ -303,6 +303,8 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         model: the FP32 graph to quantize (smoothed if SmoothQuant is on), weights loaded.
         targets: GEMMs the recipe leaves quantizable; ``forced``: GEMMs it excludes itself.
         amax: per-tensor amax of every target's input.
+        calibration_feeds: ``(exp, data source, calibration config) -> list of feed dicts``, the
+            model kind's :meth:`pipeline.models.base.ModelAdapter.calibration_feeds` (the stage passes it).
 
     Returns:
         ``(targets to quantize, budget result or None, sensitivity)``; writes
@@ -313,14 +315,13 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         GateFailed: the budget is unreachable within the floor and limits, or the search stopped
             at a limit (the message then says whether what it reached meets the budget).
     """
-    from pipeline.models import registry
     from pipeline.runtime import ort_session
 
     q = ctx.recipe.quantize
     check_data(ctx.recipe)
     tun = q.tuning
     cal = q.calibration.model_copy(update={"samples": tun.max_windows, "min_samples": 1})
-    feeds = registry.adapter(ctx.recipe.model).calibration_feeds(exp, tun.data, cal)
+    feeds = calibration_feeds(exp, tun.data, cal)
     if not feeds:
         raise QuantizationError(f"quantize.tuning.data: {tun.data.describe()} gives no window of {cal.seq_len} tokens")
     grouping = q.sensitivity.groups if q.sensitivity else "per_block"

@@ -392,9 +392,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     Raises:
         PipelineError: no ``--storage-uri`` and nothing published (exit 2).
     """
-    from pipeline.cli import load
+    from pipeline.recipe_load import load_from_args
 
-    recipe = load(args)
+    recipe = load_from_args(args)
     run_dir = Path(recipe.work_dir) / recipe.name
     published = last_published(run_dir)
     uri = args.storage_uri or (published or {}).get("triton_url") or (published or {}).get("to")

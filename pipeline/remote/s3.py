@@ -519,10 +519,10 @@ def add_publish_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     """``python -m pipeline publish``; returns 0 (errors raise, see :func:`publish_recipe`)."""
-    from pipeline.cli import load
+    from pipeline.recipe_load import load_from_args
 
     loc = S3Location.parse(args.to)
-    entry = publish_recipe(load(args), loc, serve_copy=args.serve_copy, rollback=args.rollback)
+    entry = publish_recipe(load_from_args(args), loc, serve_copy=args.serve_copy, rollback=args.rollback)
     what = "rolled back to" if args.rollback else "published"
     print(f"{what} version {entry['version']} of {', '.join(entry['models'])} at {loc.url} "
           f"(previous live version: {entry['previous']}); tritonserver --model-repository={loc.triton_url}")

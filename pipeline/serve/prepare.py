@@ -4,7 +4,7 @@ The pytriton wheel's tritonserver ships only the python backend. A recipe
 whose target needs a backend the server lacks (``onnxruntime``: the
 ``onnxruntime`` backend, ``tensorrt``: the ``tensorrt`` backend) is served from
 a python-onnxruntime copy, written by the same generator with the same checks
-(:func:`pipeline.triton.repository.write_repository`, target overridden) into
+(:func:`pipeline.stages.triton.write_repository`, target overridden) into
 ``<work_dir>/<recipe>/serve_repository``; ``recipe.output_dir`` is never
 touched. Bench variants of the compute model (dynamic batching off/on x 1/2
 instances) go to ``<work_dir>/<recipe>/bench_repository/<variant>``, one
@@ -19,11 +19,8 @@ from typing import Any
 
 from pipeline.errors import GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.recipe import DynamicBatching, InstanceGroup, Recipe
-from pipeline.triton.repository import (
-    INDEX_FILE,
-    resolve_target,
-    write_repository,
-)
+from pipeline.stages.triton import write_repository
+from pipeline.triton.repository import INDEX_FILE, resolve_target
 
 #: resolved target -> the tritonserver backend folder it needs.
 NEEDED_BACKEND = {"tensorrt": "tensorrt", "onnxruntime": "onnxruntime", "python-onnxruntime": "python"}

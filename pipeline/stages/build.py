@@ -39,9 +39,8 @@ import onnx
 from pipeline import profiles, serving
 from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
 from pipeline.errors import PipelineError
-from pipeline.fsutil import write_bytes_atomic
+from pipeline.fsutil import sha256_file, write_bytes_atomic
 from pipeline.graph_checks import check_qdq_graph
-from pipeline.manifest import sha256_file
 from pipeline.recipe import BuildConfig, Recipe
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from pipeline.artifacts import ExportArtifact, TensorSpec
 from pipeline.context import StageContext
 from pipeline.errors import ExportError
 from pipeline.models import registry
-from pipeline.runtime import ort_session
+from pipeline.runtime import load_session
 
 log = logging.getLogger(__name__)
 
@@ -145,26 +145,6 @@ def onnx_source(adapter) -> Path | None:
 
     source = getattr(adapter, "source", None)
     return source.location() if isinstance(source, OnnxSource) else None
-
-
-def load_session(path: str | Path, source: Path | None = None):
-    """An ONNX Runtime session for ``path`` (:func:`pipeline.runtime.ort_session`).
-
-    Args:
-        source: the ``model.source.onnx`` graph that ``path`` is a copy of, if any.
-
-    Raises:
-        ExportError: ONNX Runtime cannot load the graph; names the file (and the
-            source graph) and ONNX Runtime's message.
-    """
-    try:
-        return ort_session(str(path))
-    except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph / NotImplemented types
-        copy = f" (copied to {path})" if source is not None and Path(path) != Path(source) else ""
-        what = f"model.source.onnx {source}{copy}" if source is not None else f"the exported graph {path}"
-        raise ExportError(f"export: ONNX Runtime cannot load {what}: {type(e).__name__}: {str(e).strip()[:600]}. "
-                          "The graph must load in ONNX Runtime (check its opset, custom-op domains and "
-                          "external data files)") from e
 
 
 def _torch(adapter, module, feeds: dict) -> list:

@@ -71,7 +71,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
                                           scratch_dir=ctx.stage_dir)
     found = None
     if q.tuning is not None and pinned is None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
-        kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt)
+        kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
+                                     calibration_feeds=registry.adapter(ctx.recipe.model).calibration_feeds)
         if found is not None:
             extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
     if pinned is None:
@@ -116,7 +117,7 @@ def _pinned_kept(model: onnx.ModelProto, kept: list[qdq.Target], pinned: dict, p
 def _write_candidate(ctx: StageContext, amax: dict[str, float], chan: dict, found) -> None:
     """``quantize/tuned.json``: what ``tune`` pins (:func:`pipeline.quant.pin.candidate`)."""
     from pipeline.fsutil import write_text_atomic
-    from pipeline.manifest import tool_versions
+    from pipeline.provenance import tool_versions
 
     if ctx.pin is None or (found is not None and found.status != "met"):
         return

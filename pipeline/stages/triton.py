@@ -27,8 +27,6 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
         TritonConfigError: a config disagrees with its model, or the engine's
             stamp does not match the declared serving runtime and the recipe.
     """
-    from pipeline.triton.repository import write_repository
-
     check_names_free(ctx.recipe)
     warnings = check_engine(ctx.recipe, b) if b.status == "ok" else []
     for warning in warnings:
@@ -37,6 +35,53 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
     with ctx.progress.step(f"triton: write {ctx.recipe.output_dir}/"):
         art = write_repository(ctx.recipe, export=exp, quantized=q, build=b, out_dir=Path(ctx.recipe.output_dir))
     return dataclasses.replace(art, warnings=warnings)
+
+
+def write_repository(
+    recipe: Recipe,
+    *,
+    export: ExportArtifact,
+    quantized: QuantizedArtifact,
+    build: BuildArtifact,
+    out_dir: Path,
+    compute_only: bool = False,
+) -> TritonArtifact:
+    """Write, check and publish the Triton model repository for ``recipe``.
+
+    The compute model serves ``quantized.onnx_path`` (or ``build.engine_path``
+    for target ``tensorrt``); the kind's adapter adds its own models
+    (:meth:`pipeline.models.base.ModelAdapter.triton_models`: text-generation recipes with
+    ``triton.generate_model_name`` the decoupled generation model, sentence-embedding
+    recipes a tokenizer model and an ensemble). ``compute_only``: the compute
+    model alone (bench variants).
+
+    Raises:
+        TritonConfigError: target ``tensorrt`` without an engine; a config that
+            fails :func:`pipeline.triton.config.check_config`; a config.pbtxt that does not parse back
+            to the same message; missing tokenizer.json or EOS id; a KV layout
+            the compute graph does not match; an encoder graph input the
+            tokenizer model cannot make, or no pad token. The published repository (if any)
+            is unchanged in all these cases.
+    """
+    from pipeline.triton.repository import resolve_target
+
+    target = resolve_target(recipe.triton.target, build)
+    if recipe.triton.generate_model_name == recipe.triton.model_name:
+        raise TritonConfigError(
+            f"triton.generate_model_name: {recipe.triton.model_name!r} is also triton.model_name; "
+            "the two models need different names"
+        )
+    from pipeline.models import registry
+    from pipeline.triton import repository
+
+    out_dir = Path(out_dir)
+    with repository.staging_folder(out_dir, recipe.name) as staging:
+        models = [repository.stage_compute(recipe, target, quantized, build, staging)]
+        if not compute_only:  # the kind's own models: generation, tokenizer + ensemble, ... (its adapter)
+            models += registry.adapter(recipe.model).triton_models(recipe, export, models[0], build, staging)
+        repository.check_and_publish(recipe, target, models, build, staging, out_dir)
+    backend = models[0].config.platform or models[0].config.backend
+    return TritonArtifact(repository=str(out_dir), models=[m.config.name for m in models], compute_backend=backend)
 
 
 def model_names(recipe: Recipe) -> dict[str, str]:

@@ -16,9 +16,10 @@ from pipeline import data, runners
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import RecipeError
-from pipeline.manifest import code_hash, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic
+from pipeline.fsutil import sha256_file, strict_jsonable, write_json_atomic, write_text_atomic
 from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX
+from pipeline.provenance import code_hash
 from pipeline.gates import evaluate
 
 ENGINE = ENGINE_PREFIX  # prefix of the engine's metrics

@@ -1,4 +1,5 @@
-"""Triton model repository stage: write, check and atomically publish.
+"""Triton model repository: stage, check and atomically publish the models of a recipe
+(the stage that drives it is :func:`pipeline.stages.triton.write_repository`).
 
 Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
 
@@ -23,22 +24,22 @@ before that leaves a previously published repository untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import onnx
 
-from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec, TritonArtifact
+from pipeline.artifacts import BuildArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
 from pipeline.errors import TritonConfigError
 from pipeline.fsutil import copy_file
-from pipeline.models import registry
 from pipeline.triton import publish
 from pipeline.recipe import Recipe
 from pipeline.triton.config import (
@@ -123,55 +124,32 @@ def profile_batch(profiles: Sequence[ResolvedProfile]) -> tuple[int | None, int 
     return (min(maxes), min(opts)) if maxes else (None, None)
 
 
-def write_repository(
-    recipe: Recipe,
-    *,
-    export: ExportArtifact,
-    quantized: QuantizedArtifact,
-    build: BuildArtifact,
-    out_dir: Path,
-    compute_only: bool = False,
-) -> TritonArtifact:
-    """Write, check and publish the Triton model repository for ``recipe``.
+@contextlib.contextmanager
+def staging_folder(out_dir: Path, recipe_name: str) -> Iterator[Path]:
+    """A new staging folder beside ``out_dir`` for one recipe's models; removed on exit
+    unless a publish from it is pending (the next run completes that publish)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=publish.staging_prefix(out_dir, recipe_name), dir=out_dir.parent))
+    try:
+        yield staging
+    finally:
+        if publish.pending(out_dir) is None:
+            shutil.rmtree(staging, ignore_errors=True)
 
-    The compute model serves ``quantized.onnx_path`` (or ``build.engine_path``
-    for target ``tensorrt``); the kind's adapter adds its own models
-    (:meth:`pipeline.models.base.ModelAdapter.triton_models`: text-generation recipes with
-    ``triton.generate_model_name`` the decoupled generation model, sentence-embedding
-    recipes a tokenizer model and an ensemble). ``compute_only``: the compute
-    model alone (bench variants).
+
+def check_and_publish(recipe: Recipe, target: str, models: Sequence[StagedModel], build: BuildArtifact,
+                      staging: Path, out_dir: Path) -> None:
+    """Check every staged model (:func:`check_config`, its config.pbtxt parsed back, its
+    files present), then publish them and their ``repository.json`` entries as one unit.
 
     Raises:
-        TritonConfigError: target ``tensorrt`` without an engine; a config that
-            fails :func:`check_config`; a config.pbtxt that does not parse back
-            to the same message; missing tokenizer.json or EOS id; a KV layout
-            the compute graph does not match; an encoder graph input the
-            tokenizer model cannot make, or no pad token. The published repository (if any)
-            is unchanged in all these cases.
+        TritonConfigError: a check fails; nothing is published then.
     """
-    target = resolve_target(recipe.triton.target, build)
-    if recipe.triton.generate_model_name == recipe.triton.model_name:
-        raise TritonConfigError(
-            f"triton.generate_model_name: {recipe.triton.model_name!r} is also triton.model_name; "
-            "the two models need different names"
-        )
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=publish.staging_prefix(out_dir, recipe.name), dir=out_dir.parent))
-    try:
-        models = [_stage_compute(recipe, target, quantized, build, staging)]
-        if not compute_only:  # the kind's own models: generation, tokenizer + ensemble, ... (its adapter)
-            models += registry.adapter(recipe.model).triton_models(recipe, export, models[0], build, staging)
-        _verify(models, staging, recipe.triton.version, gpu_available(build) if target == "onnxruntime" else False)
-        publish.publish(staging, out_dir, _index_entries(recipe, target, models, staging), recipe.name)
-    finally:
-        if publish.pending(out_dir) is None:  # else the next run completes the publish from staging
-            shutil.rmtree(staging, ignore_errors=True)
-    backend = models[0].config.platform or models[0].config.backend
-    return TritonArtifact(repository=str(out_dir), models=[m.config.name for m in models], compute_backend=backend)
+    _verify(models, staging, recipe.triton.version, gpu_available(build) if target == "onnxruntime" else False)
+    publish.publish(staging, out_dir, _index_entries(recipe, target, models, staging), recipe.name)
 
 
-def _stage_compute(
+def stage_compute(
     recipe: Recipe, target: str, quantized: QuantizedArtifact, build: BuildArtifact, staging: Path
 ) -> StagedModel:
     """Compute model: config from the served ONNX graph, model file(s) into the version folder."""

@@ -236,7 +236,7 @@ def _source_session(path: Path):
     Raises:
         ExportError: ONNX Runtime cannot load it (names the file and ONNX Runtime's message).
     """
-    from pipeline.stages.export import load_session
+    from pipeline.runtime import load_session
 
     return load_session(path, path)
 

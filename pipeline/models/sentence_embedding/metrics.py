@@ -280,10 +280,10 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
         AccuracyError: NaN/Inf in the FP32 reference, or no held-out sentence.
         DataError: the split reaches past the corpus.
     """
-    from pipeline.models import registry
+    from pipeline import data
 
     v = ctx.recipe.validate_
-    tok = registry.load_tokenizer(exp.tokenizer_dir)
+    tok = data.load_tokenizer(exp.tokenizer_dir)
     sentences = validate_sentences(v)
     reference = reference or runners.OrtRunner(exp.onnx_path)
     candidate = candidate or runners.OrtRunner(q.onnx_path)

@@ -1,7 +1,7 @@
 """Triton models of the sentence-embedding kind: the tokenizer model (text -> the
 graph's int64 inputs, ``templates/tokenizer_model.py``) and the text -> embedding
 ensemble. Written into the staging folder of
-:func:`pipeline.triton.repository.write_repository`, which checks and publishes them."""
+:func:`pipeline.stages.triton.write_repository`, which checks and publishes them."""
 from __future__ import annotations
 
 from pathlib import Path

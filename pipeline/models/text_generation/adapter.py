@@ -176,8 +176,7 @@ def validate_prompts(validate_cfg, tokenizer_dir: str) -> list[list[int]]:
         DataError: the split reaches past the corpus.
     """
     from pipeline import data
-    from pipeline.models.registry import load_tokenizer
 
     count = validate_cfg.generation.prompts if validate_cfg.generation else BENCH_PROMPTS
     docs = data.documents(validate_cfg.data)
-    return data.prompts(load_tokenizer(tokenizer_dir), docs, count).tolist()
+    return data.prompts(data.load_tokenizer(tokenizer_dir), docs, count).tolist()

@@ -24,7 +24,6 @@ from scipy.special import logsumexp
 from pipeline import data, runners
 from pipeline.errors import AccuracyError
 from pipeline.metrics import llm_quality, speed, uncertainty
-from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
 from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
 
@@ -90,7 +89,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
         AccuracyError: no window of ``seq_len`` tokens, or NaN logits from the reference.
     """
     v = ctx.recipe.validate_
-    tok = registry.load_tokenizer(exp.tokenizer_dir)
+    tok = data.load_tokenizer(exp.tokenizer_dir)
     docs = data.documents(v.data)
     windows = data.token_windows(tok, docs, v.seq_len, v.max_windows)
     if len(windows) == 0:
@@ -113,7 +112,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"], stats = llm_quality.paired_perplexity(
         logits_of["fp32"], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context, acc)
     metrics.update(stats)
-    metrics.update(speed.llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
+    metrics.update(llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
     engine_rows: list[float] = []
     if engine is not None:
         metrics[f"{ENGINE}perplexity_{q.precision}"] = perplexity(
@@ -196,3 +195,27 @@ def _agreement_stderr(same: np.ndarray, prefix: str) -> dict:
         return {f"{key}_stderr": None}
     se = uncertainty.ratio_of_sums_stderr(same.sum(1), np.full(same.shape[0], float(same.shape[1])))
     return {f"{key}_stderr": se}
+
+
+def llm_prefill_speedup(exp, precision: str, reference, candidate, ids, runs: int = 5) -> dict:
+    """:func:`pipeline.metrics.speed.speedup_metrics` of one prefill (``logits`` only) of
+    token ids int64 ``[batch, seq]``.
+
+    Args:
+        exp: the export artifact (graph I/O, for the empty KV cache).
+        reference, candidate: :class:`pipeline.runners.Runner` (ONNX Runtime in validate).
+
+    Returns:
+        :func:`~pipeline.metrics.speed.speedup_metrics`; ``speedup_vs_fp32`` None with
+        ``speedup_vs_fp32_reason`` where either runner is not an ONNX Runtime session (nothing served is timed).
+    """
+    cand_level = speed.session_level(candidate)
+    if speed.session_level(reference) is None or cand_level is None:
+        return {"speedup_vs_fp32": None,
+                "speedup_vs_fp32_reason": "timed only when both graphs run in ONNX Runtime sessions"}
+    level, providers = cand_level
+    feeds = prefill_feeds(exp, ids)
+    ref, cand = runners.SessionView(reference), runners.SessionView(candidate)
+    return speed.speedup_metrics(lambda: ref.run(["logits"], feeds), lambda: cand.run(["logits"], feeds),
+                                 shape=f"prefill batch {ids.shape[0]} x {ids.shape[1]} tokens", precision=precision,
+                                 level=level, providers=providers, runs=runs)

@@ -1,7 +1,7 @@
 """Triton models of the text-generation kind: the decoupled generation model
 (``templates/generate_model.py``: tokenizer, prefill and decode with the KV cache
 through the compute model) and the deploy notes that size its shared memory.
-Written into the staging folder of :func:`pipeline.triton.repository.write_repository`,
+Written into the staging folder of :func:`pipeline.stages.triton.write_repository`,
 which checks and publishes them."""
 from __future__ import annotations
 

@@ -1,0 +1,232 @@
+"""The import structure of ``pipeline/``: layers, and no import circles.
+
+Every import in the package is read with ``ast`` (nothing of ``pipeline`` is imported):
+module-level, inside functions, under ``TYPE_CHECKING``, ``importlib.import_module`` /
+``__import__`` calls, and ``"pipeline.x.y"`` / ``"pipeline.x.y:name"`` strings (the lazy
+references the model registry and the CLI's command table resolve, and
+``importlib.resources.files("pipeline.triton")``, which imports that package).
+
+A module may import its own layer or a lower one, never a higher one; and no module
+reaches itself through its imports, whatever the layers. A new module needs a row in
+:data:`LAYERS` (its longest listed prefix gives its layer).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pipeline"
+
+BASE, GROUND, TOOLKITS, KINDS, STAGES, RUN, SERVICES, ROOF = range(8)
+LAYER_NAMES = ("base", "ground (recipe and sources)", "toolkits", "model kinds", "stages", "run",
+               "serve / plan / remote", "CLI")
+
+#: module or package prefix -> layer; the longest prefix that matches a module decides.
+LAYERS: dict[str, int] = {
+    # below everything: errors, files, artifact types, process-wide switches, ONNX I/O
+    "pipeline": BASE, "pipeline.errors": BASE, "pipeline.fsutil": BASE, "pipeline.artifacts": BASE,
+    "pipeline.faults": BASE, "pipeline.interrupts": BASE, "pipeline.memory": BASE,
+    "pipeline.provenance": BASE, "pipeline.onnx_io": BASE,
+    # the recipe (problems, schema, per-kind gate metrics, checks, loader) and what it reads
+    "pipeline.recipe_problems": GROUND, "pipeline.recipe": GROUND, "pipeline.recipe_checks": GROUND,
+    "pipeline.recipe_load": GROUND, "pipeline.gates": GROUND, "pipeline.serving": GROUND,
+    "pipeline.datasets": GROUND, "pipeline.models.sources": GROUND,
+    # graph checks, runners, TensorRT profiles, quantization, Triton, metrics, text data
+    "pipeline.compare": TOOLKITS, "pipeline.graph_checks": TOOLKITS, "pipeline.export_checks": TOOLKITS,
+    "pipeline.runtime": TOOLKITS, "pipeline.runners": TOOLKITS, "pipeline.feeds": TOOLKITS,
+    "pipeline.profiles": TOOLKITS, "pipeline.context": TOOLKITS, "pipeline.data": TOOLKITS,
+    "pipeline.quant": TOOLKITS, "pipeline.triton": TOOLKITS, "pipeline.metrics": TOOLKITS,
+    "pipeline.models": KINDS,
+    "pipeline.stages": STAGES,
+    "pipeline.runner": RUN, "pipeline.manifest": RUN, "pipeline.smoke": RUN,
+    "pipeline.serve": SERVICES, "pipeline.plan": SERVICES, "pipeline.plan_measure": SERVICES,
+    "pipeline.plan_gpus": SERVICES, "pipeline.remote": SERVICES,
+    "pipeline.cli": ROOF, "pipeline.__main__": ROOF,
+}
+
+#: Files that are not modules of the package: Triton's Python models, run inside tritonserver.
+NOT_MODULES = ("pipeline/triton/templates/",)
+
+_REFERENCE = re.compile(r"^pipeline(\.\w+)*(:\w+)?$")
+
+
+class Import(NamedTuple):
+    importer: str  # module name
+    file: str  # path from the repository root
+    line: int
+    imported: str  # module name (the longest one of the package that the import names)
+
+
+def package_modules() -> dict[str, Path]:
+    """Module name -> file, for every ``.py`` of ``pipeline/`` (templates excepted)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(NOT_MODULES):
+            continue
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _module_of(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest module of the package that ``name`` (a dotted name) starts with."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _named(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """The dotted names one AST node imports or refers to (empty for other nodes)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parent = module.split(".") if is_package else module.split(".")[:-1]
+            parent = parent[: len(parent) - (node.level - 1)]
+            base = ".".join([*parent, *([node.module] if node.module else [])])
+        return [f"{base}.{a.name}" for a in node.names]  # a submodule, else resolved to ``base``
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and _REFERENCE.match(node.value):
+        return [node.value.partition(":")[0]]  # import_module("pipeline.x"), "pipeline.x:Class", resources
+    return []
+
+
+def package_imports() -> list[Import]:
+    """Every import between modules of ``pipeline/`` (a module importing itself is dropped)."""
+    modules = package_modules()
+    out = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            for name in _named(node, module, path.name == "__init__.py"):
+                target = _module_of(name, modules)
+                if target is not None and target != module:
+                    out.append(Import(module, path.relative_to(ROOT).as_posix(), node.lineno, target))
+    return out
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``module``: that of its longest prefix in :data:`LAYERS`, or None."""
+    name = module
+    while name:
+        if name in LAYERS:
+            return LAYERS[name]
+        name = name.rpartition(".")[0]
+    return None
+
+
+def cycles(imports: list[Import]) -> list[list[Import]]:
+    """One import circle (as its imports, in order) per strongly connected group of modules
+    (Tarjan's algorithm, iterative); empty when the module graph is acyclic."""
+    graph: dict[str, list[Import]] = {}
+    for imp in imports:
+        graph.setdefault(imp.importer, []).append(imp)
+        graph.setdefault(imp.imported, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            edges = graph[node]
+            if i < len(edges):
+                work.append((node, i + 1))
+                nxt = edges[i].imported
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(group)
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return [_circle(group, graph) for group in groups]
+
+
+def _circle(group: set[str], graph: dict[str, list[Import]]) -> list[Import]:
+    """A path of imports inside ``group`` from its first module back to itself (breadth first)."""
+    start = min(group)
+    came: dict[str, Import] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for imp in graph[node]:
+                if imp.imported not in group:
+                    continue
+                if imp.imported == start:
+                    path = [imp]
+                    while path[0].importer != start:
+                        path.insert(0, came[path[0].importer])
+                    return path
+                if imp.imported not in came:
+                    came[imp.imported] = imp
+                    nxt.append(imp.imported)
+        frontier = nxt
+    raise AssertionError(f"no circle through {start} in {sorted(group)}")  # a group always has one
+
+
+def _where(imp: Import) -> str:
+    return f"{imp.file}:{imp.line}: {imp.importer} imports {imp.imported}"
+
+
+def test_every_module_has_a_layer():
+    unlisted = sorted(m for m in package_modules() if layer_of(m) is None)
+    assert not unlisted, f"modules without a layer (add a row to LAYERS in {Path(__file__).name}): {unlisted}"
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [imp for imp in package_imports()
+              if (layer_of(imp.importer) or 0) < (layer_of(imp.imported) or 0)]
+    lines = [f"{_where(imp)} (layer {LAYER_NAMES[layer_of(imp.importer) or 0]} imports "
+             f"layer {LAYER_NAMES[layer_of(imp.imported) or 0]})" for imp in upward]
+    assert not upward, "imports of a higher layer:\n" + "\n".join(lines)
+
+
+def test_no_import_circle():
+    found = cycles(package_imports())
+    text = "\n".join("circle:\n  " + "\n  ".join(_where(imp) for imp in circle) for circle in found)
+    assert not found, f"{len(found)} import circle(s):\n{text}"
+
+
+def test_the_reader_sees_every_kind_of_import(tmp_path):
+    """The checks above are only as good as the reader: a function-level, a type-only, an
+    ``importlib`` and a relative import are each found, and a circle of two is reported."""
+    source = ('from __future__ import annotations\nfrom typing import TYPE_CHECKING\nimport importlib\n'
+              'if TYPE_CHECKING:\n    from pipeline.recipe import Recipe\n'
+              'def f():\n    from pipeline import cli\n    return importlib.import_module("pipeline.plan")\n'
+              'from .registry import adapter\n')
+    modules = {"pipeline.models.common": Path("x"), "pipeline.recipe": Path("x"), "pipeline.cli": Path("x"),
+               "pipeline.plan": Path("x"), "pipeline.models.registry": Path("x"), "pipeline": Path("x")}
+    names = {_module_of(n, modules) for node in ast.walk(ast.parse(source))
+             for n in _named(node, "pipeline.models.common", False)}
+    assert names == {None, "pipeline.recipe", "pipeline.cli", "pipeline.plan", "pipeline.models.registry"}
+    a_b = Import("a", "a.py", 3, "b")
+    b_a = Import("b", "b.py", 7, "a")
+    assert cycles([a_b, b_a, Import("b", "b.py", 8, "c")]) == [[a_b, b_a]]
+    assert cycles([a_b, Import("b", "b.py", 8, "c")]) == []
