@@ -68,11 +68,25 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def code_hash() -> str:
-    """sha256 of this package's Python sources and templates: a code change invalidates the stage cache."""
+@functools.lru_cache(maxsize=None)
+def code_hash(module: str | None = None) -> str:
+    """sha256 of Python sources: with ``module`` (e.g. ``pipeline.stages.export``), of the files of
+    its static import closure inside this package (:func:`pipeline.imports.closure`), plus the
+    Triton templates where the closure reaches ``pipeline.triton``; without, of the whole package.
+    A stage's cache key holds its own, so an edit elsewhere (a server, a report) re-runs nothing."""
+    from pipeline import imports
+
     root = Path(__file__).resolve().parent
+    if module is None:
+        files = sorted(root.rglob("*.py"))
+    else:
+        mods = imports.package_modules()
+        names = imports.closure(module)
+        files = sorted({mods[m] for m in names if m in mods})
+        triton = root / "triton"
+        if any(f.is_relative_to(triton) for f in files):  # the templates it copies into repositories
+            files = sorted({*files, *(triton / "templates").rglob("*.py")})
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
+    for f in files:
         h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
     return h.hexdigest()

@@ -27,6 +27,7 @@ from pipeline.context import Progress, StageContext
 from pipeline.errors import LockHeld
 from pipeline.faults import fault_point
 from pipeline.memory import PeakRSS
+from pipeline.provenance import code_hash
 from pipeline.recipe import Recipe
 
 
@@ -173,6 +174,18 @@ def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple
     return arts["quantize"], run_dir / "quantize" / pin.CANDIDATE
 
 
+def _key_versions(versions: dict, inputs: dict) -> dict:
+    """What of :func:`pipeline.provenance.tool_versions` and the manifest's inputs enters stage
+    keys: tool versions and input hashes, never paths, the CPU or the whole package's code hash
+    (each stage adds its own code's, :func:`pipeline.provenance.code_hash`)."""
+    kept = {k: v for k, v in versions.items() if k not in ("trt-pipeline", "cpu")}
+    return {**kept, "inputs": {k: v.get("sha256") for k, v in inputs.items()}}
+
+
+#: stage -> the module whose import closure is its code (default ``pipeline.stages.<name>``)
+_STAGE_MODULES: dict[str, str] = {}
+
+
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False) -> RunResult:
     _repair_published(recipe, progress)
     man: dict = {}
@@ -187,7 +200,7 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
 
     versions = M.tool_versions()
     man.update(M.new_manifest(recipe, recipe_path, versions))
-    versions = {**versions, "inputs": man["inputs"]}  # new weights or corpus invalidate the cache
+    versions = _key_versions(versions, man["inputs"])
     found = pin.lookup(recipe, recipe_path, man["inputs"], ignore=pin_ignore)
     if locked:
         pin.check_locked(recipe, found)
@@ -199,7 +212,8 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
         ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found)
         extra = {"pin": found.key()} if stage.name == "quantize" else {}
-        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], {**versions, **extra})
+        code = {"code": code_hash(_STAGE_MODULES.get(stage.name, f"pipeline.stages.{stage.name}"))}
+        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], {**versions, **code, **extra})
         gate_failed = "validate" in arts and not arts["validate"].passed
         if stage.name == "triton" and gate_failed:
             man["stages"]["triton"] = M.stage_record("skipped", "accuracy gate failed: nothing is published")

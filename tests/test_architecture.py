@@ -1,6 +1,6 @@
 """The import structure of ``pipeline/``: layers, and no import circles.
 
-Every import in the package is read with ``ast`` (nothing of ``pipeline`` is imported):
+Every import in the package is read with ``ast`` by :mod:`pipeline.imports` (which imports nothing of it):
 module-level, inside functions, under ``TYPE_CHECKING``, ``importlib.import_module`` /
 ``__import__`` calls, and ``"pipeline.x.y"`` / ``"pipeline.x.y:name"`` strings (the lazy
 references the model registry and the CLI's command table resolve, and
@@ -13,12 +13,9 @@ reaches itself through its imports, whatever the layers. A new module needs a ro
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
-from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "pipeline"
+from pipeline.imports import PACKAGE, ROOT, Import, _module_of, _named, package_imports, package_modules  # noqa: F401
 
 BASE, GROUND, TOOLKITS, KINDS, STAGES, RUN, SERVICES, ROOF = range(8)
 LAYER_NAMES = ("base", "ground (recipe and sources)", "toolkits", "model kinds", "stages", "run",
@@ -46,70 +43,6 @@ LAYERS: dict[str, int] = {
     "pipeline.plan_gpus": SERVICES, "pipeline.remote": SERVICES,
     "pipeline.cli": ROOF, "pipeline.__main__": ROOF,
 }
-
-#: Files that are not modules of the package: Triton's Python models, run inside tritonserver.
-NOT_MODULES = ("pipeline/triton/templates/",)
-
-_REFERENCE = re.compile(r"^pipeline(\.\w+)*(:\w+)?$")
-
-
-class Import(NamedTuple):
-    importer: str  # module name
-    file: str  # path from the repository root
-    line: int
-    imported: str  # module name (the longest one of the package that the import names)
-
-
-def package_modules() -> dict[str, Path]:
-    """Module name -> file, for every ``.py`` of ``pipeline/`` (templates excepted)."""
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(NOT_MODULES):
-            continue
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-def _module_of(name: str, modules: dict[str, Path]) -> str | None:
-    """The longest module of the package that ``name`` (a dotted name) starts with."""
-    while name and name not in modules:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def _named(node: ast.AST, module: str, is_package: bool) -> list[str]:
-    """The dotted names one AST node imports or refers to (empty for other nodes)."""
-    if isinstance(node, ast.Import):
-        return [a.name for a in node.names]
-    if isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-            parent = module.split(".") if is_package else module.split(".")[:-1]
-            parent = parent[: len(parent) - (node.level - 1)]
-            base = ".".join([*parent, *([node.module] if node.module else [])])
-        return [f"{base}.{a.name}" for a in node.names]  # a submodule, else resolved to ``base``
-    if isinstance(node, ast.Constant) and isinstance(node.value, str) and _REFERENCE.match(node.value):
-        return [node.value.partition(":")[0]]  # import_module("pipeline.x"), "pipeline.x:Class", resources
-    return []
-
-
-def package_imports() -> list[Import]:
-    """Every import between modules of ``pipeline/`` (a module importing itself is dropped)."""
-    modules = package_modules()
-    out = []
-    for module, path in modules.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
-            for name in _named(node, module, path.name == "__init__.py"):
-                target = _module_of(name, modules)
-                if target is not None and target != module:
-                    out.append(Import(module, path.relative_to(ROOT).as_posix(), node.lineno, target))
-    return out
-
 
 def layer_of(module: str) -> int | None:
     """The layer of ``module``: that of its longest prefix in :data:`LAYERS`, or None."""
@@ -230,3 +163,13 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
     b_a = Import("b", "b.py", 7, "a")
     assert cycles([a_b, b_a, Import("b", "b.py", 8, "c")]) == [[a_b, b_a]]
     assert cycles([a_b, Import("b", "b.py", 8, "c")]) == []
+
+
+def test_a_stage_key_hashes_its_own_import_closure_only():
+    """Issue 19 §1: a serve-only edit re-runs no stage; a quantization edit re-runs quantize, not export."""
+    from pipeline import imports, provenance
+
+    export, quantize = imports.closure("pipeline.stages.export"), imports.closure("pipeline.stages.quantize")
+    assert "pipeline.quant.budget" in quantize and "pipeline.quant.budget" not in export
+    assert not any(m.startswith(("pipeline.serve", "pipeline.remote", "pipeline.cli")) for m in export + quantize)
+    assert provenance.code_hash("pipeline.stages.export") != provenance.code_hash("pipeline.stages.quantize")
