@@ -76,6 +76,15 @@ class BuildArtifact:
     stamp_path: str | None
     trtexec_cmd_path: str
     profiles: list[ResolvedProfile]
+    #: who built ``engine_path`` (pipeline.engine_backends): "tensorrt" (a datacenter plan, which
+    #: validate runs and Triton serves) or "tensorrt-rtx" (a build artifact: Triton cannot load it)
+    backend: str = "tensorrt"
+
+    @property
+    def plan_path(self) -> str | None:
+        """The datacenter TensorRT plan Triton can serve, or None (skipped, or a TensorRT-RTX engine)."""
+        ok = self.status == "ok" and self.backend == "tensorrt"
+        return self.engine_path if ok and self.engine_path else None
 
 
 @dataclass

@@ -72,7 +72,8 @@ def _stages() -> list[StageDef]:
 def _build(ctx: StageContext, exp: A.ExportArtifact, q: A.QuantizedArtifact) -> A.BuildArtifact:
     from pipeline.stages import build
 
-    return build.run(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir)
+    return build.run(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
+                     quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
 
 
 @dataclass
