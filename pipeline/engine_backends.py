@@ -113,12 +113,13 @@ class BuildPlan:
 
 
 def declared_targets(recipe: Recipe) -> list[str]:
-    """``build.targets``, else the compute capability of ``triton.serving.gpu``, else []."""
-    if recipe.build.targets:
-        return list(recipe.build.targets)
+    """``build.targets``, then the compute capability of ``triton.serving.gpu`` if not among
+    them (``["sm89", "sm90"]``); [] when neither is declared."""
+    targets = list(recipe.build.targets)
     if recipe.triton.serving is not None:
-        return [serving.sm_name(serving.declared_target(recipe.triton.serving).compute_capability)]
-    return []
+        served = serving.sm_name(serving.declared_target(recipe.triton.serving).compute_capability)
+        targets += [] if served in targets else [served]
+    return targets
 
 
 def choose(recipe: Recipe, datacenter_problem: str | None) -> BuildPlan:

@@ -302,7 +302,7 @@ class BuildConfig(Strict):
         "sm89); tensorrt: datacenter TensorRT only; tensorrt-rtx: TensorRT-RTX only; none: trtexec.sh only")
     targets: list[ComputeTarget] = Field(
         default_factory=list, description="compute capabilities the engine is for, e.g. [sm89] (L4, L40S, RTX 40xx); "
-        "default: that of triton.serving.gpu. TensorRT-RTX builds sm75/80/86/89/120/121, not sm90/sm100")
+        "that of triton.serving.gpu is added. TensorRT-RTX builds sm75/80/86/89/120/121, not sm90/sm100")
     timing_cache: str = Field(".cache/trt/timing.cache", description="datacenter TensorRT's timing cache file "
                               "(TensorRT-RTX ignores timing caches: its calls are deprecated no-ops)")
     workspace_mib: int = Field(4096, ge=64)

@@ -261,7 +261,7 @@ def _triton_problems(r: Recipe) -> list[Problem]:
 
 
 def _target_problems(r: Recipe) -> list[Problem]:
-    """``build.targets`` against FP8 (needs sm89+), ``triton.serving`` and TensorRT-RTX's architectures."""
+    """``build.targets`` against FP8 (needs sm89+) and TensorRT-RTX's architectures."""
     from pipeline import serving
 
     b = r.build
@@ -271,12 +271,6 @@ def _target_problems(r: Recipe) -> list[Problem]:
         if r.quantize.precision == "fp8" and serving.fp8_problem(cap, target):
             out.append((("build", "targets", i), f"{target}: FP8 needs compute capability >= 8.9 (sm89, sm90, "
                         "sm100, sm120, ...); drop it or quantize to int8"))
-    cfg = r.triton.serving
-    if cfg is not None and b.targets:
-        declared = serving.sm_name(serving.declared_target(cfg).compute_capability)
-        if declared not in b.targets:
-            out.append((("build", "targets"), f"{b.targets} lacks {declared}, the compute capability of "
-                        f"triton.serving.gpu {cfg.gpu!r}; add it or drop build.targets"))
     if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving.RTX_TARGETS for t in b.targets):
         out.append((("build", "backend"), f"tensorrt-rtx cannot build for {b.targets} (it builds "
                     f"{', '.join(serving.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "

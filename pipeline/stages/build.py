@@ -438,8 +438,8 @@ def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str)
         return serving.Comparison([
             f"backend: engine built by {stamp.get('backend_label', stamp['backend'])} "
             f"{stamp.get('tensorrt_version', '?')}, which Triton's tensorrt_plan backend (datacenter TensorRT "
-            f"{target.tensorrt}) cannot load; serve the ONNX graph, or build with datacenter TensorRT on a "
-            f"{target.gpu_name} (build.backend: tensorrt)"], [])
+            f"{target.tensorrt}) cannot load; serve the ONNX graph, or build with datacenter TensorRT on the "
+            f"serving GPU {target.gpu_name} (build.backend: tensorrt)"], [])
     errors: list[str] = []
     for key in ("tensorrt_version", "compute_capability", "gpu_name", "recipe_hash"):
         if key not in stamp:
@@ -682,5 +682,8 @@ def add_profile(
             ) from e
     index = config.add_optimization_profile(profile)
     if index < 0:
-        raise EngineBuildError(f"TensorRT rejected optimization profile {prof.name!r}: {prof.shapes}")
+        shapes = "; ".join(f"{n} min {prof.shapes[n]['min']} opt {prof.shapes[n]['opt']} max {prof.shapes[n]['max']}"
+                           for n in dynamic)
+        raise EngineBuildError(f"build.profiles {prof.name!r}: TensorRT rejected the optimization profile ({shapes}); "
+                               "each axis needs min <= opt <= max, the same rank in all three and the input's rank")
     return index
