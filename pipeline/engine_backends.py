@@ -115,7 +115,7 @@ class BuildPlan:
 def declared_targets(recipe: Recipe) -> list[str]:
     """``build.targets``, then the compute capability of ``triton.serving.gpu`` if not among
     them (``["sm89", "sm90"]``); [] when neither is declared."""
-    targets = list(recipe.build.targets)
+    targets: list[str] = list(recipe.build.targets)
     if recipe.triton.serving is not None:
         served = serving.sm_name(serving.declared_target(recipe.triton.serving).compute_capability)
         targets += [] if served in targets else [served]

@@ -152,3 +152,33 @@ def test_every_shipped_recipe_declares_a_target_tensorrt_rtx_builds(path):
     assert recipe.build.targets and all(t in serving.RTX_TARGETS for t in recipe.build.targets)
     if recipe.quantize.precision == "fp8":
         assert recipe.build.targets == ["sm89"]
+
+
+# --- the tiny Llama's quantized graph, through the whole pipeline ---------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from pipeline.runner import run_pipeline
+    from tiny import make_tiny_llama, tiny_recipe
+
+    ws = tmp_path_factory.mktemp("tiny-rtx")
+    path = tiny_recipe(ws, make_tiny_llama(ws / "model"))
+    return run_pipeline(load_recipe(path), path, quiet=True)
+
+
+def test_tiny_llm_builds_a_real_sm89_engine_and_ships_the_validated_onnx(tiny_run):
+    b, q = tiny_run.artifacts["build"], tiny_run.artifacts["quantize"]
+    assert (b.status, b.backend) == ("ok", "tensorrt-rtx"), b.reason
+    assert tiny_run.manifest["stages"]["build"]["status"] == "ok"
+    stamp = stamp_of(b)
+    assert stamp["targets"] == ["sm89"] and stamp["engine_bytes"] > 0
+    # every GEMM the quantize stage quantized has FP8 operands in the strongly typed network
+    assert q.quantized_nodes and set(q.quantized_nodes) <= set(stamp["network"]["low_precision_gemms"])
+    assert set(stamp["network"]["low_precision_gemms"].values()) == {"FP8"}
+    assert "WARNING" not in Path(b.engine_path).with_name(engine_report.SECTION_FILE).read_text()
+    note = tiny_run.artifacts["validate"].metrics["validated_artifact"]
+    assert note.startswith(f"ONNX graph {q.onnx_path} in ONNX Runtime; an engine was built for sm89 by TensorRT-RTX "
+                           "(model.rtx-sm89.engine), not run")
+    config = (Path(tiny_run.artifacts["triton"].repository) / "smollm2_fp8" / "config.pbtxt").read_text()
+    assert 'platform: "onnxruntime_onnx"' in config or 'backend: "onnxruntime"' in config
