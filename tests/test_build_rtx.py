@@ -44,6 +44,8 @@ def test_qdq_graph_builds_for_sm89_with_two_profiles(tmp_path):
     art = build.run(recipe, write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS, tmp_path / "build",
                     quantized_nodes=["mm1", "mm2"])
     assert (art.status, art.backend, art.reason) == ("ok", "tensorrt-rtx", "")
+    assert art.summary.startswith("TensorRT-RTX 1.7.1.116 engine for sm89: ")
+    assert f"{Path(art.engine_path).stat().st_size:,} bytes, built in " in art.summary
     assert Path(art.engine_path).name == "model.rtx-sm89.engine"
     assert art.plan_path is None  # not a plan Triton's tensorrt_plan backend can load
     stamp = stamp_of(art)
@@ -170,7 +172,8 @@ def tiny_run(tmp_path_factory):
 def test_tiny_llm_builds_a_real_sm89_engine_and_ships_the_validated_onnx(tiny_run):
     b, q = tiny_run.artifacts["build"], tiny_run.artifacts["quantize"]
     assert (b.status, b.backend) == ("ok", "tensorrt-rtx"), b.reason
-    assert tiny_run.manifest["stages"]["build"]["status"] == "ok"
+    record = tiny_run.manifest["stages"]["build"]
+    assert record["status"] == "ok" and record["reason"] == b.summary, record
     stamp = stamp_of(b)
     assert stamp["targets"] == ["sm89"] and stamp["engine_bytes"] > 0
     # every GEMM the quantize stage quantized has FP8 operands in the strongly typed network

@@ -56,6 +56,9 @@ ENGINE_NAME = "model.plan"
 STAMP_NAME = "engine_stamp.json"
 SCRIPT_NAME = "trtexec.sh"
 NOT_CHECKED = "serving runtime not checked: no engine built"
+#: stamp fields copied into BuildArtifact.engine (the manifest's numbers)
+HEADLINE = ("backend_label", "tensorrt_version", "targets", "check_only", "engine_bytes", "build_wall_s",
+            "builder_peak_rss_mib")
 
 
 class EngineBuildError(PipelineError):
@@ -156,8 +159,9 @@ def run(
     write_text_atomic(out_dir / engine_report.SECTION_FILE, section)
     for note in warnings + notes:
         log.warning("build: %s", note)
+    headline = {k: stamp[k] for k in HEADLINE}
     return BuildArtifact("ok", "; ".join(warnings + notes), str(engine_path), str(stamp_path), str(script), resolved,
-                         backend=plan.backend.name)
+                         backend=plan.backend.name, engine=headline)
 
 
 def engine_name(plan: engine_backends.BuildPlan) -> str:

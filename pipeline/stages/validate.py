@@ -96,10 +96,10 @@ def unrun_engine_note(b: BuildArtifact | None) -> str:
 def _check_bf16(ctx: StageContext, engine: str | None, b: BuildArtifact | None) -> None:
     rest = getattr(ctx.recipe.quantize, "rest_precision", "fp32")
     if rest == "bf16" and engine is None:
-        why = b.reason if b is not None else "no build stage"
+        why = (unrun_engine_note(b).removeprefix("; ") or b.reason) if b is not None else "no build stage"
         raise RecipeError(
             "quantize.rest_precision: bf16 is validated only through a TensorRT engine (ONNX Runtime's CPU "
-            f"provider lacks BF16 kernels), and no engine was built ({why}); use fp16 here, or build on a GPU")
+            f"provider lacks BF16 kernels), and no TensorRT engine is run here ({why}); use fp16 here, or build on a GPU")
 
 
 def measure(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact,
