@@ -150,18 +150,27 @@ def run(
     built = build_engine(plan.backend, plan.targets, onnx_path, recipe.build, cache_path, notes, context)
     _write_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
-    missing = engine_report.gemm_mismatch(built.network, quantized_nodes)
-    warnings = [engine_report.mismatch_warning(missing, len(quantized_nodes or []))] if missing else []
-    stamp_path = out_dir / STAMP_NAME
-    _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
-    section = engine_report.section_markdown(stamp, None if quantized_nodes is None else len(quantized_nodes),
-                                             warnings + notes)
-    write_text_atomic(out_dir / engine_report.SECTION_FILE, section)
-    for note in warnings + notes:
+    notes = _gemm_warnings(built.network, quantized_nodes) + notes
+    stamp_path = _write_records(out_dir, stamp, quantized_nodes, notes)
+    for note in notes:
         log.warning("build: %s", note)
     headline = {k: stamp[k] for k in HEADLINE}
-    return BuildArtifact("ok", "; ".join(warnings + notes), str(engine_path), str(stamp_path), str(script), resolved,
+    return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved,
                          backend=plan.backend.name, engine=headline)
+
+
+def _gemm_warnings(network: engine_report.NetworkSummary, quantized_nodes: list[str] | None) -> list[str]:
+    missing = engine_report.gemm_mismatch(network, quantized_nodes)
+    return [engine_report.mismatch_warning(missing, len(quantized_nodes or []))] if missing else []
+
+
+def _write_records(out_dir: Path, stamp: dict[str, Any], quantized_nodes: list[str] | None, notes: list[str]) -> Path:
+    """Write ``engine_stamp.json`` and the report section ``engine.md``; returns the stamp's path."""
+    stamp_path = out_dir / STAMP_NAME
+    _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
+    count = None if quantized_nodes is None else len(quantized_nodes)
+    write_text_atomic(out_dir / engine_report.SECTION_FILE, engine_report.section_markdown(stamp, count, notes))
+    return stamp_path
 
 
 def engine_name(plan: engine_backends.BuildPlan) -> str:
