@@ -92,7 +92,8 @@ def section_markdown(stamp: dict[str, Any], quantized_count: int | None, warning
         ("build wall time", f"{stamp['build_wall_s']:.2f} s (parse + build)"),
         ("builder peak RSS", f"{stamp['builder_peak_rss_mib']:.0f} MiB"),
         ("profiles", ", ".join(p["name"] for p in stamp["profiles"])),
-        ("Q/DQ layers kept", str(net.get("qdq_layers", "?"))),
+        ("Q/DQ layers kept", f"{net.get('qdq_layers', '?')} (ONNX graph: {stamp.get('onnx_qdq_nodes', '?')} "
+                             "Q/DQ nodes)"),
         ("GEMMs with INT8/FP8 operands", f"{len(net.get('low_precision_gemms', {}))} of {net.get('gemms', '?')} "
                                          f"(quantize stage: {'?' if quantized_count is None else quantized_count})"),
         ("timing cache", stamp["timing_cache"]),

@@ -63,6 +63,7 @@ def test_qdq_graph_builds_for_sm89_with_two_profiles(tmp_path):
     section = (tmp_path / "build" / engine_report.SECTION_FILE).read_text()
     assert "| GEMMs with INT8/FP8 operands | 2 of 2 (quantize stage: 2) |" in section
     assert "| backend | TensorRT-RTX 1.7" in section and "WARNING" not in section
+    assert "| Q/DQ layers kept | 8 (ONNX graph: 8 Q/DQ nodes) |" in section
 
 
 def test_a_gemm_left_in_fp32_by_the_network_is_a_warning_naming_it(tmp_path):

@@ -150,6 +150,7 @@ def run(
     built = build_engine(plan.backend, plan.targets, onnx_path, recipe.build, cache_path, notes, context)
     _write_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
+    stamp["onnx_qdq_nodes"] = sum(n.op_type in _INSERTED_OPS for n in model.graph.node)
     notes = _gemm_warnings(built.network, quantized_nodes) + notes
     stamp_path = _write_records(out_dir, stamp, quantized_nodes, notes)
     for note in notes:
