@@ -7,7 +7,8 @@ recipe's validate windows (prefill, empty KV cache):
   * prefill throughput, tokens/s at batch 1 and batch 8 (timing, so here and not in tests/).
 
 Runs engines with Polygraphy's TensorRT runner when installed, else with the
-tensorrt runtime on torch CUDA tensors. Needs the recipe's export and quantize
+tensorrt runtime on torch CUDA tensors; a TensorRT-RTX engine (``*.rtx-*.engine``)
+with the tensorrt_rtx_bindings runtime. Needs the recipe's export and quantize
 stages already run (``artifacts/<recipe>/export/stage.json``).
 
 Usage: python benchmarks/gpu_check.py RECIPE.yaml --engine fp8=PLAN [--engine fp16=PLAN] [--windows 8]
@@ -59,6 +60,8 @@ def trt_runner(plan: Path) -> Runner:
         SystemExit: neither polygraphy nor a CUDA-enabled torch is available.
     """
     blob = plan.read_bytes()
+    if ".rtx-" in plan.name:  # the build stage's TensorRT-RTX engine: its own runtime, not Polygraphy's
+        return _torch_trt_runner(blob, "tensorrt_rtx_bindings")
     try:
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
     except ImportError:
@@ -68,9 +71,13 @@ def trt_runner(plan: Path) -> Runner:
     return lambda feeds: np.asarray(runner.infer(feeds)["logits"], np.float32)
 
 
-def _torch_trt_runner(blob: bytes) -> Runner:
-    import tensorrt as trt
+def _torch_trt_runner(blob: bytes, module: str = "tensorrt") -> Runner:
+    """``module``: ``tensorrt`` or ``tensorrt_rtx_bindings`` (same runtime API)."""
+    import importlib
+
     import torch
+
+    trt = importlib.import_module(module)
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check: install polygraphy (pip install polygraphy) or a CUDA build of torch to run engines")

@@ -76,6 +76,29 @@ class BuildArtifact:
     stamp_path: str | None
     trtexec_cmd_path: str
     profiles: list[ResolvedProfile]
+    #: who built ``engine_path`` (pipeline.engine_backends): "tensorrt" (a datacenter plan, which
+    #: validate runs and Triton serves) or "tensorrt-rtx" (a build artifact: Triton cannot load it)
+    backend: str = "tensorrt"
+    #: the stamp's headline numbers (backend_label, tensorrt_version, targets, check_only,
+    #: engine_bytes, build_wall_s, builder_peak_rss_mib), for the manifest; {} when skipped
+    engine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def summary(self) -> str:
+        """One line for the manifest: what was built, its size, build time and memory."""
+        e = self.engine
+        if not e:
+            return self.reason
+        what = "parse-and-build check" if e["check_only"] else "engine"
+        return (f"{e['backend_label']} {e['tensorrt_version']} {what} for {', '.join(e['targets'])}: "
+                f"{e['engine_bytes']:,} bytes, built in {e['build_wall_s']:.2f} s, builder peak RSS "
+                f"{e['builder_peak_rss_mib']:.0f} MiB")
+
+    @property
+    def plan_path(self) -> str | None:
+        """The datacenter TensorRT plan Triton can serve, or None (skipped, or a TensorRT-RTX engine)."""
+        ok = self.status == "ok" and self.backend == "tensorrt"
+        return self.engine_path if ok and self.engine_path else None
 
 
 @dataclass

@@ -62,6 +62,7 @@ def tool_versions() -> dict[str, str]:
         out["tensorrt"] = tensorrt.__version__
     except Exception:
         out["tensorrt"] = "absent"
+    out["tensorrt-rtx"] = _version("tensorrt-rtx-cu12-bindings")
     out["trt-pipeline"] = f"{_version('trt-pipeline')}+src.{code_hash()[:12]}"
     out["python"] = sys.version.split()[0]
     out["cpu"] = cpu_description()

@@ -284,9 +284,24 @@ class Profile(Strict):
     inputs: dict[str, ShapeRange] = Field(default_factory=dict)
 
 
+#: Which builder makes the engine (pipeline.engine_backends): ``auto`` picks datacenter TensorRT
+#: where it and a GPU are present, else TensorRT-RTX for ``build.targets``.
+BuildBackend = Literal["auto", "tensorrt", "tensorrt-rtx", "none"]
+#: A GPU architecture as ``sm<major><minor>`` (compute capability 8.9 -> ``sm89``).
+ComputeTarget = Literal["sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121"]
+
+
 class BuildConfig(Strict):
     profiles: list[Profile] = Field(min_length=1)
-    timing_cache: str = ".cache/trt/timing.cache"
+    backend: BuildBackend = Field(
+        "auto", description="auto: datacenter TensorRT where it and a CUDA GPU are present, else TensorRT-RTX for "
+        "the declared targets (no GPU needed; a target it lacks, e.g. sm90, gets a parse-and-build check for "
+        "sm89); tensorrt: datacenter TensorRT only; tensorrt-rtx: TensorRT-RTX only; none: trtexec.sh only")
+    targets: list[ComputeTarget] = Field(
+        default_factory=list, description="compute capabilities the engine is for, e.g. [sm89] (L4, L40S, RTX 40xx); "
+        "that of triton.serving.gpu is added. TensorRT-RTX builds sm75/80/86/89/120/121, not sm90/sm100")
+    timing_cache: str = Field(".cache/trt/timing.cache", description="datacenter TensorRT's timing cache file "
+                              "(TensorRT-RTX ignores timing caches: its calls are deprecated no-ops)")
     workspace_mib: int = Field(4096, ge=64)
     builder_optimization_level: int = Field(3, ge=0, le=5)
 

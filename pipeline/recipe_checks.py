@@ -42,6 +42,7 @@ def constraint_problems(r: Recipe) -> list[Problem]:
         *_data_problems(r),
         *_gate_problems(r),
         *_triton_problems(r),
+        *_target_problems(r),
     ]
 
 
@@ -242,4 +243,22 @@ def _triton_problems(r: Recipe) -> list[Problem]:
         if t.target == "python-onnxruntime" and group.kind == "KIND_GPU":
             out.append((loc, "KIND_GPU on target 'python-onnxruntime', which runs ONNX Runtime's CPU "
                         "provider; use KIND_CPU or KIND_AUTO"))
+    return out
+
+
+def _target_problems(r: Recipe) -> list[Problem]:
+    """``build.targets`` against FP8 (needs sm89+) and TensorRT-RTX's architectures."""
+    from pipeline import serving
+
+    b = r.build
+    out: list[Problem] = []
+    for i, target in enumerate(b.targets):
+        cap = serving.sm_capability(target)
+        if r.quantize.precision == "fp8" and serving.fp8_problem(cap, target):
+            out.append((("build", "targets", i), f"{target}: FP8 needs compute capability >= 8.9 (sm89, sm90, "
+                        "sm100, sm120, ...); drop it or quantize to int8"))
+    if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving.RTX_TARGETS for t in b.targets):
+        out.append((("build", "backend"), f"tensorrt-rtx cannot build for {b.targets} (it builds "
+                    f"{', '.join(serving.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "
+                    f"{serving.RTX_CHECK_TARGET} plus trtexec.sh) or tensorrt on such a GPU"))
     return out

@@ -73,7 +73,8 @@ def _stages() -> list[StageDef]:
 def _build(ctx: StageContext, exp: A.ExportArtifact, q: A.QuantizedArtifact) -> A.BuildArtifact:
     from pipeline.stages import build
 
-    return build.run(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir)
+    return build.run(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
+                     quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
 
 
 @dataclass
@@ -292,6 +293,7 @@ def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:
 #: report.md sections that stages leave as Markdown files in their folders.
 _SECTION_FILES = {"Quantization sensitivity": "quantize/sensitivity.md",
                   "Accuracy budget": "quantize/budget.md",
+                  "Engine build": "build/engine.md",
                   "Engine vs ONNX Runtime": "validate/engine_vs_onnxruntime.md",
                   "Deploy notes": "triton/deploy_notes.md"}
 

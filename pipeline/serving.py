@@ -65,6 +65,13 @@ GPU_CAPABILITY: dict[str, str] = {
     "rtx 5090": "12.0", "rtx pro 6000": "12.0",
 }
 
+#: Compute capabilities TensorRT-RTX 1.7 builds for (its ``ComputeCapability`` enum): no sm90 (Hopper)
+#: nor sm100 (datacenter Blackwell), which only datacenter TensorRT targets.
+RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
+#: The architecture a TensorRT-RTX *check* builds for when the real target is not in RTX_TARGETS
+#: (sm89: FP8 and INT8 both build there).
+RTX_CHECK_TARGET = "sm89"
+
 FP8_MIN_CAPABILITY = (8, 9)
 _IGNORED_WORDS = {"nvidia", "tesla", "geforce"}
 
@@ -229,3 +236,25 @@ def fp8_problem(capability: str, where: str) -> str | None:
     if capability_tuple(capability) >= FP8_MIN_CAPABILITY:
         return None
     return f"FP8 needs compute capability >= 8.9; {where} has compute capability {capability}"
+
+
+def sm_name(capability: str) -> str:
+    """"8.9" -> "sm89" (the ``build.targets`` spelling).
+
+    Raises:
+        ValueError: not "major.minor".
+    """
+    major, minor = capability_tuple(capability)
+    return f"sm{major}{minor}"
+
+
+def sm_capability(target: str) -> str:
+    """"sm89" -> "8.9", "sm120" -> "12.0" (the last digit is the minor version).
+
+    Raises:
+        ValueError: not ``sm`` followed by at least two digits.
+    """
+    m = re.fullmatch(r"sm(\d+)(\d)", target)
+    if m is None:
+        raise ValueError(f"compute target {target!r} is not sm<major><minor>, e.g. 'sm89'")
+    return f"{int(m[1])}.{m[2]}"

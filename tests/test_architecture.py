@@ -34,7 +34,8 @@ LAYERS: dict[str, int] = {
     # graph checks, runners, TensorRT profiles, quantization, Triton, metrics, text data
     "pipeline.compare": TOOLKITS, "pipeline.graph_checks": TOOLKITS, "pipeline.export_checks": TOOLKITS,
     "pipeline.runtime": TOOLKITS, "pipeline.runners": TOOLKITS, "pipeline.feeds": TOOLKITS,
-    "pipeline.profiles": TOOLKITS, "pipeline.context": TOOLKITS, "pipeline.data": TOOLKITS,
+    "pipeline.profiles": TOOLKITS, "pipeline.engine_backends": TOOLKITS, "pipeline.engine_report": TOOLKITS,
+    "pipeline.context": TOOLKITS, "pipeline.data": TOOLKITS,
     "pipeline.quant": TOOLKITS, "pipeline.triton": TOOLKITS, "pipeline.metrics": TOOLKITS,
     "pipeline.models": KINDS,
     "pipeline.stages": STAGES,

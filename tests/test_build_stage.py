@@ -204,8 +204,18 @@ def test_reason_without_gpu(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", real_looking)
     art = build.run(make_recipe(tmp_path, [PROFILE]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
     assert art.status == "skipped"
-    assert art.reason == (f"no CUDA GPU visible; equivalent build command written to {tmp_path / 'b' / 'trtexec.sh'}; "
-                          "serving runtime not checked: no engine built")
+    assert art.reason == (f"no CUDA GPU visible; no build.targets or triton.serving.gpu declared, so TensorRT-RTX "
+                          "has no target to build for (add e.g. build.targets: [sm89]); equivalent build command "
+                          f"written to {tmp_path / 'b' / 'trtexec.sh'}; serving runtime not checked: no engine built")
+
+
+def test_backend_none_writes_only_the_script(tmp_path):
+    data = make_recipe(tmp_path, [PROFILE]).model_dump(by_alias=True)
+    data["build"].update(backend="none", targets=["sm89"])
+    art = build.run(Recipe.model_validate(data), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
+    assert art.status == "skipped" and art.engine_path is None
+    assert art.reason.startswith("build.backend is 'none'; equivalent build command written to")
+    assert (tmp_path / "b" / "trtexec.sh").is_file()
 
 
 def test_run_rejects_profiles_that_do_not_fit(tmp_path):

@@ -50,11 +50,12 @@ def _fake_engine_build(monkeypatch, noise: float) -> list[FakeEngine]:
     """build.run reports an engine (a placeholder plan); tensorrt_runner gives a FakeEngine."""
     real_run, made = build.run, []
 
-    def fake_build(recipe, quantized_onnx, inputs, out_dir):
-        art = real_run(recipe, quantized_onnx, inputs, out_dir)  # skipped here: no tensorrt, no GPU
+    def fake_build(recipe, quantized_onnx, inputs, out_dir, **kwargs):
+        # skipped here, or a TensorRT-RTX engine that validate does not run: no GPU
+        art = real_run(recipe, quantized_onnx, inputs, out_dir, **kwargs)
         plan = Path(out_dir) / build.ENGINE_NAME
         plan.write_bytes(b"PLAN for " + Path(quantized_onnx).read_bytes()[:64])
-        return replace(art, status="ok", reason="", engine_path=str(plan))
+        return replace(art, status="ok", reason="", engine_path=str(plan), backend="tensorrt")
 
     def fake_runner(engine_path):
         made.append(FakeEngine(str(Path(engine_path).parents[1] / "quantize" / "model.onnx"), noise))

@@ -29,18 +29,21 @@ import json
 import logging
 import os
 import shlex
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from pipeline import profiles, serving
+from pipeline import engine_backends, engine_report, profiles, serving
 from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
-from pipeline.errors import PipelineError
-from pipeline.fsutil import sha256_file, write_bytes_atomic
+from pipeline.engine_backends import TENSORRT, Backend
+from pipeline.errors import EXIT_INTERNAL, PipelineError
+from pipeline.fsutil import sha256_file, write_bytes_atomic, write_text_atomic
 from pipeline.graph_checks import check_qdq_graph
+from pipeline.memory import PeakRSS
 from pipeline.recipe import BuildConfig, Recipe
 
 if TYPE_CHECKING:
@@ -52,73 +55,129 @@ ENGINE_NAME = "model.plan"
 STAMP_NAME = "engine_stamp.json"
 SCRIPT_NAME = "trtexec.sh"
 NOT_CHECKED = "serving runtime not checked: no engine built"
+#: stamp fields copied into BuildArtifact.engine (the manifest's numbers)
+HEADLINE = ("backend_label", "tensorrt_version", "targets", "check_only", "engine_bytes", "build_wall_s",
+            "builder_peak_rss_mib")
 
 
 class EngineBuildError(PipelineError):
     """The ONNX parser or the TensorRT builder rejected the graph or the profiles."""
 
 
+class InsertedNodeRejected(EngineBuildError):
+    """TensorRT rejected a node the pipeline inserted (a Q/DQ node, a cast): a bug in the pipeline."""
+
+    exit_code = EXIT_INTERNAL
+
+
 class ServingRuntimeError(EngineBuildError):
     """This machine cannot build an engine the declared serving runtime loads (or none is declared)."""
 
 
-def run(recipe: Recipe, quantized_onnx: str, inputs: list[TensorSpec], out_dir: Path) -> BuildArtifact:
+def run(
+    recipe: Recipe,
+    quantized_onnx: str,
+    inputs: list[TensorSpec],
+    out_dir: Path,
+    *,
+    quantized_nodes: list[str] | None = None,
+    source_onnx: str | None = None,
+) -> BuildArtifact:
     """Resolve profiles, write ``trtexec.sh`` and, where possible, build the engine.
+
+    Which builder runs is :func:`pipeline.engine_backends.choose`'s answer to
+    ``build.backend``: datacenter TensorRT (needs a CUDA GPU; writes ``model.plan``)
+    or TensorRT-RTX (no GPU needed; writes ``model.rtx-<sm>.engine``, or
+    ``check.rtx-sm89.engine`` for a parse-and-build check standing in for a target
+    TensorRT-RTX lacks).
 
     Args:
         recipe: the run's recipe (``build`` section; ``engine_hash`` for the stamp).
         quantized_onnx: path of the explicit-Q/DQ ONNX model.
         inputs: the graph's inputs (symbolic dims as names).
-        out_dir: stage folder; receives ``trtexec.sh``, ``model.plan`` and
-            ``engine_stamp.json``.
+        out_dir: stage folder; receives ``trtexec.sh``, the engine, ``engine_stamp.json``
+            and ``engine.md`` (the report section).
+        quantized_nodes: the GEMMs the quantize stage quantized (ONNX node names),
+            compared with the network's INT8/FP8 GEMMs; None: not compared.
+        source_onnx: the exported graph before quantization; nodes of
+            ``quantized_onnx`` missing there were inserted by the pipeline.
 
     Returns:
-        BuildArtifact with status ``"ok"`` (engine and stamp written; ``reason``
-        holds warnings such as another GPU model of the same compute capability,
-        or a timing cache that was started afresh) or ``"skipped"`` with the
-        reason (no importable tensorrt / no CUDA GPU; serving runtime not checked).
+        BuildArtifact with status ``"ok"`` (engine and stamp written; ``backend`` says
+        which; ``reason`` holds warnings such as a GEMM mismatch, another GPU model of
+        the same compute capability, or a timing cache started afresh) or
+        ``"skipped"`` with the reason (no builder usable here, or ``backend: none``).
 
     Raises:
         ProfileError: the recipe profiles do not fit the graph's inputs.
         EngineBuildError: the ONNX file is missing or its inputs differ from
             ``inputs``; an input name cannot be written in trtexec syntax; the
-            parser or builder failed (message lists every parser error).
+            parser or builder failed on a node of the user's model (exit 2).
+        InsertedNodeRejected: the parser or builder failed on a node the
+            pipeline inserted (a Q/DQ node, a cast): a bug (exit 3).
         GraphCheckError: the Q/DQ graph breaks a TensorRT rule (checked before
             building).
-        ServingRuntimeError: ``triton.serving`` is missing, or the local
-            TensorRT / compute capability differs from it, or FP8 on a GPU
-            below compute capability 8.9 (all checked before building).
+        ServingRuntimeError: datacenter TensorRT only: ``triton.serving`` is
+            missing, or the local TensorRT / compute capability differs from it,
+            or FP8 on a GPU below compute capability 8.9 (all checked before building).
+        BackendChoiceError: ``build.backend: tensorrt-rtx`` without a target it can build.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / engine_report.SECTION_FILE).unlink(missing_ok=True)
     onnx_path = Path(quantized_onnx).resolve()
     model = _load_graph(onnx_path, inputs)
     shape_tensors = set(profiles.shape_tensor_inputs(model))
     resolved = profiles.resolve_profiles(list(recipe.build.profiles), inputs, shape_tensors)
     dynamic = dynamic_inputs(inputs)
-    engine_path = out_dir / ENGINE_NAME
     cache_path = Path(recipe.build.timing_cache).resolve()
     rel = lambda p: Path(os.path.relpath(p, out_dir))  # noqa: E731  the script cds to its folder
     script = write_trtexec_script(
         out_dir / SCRIPT_NAME,
-        trtexec_command(rel(onnx_path), rel(engine_path), resolved, dynamic, recipe.build, rel(cache_path)),
+        trtexec_command(rel(onnx_path), rel(out_dir / ENGINE_NAME), resolved, dynamic, recipe.build, rel(cache_path)),
         make_dirs=[rel(cache_path.parent)],
     )
-    reason = unavailable_reason()
-    if reason is not None:
-        reason = f"{reason}; equivalent build command written to {script}; {NOT_CHECKED}"
+    plan = engine_backends.choose(recipe, unavailable_reason())
+    if plan.backend is None:
+        reason = f"{plan.reason}; equivalent build command written to {script}; {NOT_CHECKED}"
         log.warning("build skipped: %s", reason)
         return BuildArtifact("skipped", reason, None, None, str(script), resolved)
-    notes = preflight(recipe, local_target(), script)
+    notes = preflight(recipe, local_target(), script) if plan.backend is TENSORRT else list(plan.notes)
     check_qdq_graph(model, base_dir=str(onnx_path.parent))
-    plan = build_engine(onnx_path, resolved, dynamic, recipe.build, cache_path, notes)
-    _write_atomic(engine_path, plan)
-    stamp = make_stamp(recipe, onnx_path, resolved)
-    stamp_path = out_dir / STAMP_NAME
-    _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
+    engine_path = out_dir / engine_name(plan)
+    context = FailureContext(resolved, dynamic, inserted_nodes(model, source_onnx), _node_ops(model))
+    built = build_engine(plan.backend, plan.targets, onnx_path, recipe.build, cache_path, notes, context)
+    _write_atomic(engine_path, built.plan)
+    stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
+    stamp["onnx_qdq_nodes"] = sum(n.op_type in _INSERTED_OPS for n in model.graph.node)
+    notes = _gemm_warnings(built.network, quantized_nodes) + notes
+    stamp_path = _write_records(out_dir, stamp, quantized_nodes, notes)
     for note in notes:
         log.warning("build: %s", note)
-    return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved)
+    headline = {k: stamp[k] for k in HEADLINE}
+    return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved,
+                         backend=plan.backend.name, engine=headline)
+
+
+def _gemm_warnings(network: engine_report.NetworkSummary, quantized_nodes: list[str] | None) -> list[str]:
+    missing = engine_report.gemm_mismatch(network, quantized_nodes)
+    return [engine_report.mismatch_warning(missing, len(quantized_nodes or []))] if missing else []
+
+
+def _write_records(out_dir: Path, stamp: dict[str, Any], quantized_nodes: list[str] | None, notes: list[str]) -> Path:
+    """Write ``engine_stamp.json`` and the report section ``engine.md``; returns the stamp's path."""
+    stamp_path = out_dir / STAMP_NAME
+    _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
+    count = None if quantized_nodes is None else len(quantized_nodes)
+    write_text_atomic(out_dir / engine_report.SECTION_FILE, engine_report.section_markdown(stamp, count, notes))
+    return stamp_path
+
+
+def engine_name(plan: engine_backends.BuildPlan) -> str:
+    """``model.plan`` (datacenter), ``model.rtx-sm89.engine``, or ``check.rtx-sm89.engine`` (a check)."""
+    if plan.backend is TENSORRT:
+        return ENGINE_NAME
+    return f"{'check' if plan.check_only else 'model'}.rtx-{'-'.join(plan.targets)}.engine"
 
 
 # --- serving runtime: checked before building ---------------------------------------------
@@ -291,21 +350,13 @@ def _sh_quote(arg: str) -> str:
 
 
 def unavailable_reason() -> str | None:
-    """Why no engine can be built here, or None if tensorrt and a CUDA GPU are present."""
+    """Why datacenter TensorRT cannot build here, or None if tensorrt and a CUDA GPU are present."""
     import torch
 
     gpu = torch.cuda.is_available()
-    no_gpu = "" if gpu else "; no CUDA GPU visible either"
-    try:
-        module = importlib.import_module("tensorrt")
-    except (ImportError, OSError) as e:
-        return f"tensorrt Python package not importable: {e}{no_gpu}"
-    if not hasattr(module, "Builder"):
-        where = getattr(module, "__file__", None) or ", ".join(getattr(module, "__path__", [])) or "?"
-        return (
-            f"tensorrt Python package not importable: 'tensorrt' resolves to {where}, which has no "
-            f"Builder (only type stubs such as tensorrt-stubs are installed, not the tensorrt wheel){no_gpu}"
-        )
+    problem = engine_backends.import_problem(TENSORRT)
+    if problem:
+        return problem + ("" if gpu else "; no CUDA GPU visible either")
     return None if gpu else "no CUDA GPU visible"
 
 
@@ -317,17 +368,65 @@ def gpu_info() -> tuple[str, str]:
     return f"{major}.{minor}", torch.cuda.get_device_name(0)
 
 
-def make_stamp(recipe: Recipe, onnx_path: Path, resolved: list[ResolvedProfile]) -> dict[str, Any]:
-    """What an engine was built with; needs tensorrt and a CUDA GPU."""
-    capability, gpu_name = gpu_info()
+@dataclass
+class BuiltEngine:
+    """A serialized engine and how it was made: ``wall_s`` (parse + build, seconds),
+    ``peak_rss_mib`` (this process's peak resident memory meanwhile, MiB), ``network``
+    (what the parsed network held), ``timing_cache`` (what happened to it, for the report)."""
+
+    plan: memoryview
+    wall_s: float
+    peak_rss_mib: float
+    network: engine_report.NetworkSummary
+    timing_cache: str
+
+
+def make_stamp(
+    recipe: Recipe,
+    onnx_path: Path,
+    resolved: list[ResolvedProfile],
+    plan: engine_backends.BuildPlan,
+    built: BuiltEngine,
+    engine_path: Path,
+) -> dict[str, Any]:
+    """What an engine was built with and for. Datacenter TensorRT: the local GPU
+    (``compute_capability``, ``gpu_name``); TensorRT-RTX: ``targets`` (``["sm89"]``),
+    ``compute_capability`` their capabilities joined by ",", ``gpu_name`` None."""
+    backend = plan.backend or TENSORRT
+    if backend is TENSORRT:
+        capability, gpu_name = gpu_info()
+        targets = [serving.sm_name(capability)]
+        runs_on = f"Triton's tensorrt_plan backend with TensorRT {backend.version()} on a {gpu_name}"
+    else:
+        capability, gpu_name, targets = ",".join(serving.sm_capability(t) for t in plan.targets), None, plan.targets
+        runs_on = rtx_runs_on(plan.targets)
     return {
-        "tensorrt_version": tensorrt_version(),
+        "backend": backend.name,
+        "backend_label": backend.label,
+        "tensorrt_version": backend.version(),
         "compute_capability": capability,
         "gpu_name": gpu_name,
+        "targets": targets,
+        "check_only": plan.check_only,
         "recipe_hash": recipe.engine_hash,
         "onnx_sha256": file_sha256(onnx_path),
         "profiles": [asdict(p) for p in resolved],
+        "engine_file": engine_path.name,
+        "engine_bytes": len(built.plan),
+        "build_wall_s": round(built.wall_s, 3),
+        "builder_peak_rss_mib": round(built.peak_rss_mib, 1),
+        "timing_cache": built.timing_cache,
+        "runs_on": runs_on,
+        "network": built.network.to_json(),
     }
+
+
+def rtx_runs_on(targets: Sequence[str]) -> str:
+    """Where a TensorRT-RTX engine for ``targets`` runs, and how to load it."""
+    gpus = [f"{t} ({', '.join(g.upper() for g, c in serving.GPU_CAPABILITY.items() if c == serving.sm_capability(t))})"
+            for t in targets]
+    return ("the TensorRT-RTX runtime (tensorrt_rtx_bindings.Runtime(logger).deserialize_cuda_engine(bytes)) on a "
+            f"GPU of {', '.join(gpus)}; not Triton's tensorrt_plan backend, which links datacenter TensorRT")
 
 
 def file_sha256(path: Path) -> str:
@@ -340,13 +439,20 @@ def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str)
 
     A plan loads only in the TensorRT major.minor.patch that built it and on
     GPUs of its compute capability (e.g. "9.0"); ``recipe_hash`` is
-    ``Recipe.engine_hash`` of the current recipe.
+    ``Recipe.engine_hash`` of the current recipe. A TensorRT-RTX engine never
+    passes: Triton's ``tensorrt_plan`` backend links datacenter TensorRT.
 
     Returns:
-        ``errors``: one line per missing or mismatching field (TensorRT
+        ``errors``: one line per missing or mismatching field (backend, TensorRT
         version, compute capability, recipe hash); ``warnings``: a different
         GPU model with the same compute capability.
     """
+    if stamp.get("backend", TENSORRT.name) != TENSORRT.name:
+        return serving.Comparison([
+            f"backend: engine built by {stamp.get('backend_label', stamp['backend'])} "
+            f"{stamp.get('tensorrt_version', '?')}, which Triton's tensorrt_plan backend (datacenter TensorRT "
+            f"{target.tensorrt}) cannot load; serve the ONNX graph, or build with datacenter TensorRT on the "
+            f"serving GPU {target.gpu_name} (build.backend: tensorrt)"], [])
     errors: list[str] = []
     for key in ("tensorrt_version", "compute_capability", "gpu_name", "recipe_hash"):
         if key not in stamp:
@@ -365,102 +471,171 @@ def _write_atomic(path: Path, data: bytes | memoryview) -> None:
     write_bytes_atomic(path, data)
 
 
-# --- TensorRT (type-checked against tensorrt-stubs) --------------------------------------
+# --- failures: which node, which shapes, whose fault ---------------------------------------
+
+_INSERTED_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+@dataclass(frozen=True)
+class FailureContext:
+    """What a parser/builder failure message needs: the profiles' shapes, the nodes the
+    pipeline inserted (ONNX node names) and every node's op type."""
+
+    resolved: list[ResolvedProfile]
+    dynamic: list[str]
+    inserted: frozenset[str]
+    ops: dict[str, str]
+
+    def shapes(self) -> str:
+        """One line per profile: each dynamic input's min / opt / max shape."""
+        lines = []
+        for prof in self.resolved:
+            parts = [f"{n} min {prof.shapes[n]['min']} opt {prof.shapes[n]['opt']} max {prof.shapes[n]['max']}"
+                     for n in self.dynamic]
+            lines.append(f"  profile {prof.name!r}: " + ("; ".join(parts) or "static shapes only"))
+        return "\n".join(lines)
+
+    def error(self, text: str, nodes: Sequence[str]) -> EngineBuildError:
+        """The error to raise for a failure at ``nodes``: InsertedNodeRejected (exit 3) when one
+        was inserted by the pipeline, else EngineBuildError (exit 2)."""
+        ours = [n for n in nodes if n in self.inserted]
+        message = f"{text}\nprofile shapes:\n{self.shapes()}"
+        if ours:
+            return InsertedNodeRejected(
+                f"{message}\n{', '.join(ours)}: inserted by the pipeline (quantize stage), so this is a pipeline "
+                "bug; please report it with quantize/model.onnx")
+        return EngineBuildError(f"{message}\nthe failing node is part of the model itself: TensorRT cannot build it; "
+                                "change the model or export it differently (e.g. another opset)")
+
+
+def inserted_nodes(model: onnx.ModelProto, source_onnx: str | None) -> frozenset[str]:
+    """Names of the nodes the pipeline added: those missing from the exported graph
+    ``source_onnx``, or (without it) every QuantizeLinear/DequantizeLinear node."""
+    if source_onnx is not None and Path(source_onnx).is_file():
+        source = {n.name for n in onnx.load(source_onnx, load_external_data=False).graph.node}
+        return frozenset(n.name for n in model.graph.node if n.name not in source)
+    return frozenset(n.name for n in model.graph.node if n.op_type in _INSERTED_OPS)
+
+
+def _node_ops(model: onnx.ModelProto) -> dict[str, str]:
+    return {n.name: n.op_type for n in model.graph.node if n.name}
+
+
+def _nodes_named_in(messages: Sequence[str], ops: dict[str, str]) -> list[str]:
+    """ONNX node names that a builder log mentions (longest names first, each once)."""
+    text = "\n".join(messages)
+    return [n for n in sorted(ops, key=len, reverse=True) if n in text]
+
+
+# --- TensorRT / TensorRT-RTX (one path; type-checked against tensorrt-stubs) ---------------
 
 
 def tensorrt_version() -> str:
-    import tensorrt as trt
-
-    return str(trt.__version__)
+    """The datacenter tensorrt package's version."""
+    return TENSORRT.version()
 
 
 def build_engine(
+    backend: Backend,
+    targets: Sequence[str],
     onnx_path: Path,
-    resolved: list[ResolvedProfile],
-    dynamic: list[str],
     build: BuildConfig,
     timing_cache: Path,
     notes: list[str],
-) -> memoryview:
-    """Parse, configure and build; save the timing cache. Returns the serialized engine.
+    context: FailureContext,
+) -> BuiltEngine:
+    """Parse, configure and build with ``backend``; save the timing cache where it has one.
 
-    ``notes`` receives what the report should say (e.g. the timing cache was
-    unreadable and an empty one was used).
+    ``targets``: compute capabilities for a cross-target backend (TensorRT-RTX;
+    ignored by datacenter TensorRT). ``notes`` receives what the report should say
+    (e.g. the timing cache was unreadable and an empty one was used).
 
     Raises:
-        EngineBuildError: parser errors (all of them, with node names), an
-            invalid optimization profile, or a failed build (with the
-            builder's error log).
+        EngineBuildError / InsertedNodeRejected: parser errors (each with node name
+            and operator), an invalid optimization profile, or a failed build (with
+            the builder's error log); all with the profiles' shapes.
     """
-    import tensorrt as trt
-
     messages: list[str] = []
-    logger = make_logger(messages)
-    builder = trt.Builder(logger)
-    network = create_network(builder)
-    parse_onnx(network, logger, onnx_path)
-    config = create_config(builder, build)
-    cache = attach_timing_cache(config, timing_cache, notes)
-    for prof in resolved:
-        add_profile(builder, config, prof, dynamic)
-    plan = builder.build_serialized_network(network, config)
+    start = time.perf_counter()
+    with PeakRSS() as mem:
+        logger = make_logger(backend, messages)
+        builder: trt.Builder = backend.module().Builder(logger)
+        network = create_network(backend, builder)
+        parse_onnx(backend, network, logger, onnx_path, context)
+        summary = engine_report.summarize_network(network)
+        config = create_config(backend, builder, build)
+        backend.select_targets(config, targets)
+        cache = attach_timing_cache(config, timing_cache, notes) if backend.timing_cache else None
+        for prof in context.resolved:
+            add_profile(backend, builder, config, prof, context.dynamic)
+        plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise EngineBuildError("TensorRT build_serialized_network failed:\n" + "\n".join(messages[-30:]))
-    save_timing_cache(cache, timing_cache)
-    return memoryview(plan)
+        log_tail = "\n".join(messages[-30:])
+        raise context.error(f"{backend.label} build_serialized_network failed for {onnx_path}:\n{log_tail}",
+                            _nodes_named_in(messages, context.ops))
+    if cache is not None:
+        save_timing_cache(cache, timing_cache)
+        cache_note = f"{timing_cache} (loaded and saved)"
+    else:
+        cache_note = (f"not used: {backend.label} ignores timing caches (its timing-cache calls are deprecated "
+                      f"no-ops), so build.timing_cache {timing_cache} was neither read nor written")
+    return BuiltEngine(memoryview(plan), time.perf_counter() - start, mem.peak_mib, summary, cache_note)
 
 
-def make_logger(sink: list[str]) -> trt.ILogger:
+def make_logger(backend: Backend, sink: list[str]) -> trt.ILogger:
     """A TensorRT logger forwarding to ``logging``; errors also go to ``sink``."""
-    import tensorrt as trt
+    mod = backend.module()
 
-    class _Logger(trt.ILogger):
+    class _Logger(mod.ILogger):  # type: ignore[name-defined,misc]
         def __init__(self) -> None:
-            trt.ILogger.__init__(self)
+            mod.ILogger.__init__(self)
 
         def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
-            if int(severity) <= int(trt.ILogger.Severity.ERROR):
+            if int(severity) <= int(mod.ILogger.Severity.ERROR):
                 sink.append(msg)
-                log.error("tensorrt: %s", msg)
-            elif int(severity) <= int(trt.ILogger.Severity.WARNING):
-                log.warning("tensorrt: %s", msg)
+                log.error("%s: %s", backend.name, msg)
+            elif int(severity) <= int(mod.ILogger.Severity.WARNING):
+                log.warning("%s: %s", backend.name, msg)
             else:
-                log.debug("tensorrt: %s", msg)
+                log.debug("%s: %s", backend.name, msg)
 
-    return _Logger()
+    logger: trt.ILogger = _Logger()
+    return logger
 
 
-def create_network(builder: trt.Builder) -> trt.INetworkDefinition:
+def create_network(backend: Backend, builder: trt.Builder) -> trt.INetworkDefinition:
     """An empty strongly typed network."""
-    import tensorrt as trt
+    flag = backend.module().NetworkDefinitionCreationFlag.STRONGLY_TYPED
+    return builder.create_network(1 << int(flag))
 
-    return builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
 
-
-def parse_onnx(network: trt.INetworkDefinition, logger: trt.ILogger, onnx_path: Path) -> None:
+def parse_onnx(
+    backend: Backend, network: trt.INetworkDefinition, logger: trt.ILogger, onnx_path: Path, context: FailureContext
+) -> None:
     """Parse the ONNX file (external data next to it) into ``network``.
 
     Raises:
-        EngineBuildError: lists every parser error with node name and operator.
+        EngineBuildError / InsertedNodeRejected: every parser error with node name and operator.
     """
-    import tensorrt as trt
-
-    parser = trt.OnnxParser(network, logger)
+    parser: trt.OnnxParser = backend.module().OnnxParser(network, logger)
     if parser.parse_from_file(str(onnx_path)):
         return
-    lines = []
+    lines, nodes = [], []
     for i in range(parser.num_errors):
         err: trt.ParserError = parser.get_error(i)
-        lines.append(f"  node {err.node_name()!r} ({err.node_operator()}): {err.desc()} [{err.code()}]")
-    raise EngineBuildError(f"TensorRT ONNX parser rejected {onnx_path}:\n" + "\n".join(lines))
+        name = err.node_name()
+        op = err.node_operator() or context.ops.get(name, "?")
+        where = f"node {name!r} ({op})" if name else "graph (no node)"
+        lines.append(f"  {where}: {err.desc()} [{err.code()}]")
+        nodes.append(name)
+    raise context.error(f"{backend.label} {backend.version()} ONNX parser rejected {onnx_path}:\n" + "\n".join(lines),
+                        nodes)
 
 
-def create_config(builder: trt.Builder, build: BuildConfig) -> trt.IBuilderConfig:
+def create_config(backend: Backend, builder: trt.Builder, build: BuildConfig) -> trt.IBuilderConfig:
     """Builder config: workspace limit (MiB) and optimization level; no precision flags."""
-    import tensorrt as trt
-
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, build.workspace_mib << 20)
+    config.set_memory_pool_limit(backend.module().MemoryPoolType.WORKSPACE, build.workspace_mib << 20)
     config.builder_optimization_level = build.builder_optimization_level
     return config
 
@@ -498,7 +673,7 @@ def save_timing_cache(cache: trt.ITimingCache, path: Path) -> None:
 
 
 def add_profile(
-    builder: trt.Builder, config: trt.IBuilderConfig, prof: ResolvedProfile, dynamic: list[str]
+    backend: Backend, builder: trt.Builder, config: trt.IBuilderConfig, prof: ResolvedProfile, dynamic: list[str]
 ) -> int:
     """Add one optimization profile (dynamic inputs only). Returns its index.
 
@@ -506,13 +681,12 @@ def add_profile(
         EngineBuildError: TensorRT rejected the profile; ``set_shape`` raising
             RuntimeError (inconsistent min/opt/max) names the profile and input.
     """
-    import tensorrt as trt
-
+    dims = backend.module().Dims
     profile = builder.create_optimization_profile()
     for name in dynamic:
         shape = prof.shapes[name]
         try:
-            profile.set_shape(name, trt.Dims(shape["min"]), trt.Dims(shape["opt"]), trt.Dims(shape["max"]))
+            profile.set_shape(name, dims(shape["min"]), dims(shape["opt"]), dims(shape["max"]))
         except RuntimeError as e:
             raise EngineBuildError(
                 f"build.profiles {prof.name!r}, input {name!r}: TensorRT rejected min {shape['min']}, "
@@ -521,5 +695,8 @@ def add_profile(
             ) from e
     index = config.add_optimization_profile(profile)
     if index < 0:
-        raise EngineBuildError(f"TensorRT rejected optimization profile {prof.name!r}: {prof.shapes}")
+        shapes = "; ".join(f"{n} min {prof.shapes[n]['min']} opt {prof.shapes[n]['opt']} max {prof.shapes[n]['max']}"
+                           for n in dynamic)
+        raise EngineBuildError(f"build.profiles {prof.name!r}: TensorRT rejected the optimization profile ({shapes}); "
+                               "each axis needs min <= opt <= max, the same rank in all three and the input's rank")
     return index

@@ -28,7 +28,7 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
             stamp does not match the declared serving runtime and the recipe.
     """
     check_names_free(ctx.recipe)
-    warnings = check_engine(ctx.recipe, b) if b.status == "ok" else []
+    warnings = check_engine(ctx.recipe, b) if b.plan_path is not None else []
     for warning in warnings:
         log.warning("triton: %s", warning)
         ctx.progress.print(f"[yellow]warning[/yellow] triton: engine {b.engine_path}: {warning}")

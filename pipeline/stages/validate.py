@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 from pipeline import data, runners
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ValidationArtifact
@@ -54,22 +55,43 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
         write_json_atomic(memo, {"key": key, "metrics": metrics, "tokens": tokens}, strict=True)
     if engine:
         write_text_atomic(ctx.stage_dir / COMPARISON_FILE, comparison_markdown(metrics))
+    else:  # the metrics cache does not depend on the build; what it says about the engine does
+        metrics = {**metrics, "validated_artifact": onnx_validated_note(q, b)}
     gates = evaluate(ctx.recipe.validate_.gates, metrics, prefix=ENGINE if engine else "")
     return ValidationArtifact(metrics, gates, tokens)
 
 
 def engine_path(b: BuildArtifact | None) -> str | None:
-    """The built engine's path, or None when the build made none (skipped)."""
-    return b.engine_path if b is not None and b.status == "ok" and b.engine_path else None
+    """The datacenter TensorRT engine to run, or None: none built (skipped), or a
+    TensorRT-RTX engine, which is not what Triton serves and which this stage does not run."""
+    return b.plan_path if b is not None else None
+
+
+def onnx_validated_note(q: QuantizedArtifact, b: BuildArtifact | None) -> str:
+    """``validated_artifact`` when ONNX Runtime measured the graph (no engine run)."""
+    why = unrun_engine_note(b) or ": no TensorRT engine was built, so this graph is what gets served"
+    return f"ONNX graph {q.onnx_path} in ONNX Runtime{why}"
+
+
+def unrun_engine_note(b: BuildArtifact | None) -> str:
+    """Why an engine that was built is not measured here ("" when none was built)."""
+    if b is None or b.status != "ok" or not b.engine_path or b.plan_path is not None:
+        return ""
+    stamp = json.loads(Path(b.stamp_path).read_text()) if b.stamp_path and Path(b.stamp_path).is_file() else {}
+    what = "a parse-and-build check" if stamp.get("check_only") else "an engine"
+    targets = ", ".join(stamp.get("targets") or ["?"])
+    return (f"; {what} was built for {targets} by {stamp.get('backend_label', b.backend)} "
+            f"({Path(b.engine_path).name}), not run: no GPU with the TensorRT-RTX runtime here, and Triton serves "
+            "the ONNX graph")
 
 
 def _check_bf16(ctx: StageContext, engine: str | None, b: BuildArtifact | None) -> None:
     rest = getattr(ctx.recipe.quantize, "rest_precision", "fp32")
     if rest == "bf16" and engine is None:
-        why = b.reason if b is not None else "no build stage"
+        why = (unrun_engine_note(b).removeprefix("; ") or b.reason) if b is not None else "no build stage"
         raise RecipeError(
             "quantize.rest_precision: bf16 is validated only through a TensorRT engine (ONNX Runtime's CPU "
-            f"provider lacks BF16 kernels), and no engine was built ({why}); use fp16 here, or build on a GPU")
+            f"provider lacks BF16 kernels), and no TensorRT engine is run here ({why}); use fp16 here, or build on a GPU")
 
 
 def measure(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact,
@@ -82,8 +104,7 @@ def measure(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact,
     metrics, tokens = registry.adapter(ctx.recipe.model).metrics(ctx, exp, q, runner)
     metrics.update(quantization_metrics(q))
     if runner is None:
-        metrics["validated_artifact"] = (f"ONNX graph {q.onnx_path} in ONNX Runtime: no TensorRT engine was built, "
-                                         "so this graph is what gets served")
+        metrics["validated_artifact"] = onnx_validated_note(q, b)
     else:
         metrics["validated_artifact"] = (f"TensorRT engine {engine} ({runner.name}): gates use the engine.* metrics; "
                                          "ONNX Runtime's numbers of the same graph are shown beside them")

@@ -85,7 +85,7 @@ def resolve_target(requested: str, build: BuildArtifact) -> str:
     Raises:
         TritonConfigError: ``tensorrt`` requested but the build produced no engine.
     """
-    has_engine = build.status == "ok" and bool(build.engine_path)
+    has_engine = build.plan_path is not None  # a TensorRT-RTX engine is not servable by tensorrt_plan
     if requested == "auto":
         return "tensorrt" if has_engine else "onnxruntime"
     if requested == "tensorrt" and not has_engine:
@@ -97,8 +97,8 @@ def resolve_target(requested: str, build: BuildArtifact) -> str:
 
 
 def gpu_available(build: BuildArtifact) -> bool:
-    """True when an engine was built, or onnxruntime has the CUDA provider and torch sees a GPU."""
-    if build.status == "ok":
+    """True when a datacenter engine was built, or onnxruntime has the CUDA provider and torch sees a GPU."""
+    if build.plan_path is not None:
         return True
     import onnxruntime
 
@@ -163,7 +163,7 @@ def stage_compute(
     version_dir = staging / cfg.name / str(recipe.triton.version)
     version_dir.mkdir(parents=True)
     if target == "tensorrt":
-        _copy_model_file(Path(str(build.engine_path)), version_dir / "model.plan")
+        _copy_model_file(Path(str(build.plan_path)), version_dir / "model.plan")
     else:
         _copy_onnx(source, model, version_dir / "model.onnx")
     if target == "python-onnxruntime":
