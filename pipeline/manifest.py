@@ -97,6 +97,7 @@ def report_markdown(man: dict) -> str:
     for st, r in man["stages"].items():
         cache = "hit" if r.get("cache_hit") else "miss"
         lines.append(f"| {st} | {r['status']} | {cache} | {r['wall_s']} | {r.get('peak_rss_mib')} | {r['reason']} |")
+    lines += tuning_lines(man.get("tuning"), man["recipe"].get("quantize", {}))
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += _metric_rows(man["metrics"])
@@ -151,6 +152,19 @@ def capped_section(markdown: str, file: str | None = None, max_lines: int = SECT
         return text
     where = f"`{file}`" if file else "manifest.json (`sections`)"
     return "\n".join(kept) + f"\n\n... {len(lines) - len(kept)} more lines: the full section is in {where}"
+
+
+def tuning_lines(tuning: dict | None, quantize: dict) -> list[str]:
+    """The report's line on where the quantize stage's calibration and exclusions came from:
+    a pinned tuning result (:mod:`pipeline.quant.pin`), or a search/calibration run here and why."""
+    if not tuning or quantize.get("calibration") is None:
+        return []
+    if tuning["source"] == "pinned":
+        return ["", f"Tuning: **pinned** result `{tuning['pin']}` (calibration amax and exclusions; "
+                    "no calibration or search ran)."]
+    what = "calibration and the accuracy-budget search" if quantize.get("accuracy_budget") else "calibration"
+    return ["", f"Tuning: {what} ran on this machine ({tuning['reason']}); CPU kernels can move its result "
+                "in the last bits: `make tune` pins it."]
 
 
 def add_report_section(run_dir: Path, title: str, markdown: str) -> None:

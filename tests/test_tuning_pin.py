@@ -142,6 +142,7 @@ def test_build_uses_the_pin_and_quantizes_the_same_bytes(tuned):
     assert man["tuning"]["source"] == pin.PINNED
     assert man["artifacts"]["quantize"]["calibration"]["tuning"]["source"] == pin.PINNED
     assert (run / "quantize" / "model.onnx").read_bytes() == searched
+    assert "Tuning: **pinned** result" in (run / "report.md").read_text()
 
 
 def test_locked_refuses_a_stale_pin_naming_the_input(tuned, capsys):
