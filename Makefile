@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv build tune check test typecheck bench bench-build serve publish deploy plan verify clean
+.PHONY: venv build tune check test docs typecheck bench bench-build serve publish deploy plan verify clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,10 @@ check: $(STAMP) $(DATA_$(RECIPE))
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q
+
+# Regenerate docs/reference/recipe.md from the recipe schema (tests/test_docs_reference.py checks it is current).
+docs: $(STAMP)
+	$(PY) -m pipeline.docs_reference
 
 typecheck: $(DEV_STAMP)
 	$(PY) -m pytest -q tests/test_build_typecheck.py

@@ -66,17 +66,17 @@ class ModelSource(Strict):
 
 
 class Tolerance(Strict):
-    rtol: float = Field(gt=0)
-    atol: float = Field(gt=0)
+    rtol: float = Field(gt=0, description="relative tolerance of ONNX vs torch for the matched outputs")
+    atol: float = Field(gt=0, description="absolute tolerance of ONNX vs torch for the matched outputs")
 
 
 class ExportConfig(Strict):
-    opset: int = Field(19, ge=17, le=23)
+    opset: int = Field(19, ge=17, le=23, description="ONNX opset the graph is exported at")
     dynamic_axes: dict[str, dict[int, str]] = Field(
         description="input name -> {axis index: symbolic dim name}"
     )
     rtol: float | None = Field(None, gt=0, description="default: the FP32 tolerance in pipeline.compare")
-    atol: float | None = Field(None, gt=0)
+    atol: float | None = Field(None, gt=0, description="default: the FP32 tolerance in pipeline.compare")
     tolerances: dict[str, Tolerance] = Field(
         default_factory=dict, description="per output name (fnmatch pattern): rtol/atol overrides"
     )
@@ -140,13 +140,14 @@ def _gate_list(flat: dict) -> list[dict]:
 
 
 class CalibrationConfig(Strict):
-    method: CalibrationMethod = "max"
-    percentile: float = Field(99.99, gt=90, le=100)
+    method: CalibrationMethod = Field("max", description="how each activation's amax is taken over the calibration "
+                                      "batches (pipeline.quant.calibrate.collect_amax)")
+    percentile: float = Field(99.99, gt=90, le=100, description="method percentile: the percentile of |x| used as amax")
     data: DataSource = Field(description="calibration text (pipeline.datasets); must not overlap validate.data")
     samples: int = Field(ge=1, description="number of calibration sequences")
-    min_samples: int = Field(8, ge=1)
-    seq_len: int = Field(128, ge=2)
-    batch_size: int = Field(4, ge=1)
+    min_samples: int = Field(8, ge=1, description="quantize fails when the data yields fewer calibration windows")
+    seq_len: int = Field(128, ge=2, description="tokens per calibration window (text models)")
+    batch_size: int = Field(4, ge=1, description="rows per calibration batch fed to the FP32 graph")
 
     @model_validator(mode="before")
     @classmethod
@@ -174,17 +175,20 @@ class ExcludeConfig(Strict):
         default_factory=list,
         description="fnmatch patterns on node names or torch module scopes",
     )
-    op_types: list[str] = Field(default_factory=list)
+    op_types: list[str] = Field(default_factory=list, description="ONNX op types kept in high precision; each must "
+                                "occur in the graph")
 
 
 class QuantizeConfig(Strict):
-    precision: Precision
-    calibration: CalibrationConfig | None = None
-    exclude: ExcludeConfig = ExcludeConfig()
+    precision: Precision = Field(description="fp8 / int8: Q/DQ on the weight GEMMs (needs calibration); "
+                                 "fp16 / fp32: no Q/DQ")
+    calibration: CalibrationConfig | None = Field(None, description="activation ranges; required for fp8 and int8")
+    exclude: ExcludeConfig = Field(ExcludeConfig(), description="nodes kept in high precision by hand")
     per_channel_weights: bool = Field(
         False, description="per output channel weight scales (INT8 default in recipes)"
     )
-    quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = ["MatMul", "Gemm"]
+    quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = Field(
+        ["MatMul", "Gemm"], description="op types whose weight input gets Q/DQ (pipeline.quant.qdq.find_targets)")
     rest_precision: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32", description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
         "(pipeline.quant.autocast); bf16 is validated only through a TensorRT engine")
@@ -193,7 +197,8 @@ class QuantizeConfig(Strict):
         None, description="a gate on a tuning-split metric (kld_mean, relative_perplexity_increase, top1_agreement) "
         "that the automatic exclusion search must meet (pipeline.quant.budget)")
     tuning: TuningConfig | None = Field(None, description="tuning split and search bounds for sensitivity/budget")
-    sensitivity: SensitivityConfig | None = None
+    sensitivity: SensitivityConfig | None = Field(None, description="per-group sensitivity pass on the tuning split "
+                                                  "(pipeline.quant.sensitivity); needs tuning")
 
     @model_validator(mode="after")
     def _needs_calibration(self) -> "QuantizeConfig":
@@ -244,9 +249,9 @@ class SensitivityConfig(Strict):
 
 
 class DimRange(Strict):
-    min: int = Field(ge=0)
-    opt: int = Field(ge=0)
-    max: int = Field(ge=1)
+    min: int = Field(ge=0, description="smallest size the engine accepts")
+    opt: int = Field(ge=0, description="size TensorRT tunes kernels for")
+    max: int = Field(ge=1, description="largest size the engine accepts")
 
     @model_validator(mode="after")
     def _ordered(self) -> "DimRange":
@@ -256,9 +261,9 @@ class DimRange(Strict):
 
 
 class ShapeRange(Strict):
-    min: list[int]
-    opt: list[int]
-    max: list[int]
+    min: list[int] = Field(description="smallest shape, one size per axis")
+    opt: list[int] = Field(description="shape TensorRT tunes kernels for")
+    max: list[int] = Field(description="largest shape, one size per axis")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ShapeRange":
@@ -279,9 +284,9 @@ class Profile(Strict):
     ``export.dynamic_axes``); ``inputs`` overrides whole shapes per input.
     """
 
-    name: str
-    dims: dict[str, DimRange] = Field(default_factory=dict)
-    inputs: dict[str, ShapeRange] = Field(default_factory=dict)
+    name: str = Field(description="profile name, unique within build.profiles")
+    dims: dict[str, DimRange] = Field(default_factory=dict, description="symbolic dim name -> min/opt/max")
+    inputs: dict[str, ShapeRange] = Field(default_factory=dict, description="input name -> whole-shape min/opt/max")
 
 
 #: Which builder makes the engine (pipeline.engine_backends): ``auto`` picks datacenter TensorRT
@@ -292,7 +297,7 @@ ComputeTarget = Literal["sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"
 
 
 class BuildConfig(Strict):
-    profiles: list[Profile] = Field(min_length=1)
+    profiles: list[Profile] = Field(min_length=1, description="TensorRT optimization profiles, at least one")
     backend: BuildBackend = Field(
         "auto", description="auto: datacenter TensorRT where it and a CUDA GPU are present, else TensorRT-RTX for "
         "the declared targets (no GPU needed; a target it lacks, e.g. sm90, gets a parse-and-build check for "
@@ -302,13 +307,14 @@ class BuildConfig(Strict):
         "that of triton.serving.gpu is added. TensorRT-RTX builds sm75/80/86/89/120/121, not sm90/sm100")
     timing_cache: str = Field(".cache/trt/timing.cache", description="datacenter TensorRT's timing cache file "
                               "(TensorRT-RTX ignores timing caches: its calls are deprecated no-ops)")
-    workspace_mib: int = Field(4096, ge=64)
-    builder_optimization_level: int = Field(3, ge=0, le=5)
+    workspace_mib: int = Field(4096, ge=64, description="TensorRT workspace memory pool limit, MiB")
+    builder_optimization_level: int = Field(3, ge=0, le=5, description="TensorRT builder optimization level "
+                                            "(higher: longer build, maybe faster engine)")
 
 
 class GenerationCheck(Strict):
-    prompts: int = Field(8, ge=1)
-    new_tokens: int = Field(32, ge=1)
+    prompts: int = Field(8, ge=1, description="prompts taken from validate.data for greedy generation")
+    new_tokens: int = Field(32, ge=1, description="greedy tokens generated per prompt, compared with FP32")
 
 
 class Gate(Strict):
@@ -361,10 +367,11 @@ Gates = list[Gate]
 
 class ValidateConfig(Strict):
     data: DataSource = Field(description="held-out eval data (pipeline.datasets); must not overlap calibration")
-    seq_len: int = Field(256, ge=8)
-    max_windows: int = Field(32, ge=1)
-    batch_size: int = Field(4, ge=1)
-    generation: GenerationCheck | None = None
+    seq_len: int = Field(256, ge=8, description="tokens per evaluation window (text generation)")
+    max_windows: int = Field(32, ge=1, description="at most this many windows / sentences / samples are evaluated")
+    batch_size: int = Field(4, ge=1, description="rows per evaluation batch")
+    generation: GenerationCheck | None = Field(None, description="greedy-generation agreement check (text generation); "
+                                               "needed by its gates")
     gates: Gates = Field(description="list of {metric: <name>, max: <x>} / {metric: <name>, min: <x>}")
 
     @model_validator(mode="before")
@@ -379,16 +386,17 @@ class ValidateConfig(Strict):
 
 
 class DynamicBatching(Strict):
-    max_queue_delay_microseconds: int = Field(100, ge=0)
-    preferred_batch_size: list[int] | None = None
+    max_queue_delay_microseconds: int = Field(100, ge=0, description="how long Triton may hold a request to batch it, us")
+    preferred_batch_size: list[int] | None = Field(None, description="batch sizes Triton aims for; each <= "
+                                                   "max_batch_size; default: chosen in pipeline.triton.config")
 
 
 class InstanceGroup(Strict):
     """Triton instances of the compute model. ``KIND_AUTO`` (default) lets Triton pick the
     device at load time, so one recipe serves a TensorRT engine (GPU) or ONNX Runtime (CPU)."""
 
-    count: int = Field(1, ge=1)
-    kind: InstanceKind = "KIND_AUTO"
+    count: int = Field(1, ge=1, description="model instances of this group")
+    kind: InstanceKind = Field("KIND_AUTO", description="device of the instances; KIND_AUTO: Triton decides at load")
 
 
 class ServingRuntime(Strict):
@@ -421,13 +429,17 @@ class ServingRuntime(Strict):
 
 
 class TritonConfig(Strict):
-    target: TritonTarget = "auto"
-    model_name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
-    generate_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]+$")
-    max_batch_size: int = Field(ge=0)
-    dynamic_batching: DynamicBatching | None = None
-    instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
-    version: int = Field(1, ge=1)
+    target: TritonTarget = Field("auto", description="runtime of the compute model; auto: tensorrt when an engine "
+                                 "was built, else onnxruntime (pipeline.triton.repository.resolve_target)")
+    model_name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$", description="Triton name of the compute model")
+    generate_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]+$",
+                                            description="text generation: name of the decoupled generation model; "
+                                            "must differ from model_name")
+    max_batch_size: int = Field(ge=0, description="Triton max_batch_size of the compute model; 0: no batch axis")
+    dynamic_batching: DynamicBatching | None = Field(None, description="Triton dynamic batcher; none: off")
+    instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()],
+                                                description="Triton instance groups of the compute model")
+    version: int = Field(1, ge=1, description="Triton model version folder the models are written to")
     serving: ServingRuntime | None = Field(
         None, description="Triton runtime + GPU an engine is built for; required only when an engine is built")
     continuous_batching: bool = Field(
@@ -453,8 +465,9 @@ class ServeConfig(Strict):
     SLO invalidates no stage and no engine; bench results record the values used.
     """
 
-    slo: ServeSLO = ServeSLO()
-    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
+    slo: ServeSLO = Field(ServeSLO(), description="per-request objective goodput is counted against")
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1,
+                                                           description="concurrency levels bench measures")
     requests_per_level: int = Field(8, ge=1, description="requests sent at each concurrency level")
     max_tokens: int = Field(32, ge=1, description="LLM: output tokens per request (EOS ignored)")
     long_max_tokens: int = Field(260, ge=2, description="LLM: output tokens of each TPOT-position request")
@@ -486,16 +499,17 @@ class Recipe(Strict):
     :func:`pipeline.recipe_load.load_recipe`, so ``check`` and ``build`` refuse them before
     any stage runs."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
-    model: ModelSource
-    export: ExportConfig
-    quantize: QuantizeConfig
-    build: BuildConfig
-    validate_: ValidateConfig = Field(alias="validate")
-    triton: TritonConfig
-    serve: ServeConfig = Field(default_factory=ServeConfig, exclude=True)
-    output_dir: str = "model_repository"
-    work_dir: str = "artifacts"
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$", description="run name: artifacts go to <work_dir>/<name>/")
+    model: ModelSource = Field(description="the model kind and its source")
+    export: ExportConfig = Field(description="ONNX export and its check against torch")
+    quantize: QuantizeConfig = Field(description="precision, calibration, exclusions and the accuracy budget")
+    build: BuildConfig = Field(description="TensorRT profiles, backend and targets")
+    validate_: ValidateConfig = Field(alias="validate", description="held-out data and the accuracy gates")
+    triton: TritonConfig = Field(description="the Triton model repository")
+    serve: ServeConfig = Field(default_factory=ServeConfig, exclude=True,
+                               description="local serving and bench load; not part of the digest")
+    output_dir: str = Field("model_repository", description="Triton model repository validated models are published to")
+    work_dir: str = Field("artifacts", description="folder of the stage artifacts, manifest and logs")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -42,7 +42,7 @@ LAYERS: dict[str, int] = {
     "pipeline.runner": RUN, "pipeline.manifest": RUN, "pipeline.smoke": RUN,
     "pipeline.serve": SERVICES, "pipeline.plan": SERVICES, "pipeline.plan_measure": SERVICES,
     "pipeline.plan_gpus": SERVICES, "pipeline.remote": SERVICES,
-    "pipeline.cli": ROOF, "pipeline.__main__": ROOF,
+    "pipeline.cli": ROOF, "pipeline.__main__": ROOF, "pipeline.docs_reference": ROOF,
 }
 
 def layer_of(module: str) -> int | None:

@@ -28,8 +28,8 @@ class Strict(BaseModel):
 class Range(Strict):
     """Half-open range ``[start, stop)`` of records; ``stop`` None: to the end."""
 
-    start: int = Field(0, ge=0)
-    stop: int | None = Field(None, gt=0)
+    start: int = Field(0, ge=0, description="first record used (0-based)")
+    stop: int | None = Field(None, gt=0, description="first record not used; none: to the end")
 
     @model_validator(mode="after")
     def _ordered(self) -> "Range":

@@ -98,8 +98,9 @@ class _Source(Strict, RecipeBound, abc.ABC):
 class CorpusSource(_Source):
     """A built-in corpus from the gensim wheel's test data."""
 
-    type: Literal["corpus"]
-    name: Literal["lee_background", "wordsim353", "simlex999"]
+    type: Literal["corpus"] = Field(description="selects this source type")
+    name: Literal["lee_background", "wordsim353", "simlex999"] = Field(
+        description="lee_background: documents; wordsim353 / simlex999: scored word pairs")
 
     def _reader(self):
         return corpus
@@ -112,8 +113,8 @@ class CorpusSource(_Source):
 class TextSource(_Source):
     """A UTF-8 text file, one document per non-blank line."""
 
-    type: Literal["text"]
-    path: str = Field(min_length=1)
+    type: Literal["text"] = Field(description="selects this source type")
+    path: str = Field(min_length=1, description="the text file")
 
     def _reader(self):
         return text
@@ -126,10 +127,10 @@ class TextSource(_Source):
 class JsonlSource(_Source):
     """A JSONL file; the text is in ``field``, an optional label in ``label_field``."""
 
-    type: Literal["jsonl"]
-    path: str = Field(min_length=1)
-    field: str = Field(min_length=1)
-    label_field: str | None = Field(None, min_length=1)
+    type: Literal["jsonl"] = Field(description="selects this source type")
+    path: str = Field(min_length=1, description="the JSONL file")
+    field: str = Field(min_length=1, description="key of the text in each record")
+    label_field: str | None = Field(None, min_length=1, description="key of the label in each record; none: unlabeled")
 
     def _reader(self):
         return jsonl
@@ -145,11 +146,11 @@ Column = Union[Annotated[int, Field(ge=0)], Annotated[str, Field(min_length=1)]]
 class PairsSource(_Source):
     """A CSV/TSV of sentence pairs with a gold score; columns by header name or 0-based index."""
 
-    type: Literal["pairs"]
-    path: str = Field(min_length=1)
-    text_a: Column = 0
-    text_b: Column = 1
-    score: Column = 2
+    type: Literal["pairs"] = Field(description="selects this source type")
+    path: str = Field(min_length=1, description="the CSV / TSV file")
+    text_a: Column = Field(0, description="column of the first sentence (header name or 0-based index)")
+    text_b: Column = Field(1, description="column of the second sentence")
+    score: Column = Field(2, description="column of the gold similarity score")
     header: bool = Field(True, description="the first non-blank row names the columns")
     delimiter: str | None = Field(None, min_length=1, max_length=1,
                                   description="default: ',' for .csv, tab for .tsv/.tab")
@@ -174,8 +175,8 @@ class PairsSource(_Source):
 class ImagesSource(_Source):
     """A folder of PNG/JPEG images in one subfolder per label (sorted names = class indices)."""
 
-    type: Literal["images"]
-    path: str = Field(min_length=1)
+    type: Literal["images"] = Field(description="selects this source type")
+    path: str = Field(min_length=1, description="folder with one subfolder of images per label")
 
     def _reader(self):
         return images
@@ -199,8 +200,8 @@ class ImagesSource(_Source):
 class NpzSource(_Source):
     """Ready input feeds: arrays keyed by graph input name, first axis = sample."""
 
-    type: Literal["npz"]
-    path: str = Field(min_length=1)
+    type: Literal["npz"] = Field(description="selects this source type")
+    path: str = Field(min_length=1, description="the .npz file of arrays keyed by graph input name")
     labels: str | None = Field(None, min_length=1, description="name of the labels array in the file")
 
     def _reader(self):

@@ -183,7 +183,7 @@ class PathSource(_ModelSource):
 
     tag: ClassVar[str] = "path"
     hf_loadable: ClassVar[bool] = True
-    path: str = Field(min_length=1)
+    path: str = Field(min_length=1, description="a Hugging Face folder or a .gguf file")
 
     def location(self) -> Path:
         return self._path(self.path, "path")
