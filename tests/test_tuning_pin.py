@@ -172,3 +172,14 @@ def test_a_pin_that_is_not_json_is_bad_input(tmp_path):
     bad.write_text("{")
     with pytest.raises(Exception, match=r"x.json: not a readable pinned tuning result"):
         pin.read(bad)
+
+
+def test_an_unreachable_fine_search_reports_its_closest_miss():
+    runner = FakeRunner(GAINS, base=0.045, noise=0.0, seed=0)
+    gate = Gate(metric="kld_mean", max=0.001)
+    res = budget.search_fine(runner, dict(GAINS), gate, total_gemms=40, min_fraction=0.5, max_trials=50,
+                             time_limit_s=600, tol=budget.Tolerance.of(gate, 0.0))
+    assert res.status == "unreachable"
+    measured = [t.metrics["kld_mean"] for t in runner.trials]
+    assert res.metrics["kld_mean"] == min(measured) < 0.045
+    assert len(res.excluded_groups) == 20  # the floor: half of the 40 GEMMs stay quantized

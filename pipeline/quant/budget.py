@@ -243,6 +243,8 @@ def search_fine(runner: S.TrialRunner, gains: dict[str, float], budget, *, total
             hi, best = k, t
         else:
             lo = k
+            if hi is None and _better(budget, t.metrics, best.metrics, 0.0):
+                best = t  # the closest miss, reported when nothing meets the budget
         if hi is None and k >= kmax:
             break
         if hi is not None and hi - lo <= 1:

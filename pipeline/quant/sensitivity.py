@@ -323,29 +323,30 @@ def _score_against(lg: np.ndarray, ref: Reference, row: int) -> tuple[float, flo
 
 
 def thread_noise(runner: TrialRunner, metric: str, batches: int = 1) -> float:
-    """Float-kernel noise of a trial metric: ``|m_1 - m_default|`` of the all-quantized
-    configuration on the first ``batches`` tuning batches, measured in a session with one intra-op
-    thread (two where the default is one) against the runner's own: another thread count changes
-    how ONNX Runtime splits and sums the work. 0.0 when the two agree to the last bit."""
+    """Float-kernel noise of a trial metric: ``|m_other - m_default|`` of the all-quantized
+    configuration on the first ``batches`` tuning batches, in a second session that differs from
+    the runner's in its intra-op thread count (one, or two where the default is one) and in running
+    without ONNX Runtime's graph fusions: both change how the float work is split and summed, as
+    another CPU's kernels do (on one AVX-512 machine the thread count alone changed no bit)."""
     base = runner.measure([], batches)
     per_node = {t.node: [t.node] for t in runner.targets}
     graph, switches = switch_graph(runner.model, runner.targets, per_node, runner.amax, runner.fmt,
                                    runner.per_channel, runner._weights)
     threads = 1 if (ort.SessionOptions().intra_op_num_threads or 0) != 1 else 2
-    sess = _session(graph, threads)
+    sess = _session(graph, threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     del graph
     other = runner.score(sess, switches, set(), runner.feeds[:batches])
     return abs(other[metric] - base.metrics[metric])
 
 
-def _session(model: onnx.ModelProto, threads: int = 0) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, threads: int = 0, level=None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of an in-memory graph, at the level validate uses for FP8 Q/DQ
-    (basic: exact simulated quantization; :mod:`pipeline.runtime`); ``threads`` intra-op threads
-    (0: ONNX Runtime's default, one per core)."""
+    (basic: exact simulated quantization; :mod:`pipeline.runtime`) unless ``level`` says another;
+    ``threads`` intra-op threads (0: ONNX Runtime's default, one per core)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if level is None else level
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
