@@ -15,8 +15,10 @@ Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
     <model_name>_ensemble/config.pbtxt   sentence-embedding recipes: text -> tokenizer -> compute model
     <model_name>_ensemble/<v>/           (empty, as Triton wants for ensembles)
 
-Publishing: everything is written into a staging folder next to ``out_dir``
-(model files are copied or reflinked, never hard-linked to stage outputs);
+Publishing: everything is written into a staging folder on ``out_dir``'s own file
+system (:func:`pipeline.triton.publish.new_staging`: beside it, or inside it as a
+dot-folder when ``out_dir`` is a mounted volume; model files are copied or
+reflinked, never hard-linked to stage outputs);
 every config is checked (:func:`~pipeline.triton.config.check_config`) and every
 written config.pbtxt re-parsed; only then are the recipe's model folders and
 index entries published as one unit (:mod:`pipeline.triton.publish`). A failure
@@ -29,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -38,7 +39,7 @@ from pathlib import Path
 import onnx
 
 from pipeline.artifacts import BuildArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
-from pipeline.errors import TritonConfigError
+from pipeline.errors import TritonConfigError, storage_fault
 from pipeline.fsutil import copy_file
 from pipeline.triton import publish
 from pipeline.recipe import Recipe
@@ -126,14 +127,25 @@ def profile_batch(profiles: Sequence[ResolvedProfile]) -> tuple[int | None, int 
 
 @contextlib.contextmanager
 def staging_folder(out_dir: Path, recipe_name: str) -> Iterator[Path]:
-    """A new staging folder beside ``out_dir`` for one recipe's models; removed on exit
-    unless a publish from it is pending (the next run completes that publish)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=publish.staging_prefix(out_dir, recipe_name), dir=out_dir.parent))
+    """A new staging folder on ``out_dir``'s file system for one recipe's models
+    (:func:`pipeline.triton.publish.new_staging`); removed on exit unless a publish
+    from it is pending (the next run completes that publish).
+
+    Raises:
+        StorageFault: a write into it failed on a full, over-quota, read-only or
+            cross-device file system (exit 4); it names ``out_dir`` and the file.
+    """
+    staging = publish.new_staging(out_dir, recipe_name)
     try:
         yield staging
+    except OSError as e:
+        fault = storage_fault(e, out_dir)
+        if fault is None:
+            raise
+        raise fault from e
     finally:
-        if publish.pending(out_dir) is None:
+        journal = publish.pending(out_dir)
+        if journal is None or Path(journal["staging"]) != staging.resolve():
             shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -267,7 +279,13 @@ def _copy_model_file(source: Path, dest: Path) -> None:
     """
     if not source.is_file():
         raise TritonConfigError(f"{source}: model file not found")
-    copy_file(source, dest)
+    try:
+        copy_file(source, dest)
+    except OSError as e:
+        fault = storage_fault(e, dest.parent, needed_bytes=source.stat().st_size)
+        if fault is None:
+            raise
+        raise fault from e
 
 
 def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path) -> None:
