@@ -33,6 +33,7 @@ import onnx
 from onnx import TensorProto, external_data_helper as edh
 
 from pipeline.errors import EnvironmentFault, PipelineError
+from pipeline.faults import fault_point
 
 if TYPE_CHECKING:
     from pipeline.artifacts import TensorSpec
@@ -195,6 +196,7 @@ def replacing(path: str | Path, *, strip: bool = True) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         tmp = scratch / path.name
+        fault_point(f"write:{path.name}", path)
         yield tmp
         if not tmp.is_file():
             raise EnvironmentFault(f"{path}: the writer produced no file at {tmp}")

@@ -39,7 +39,7 @@ from pathlib import Path
 import onnx
 
 from pipeline.artifacts import BuildArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
-from pipeline.errors import TritonConfigError, storage_fault
+from pipeline.errors import StorageFault, TritonConfigError, storage_fault
 from pipeline.fsutil import copy_file
 from pipeline.triton import publish
 from pipeline.recipe import Recipe
@@ -138,11 +138,11 @@ def staging_folder(out_dir: Path, recipe_name: str) -> Iterator[Path]:
     staging = publish.new_staging(out_dir, recipe_name)
     try:
         yield staging
-    except OSError as e:
-        fault = storage_fault(e, out_dir)
+    except (OSError, StorageFault) as e:
+        fault = e if isinstance(e, StorageFault) else storage_fault(e, staging)
         if fault is None:
             raise
-        raise fault from e
+        raise StorageFault(f"{out_dir}: staging the models failed, nothing was published: {fault}") from e
     finally:
         journal = publish.pending(out_dir)
         if journal is None or Path(journal["staging"]) != staging.resolve():
