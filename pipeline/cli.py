@@ -56,7 +56,9 @@ def preflight(args):
     Raises:
         RecipeError: the recipe or a ``--set`` value is invalid.
         PipelineError: the model's files are missing or truncated (names the model.source key),
-            or a model name is published in ``output_dir`` by another recipe.
+            a file a later stage reads from the source is missing (text-generation: the tokenizer,
+            an EOS id; names the folder and the files), or a model name is published in
+            ``output_dir`` by another recipe.
         DataError: two data uses overlap (names both) or a data file is missing.
     """
     from pipeline.models.sources import package_file
@@ -68,7 +70,11 @@ def preflight(args):
 
     check_names_free(recipe)  # a model name another recipe published into output_dir
     recipe.model.source.files()  # every model file present (external data long enough)
-    return recipe, package_file(recipe.model)  # raises, naming the model.source key, when missing
+    weights = package_file(recipe.model)  # raises, naming the model.source key, when missing
+    from pipeline.models import registry
+
+    registry.adapter(recipe.model).check_files()  # what later stages read from the source (tokenizer, EOS)
+    return recipe, weights
 
 
 def cmd_build(args) -> int:
