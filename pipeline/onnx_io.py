@@ -282,6 +282,18 @@ def strip_file(path: str | Path) -> int:
     return removed
 
 
+def save_graph(model: onnx.ModelProto, path: str | Path) -> None:
+    """Write ``model``'s graph proto alone to the new file ``path``: tensors kept on disk
+    (external data) stay references to their files, which the caller places beside it.
+
+    Raises:
+        FileExistsError: ``path`` exists (a published copy is never rewritten in place).
+    """
+    with open(path, "xb") as fh:
+        fault_point(f"write:{Path(path).name}", path)
+        fh.write(model.SerializeToString())
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

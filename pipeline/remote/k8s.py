@@ -55,8 +55,8 @@ import yaml
 
 from pipeline.errors import PipelineError
 from pipeline.recipe_checks import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
+from pipeline.serving import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
-DEFAULT_RELEASE = "24.10"  # Triton 2.51.0, the pytriton wheel's tritonserver
 BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
 KSERVE_HTTP = 8080  # KServe's Triton runtime starts tritonserver with --http-port=8080

@@ -177,7 +177,8 @@ def stage_compute(
     if target == "tensorrt":
         _copy_model_file(Path(str(build.plan_path)), version_dir / "model.plan")
     else:
-        _copy_onnx(source, model, version_dir / "model.onnx")
+        _copy_onnx(source, model, version_dir / "model.onnx", rewrite=target == "onnxruntime" and _fit_ir(recipe, model,
+                                                                                                         source))
     if target == "python-onnxruntime":
         write_template("onnxruntime_model.py", version_dir / "model.py")
     write_config(staging / cfg.name, cfg)
@@ -288,9 +289,31 @@ def _copy_model_file(source: Path, dest: Path) -> None:
         raise fault from e
 
 
-def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path) -> None:
-    """Place the ONNX file as ``dest`` and its external-data files (same relative names) beside it."""
-    _copy_model_file(source, dest)
+def _fit_ir(recipe: Recipe, model: onnx.ModelProto, source: Path) -> bool:
+    """Fit ``model`` (in place) to the IR version the declared container's onnxruntime backend
+    reads (:func:`pipeline.triton.ir_version.fit_to_reader`; ``triton.serving.container``, else
+    :data:`pipeline.serving.DEFAULT_RELEASE`); True when it changed. A container missing from the
+    runtime tables is not checked.
+
+    Raises:
+        TritonConfigError: the graph cannot be read there (names both versions).
+    """
+    from pipeline import serving
+    from pipeline.triton.ir_version import fit_to_reader
+
+    reader = serving.onnxruntime_reader(recipe.triton.serving.container if recipe.triton.serving else None)
+    return reader is not None and fit_to_reader(model, reader, str(source))
+
+
+def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path, *, rewrite: bool = False) -> None:
+    """Place the ONNX file as ``dest`` (``rewrite``: ``model`` as changed in memory, else
+    ``source``'s bytes) and its external-data files (same relative names) beside it."""
+    if rewrite:
+        from pipeline.onnx_io import save_graph
+
+        save_graph(model, dest)
+    else:
+        _copy_model_file(source, dest)
     for location in sorted(_external_files(model)):
         rel = Path(location)
         if rel.is_absolute() or ".." in rel.parts:
