@@ -131,9 +131,12 @@ def tree_hashes(model_dir: Path) -> dict[str, str]:
 
 def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: str) -> None:
     """Publish the staged folders ``staging/<name>`` (name -> index entry in ``entries``)
-    into ``repo`` as one unit; other recipes' models and entries stay.
+    into ``repo`` as one unit; other recipes' models and entries stay. Holds the repository
+    lock (:func:`repository_lock`) throughout, so builds sharing ``repo`` publish one at a time.
 
     Raises:
+        StorageFault: a write failed on a full, over-quota, read-only or cross-device file
+            system (exit 4, names ``repo``); every step done so far was undone.
         RepositoryCorrupt: an earlier interrupted publish cannot be completed.
         ModelOwnedElsewhere: ``repository.json`` assigns one of ``entries`` to another
             recipe; nothing was changed.
