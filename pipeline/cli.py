@@ -22,8 +22,9 @@ Exit codes (pipeline.errors):
 * 3: internal error: one console line naming the exception and the file holding
   the traceback: ``<work_dir>/<recipe name>/error.log`` once the recipe was read,
   else ``./pipeline-error.log``.
-* 4: environment: lock held, server failed to start, storage or network error, a
-  published repository that fails verification.
+* 4: environment: lock held, server failed to start, storage or network error (any
+  ENOSPC, EDQUOT, EROFS or EXDEV, under whatever error it surfaced as, names the
+  folder), a published repository that fails verification.
 * 130: interrupted (Ctrl-C / SIGTERM); finished stages are kept.
 """
 from __future__ import annotations
@@ -34,7 +35,15 @@ import traceback
 from pathlib import Path
 
 from pipeline import interrupts
-from pipeline.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError, RepositoryCorrupt
+from pipeline.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    PipelineError,
+    RecipeError,
+    RepositoryCorrupt,
+    storage_fault,
+)
 from pipeline.recipe_load import load_from_args, parse_set
 
 FALLBACK_LOG = Path("pipeline-error.log")
@@ -47,7 +56,9 @@ def preflight(args):
     Raises:
         RecipeError: the recipe or a ``--set`` value is invalid.
         PipelineError: the model's files are missing or truncated (names the model.source key),
-            or a model name is published in ``output_dir`` by another recipe.
+            a file a later stage reads from the source is missing (text-generation: the tokenizer,
+            an EOS id; names the folder and the files), or a model name is published in
+            ``output_dir`` by another recipe.
         DataError: two data uses overlap (names both) or a data file is missing.
     """
     from pipeline.models.sources import package_file
@@ -59,7 +70,11 @@ def preflight(args):
 
     check_names_free(recipe)  # a model name another recipe published into output_dir
     recipe.model.source.files()  # every model file present (external data long enough)
-    return recipe, package_file(recipe.model)  # raises, naming the model.source key, when missing
+    weights = package_file(recipe.model)  # raises, naming the model.source key, when missing
+    from pipeline.models import registry
+
+    registry.adapter(recipe.model).check_files()  # what later stages read from the source (tokenizer, EOS)
+    return recipe, weights
 
 
 def cmd_build(args) -> int:
@@ -269,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         with interrupts.handled():  # the one place SIGINT/SIGTERM handlers are installed
             return args.fn(args)
     except PipelineError as e:
+        if e.exit_code in (EXIT_BAD_INPUT, EXIT_INTERNAL) and storage_fault(e) is not None:
+            return _storage_error(e)
         if e.exit_code == EXIT_INTERNAL:
             return _internal_error(args, e)
         print(f"error: {e}", file=sys.stderr)
@@ -277,7 +294,17 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: finished stages are kept; the next run resumes after them", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug: exit 3, traceback to a file, one line on the console
+        if storage_fault(e) is not None:  # unless the file system refused a write: exit 4
+            return _storage_error(e)
         return _internal_error(args, e)
+
+
+def _storage_error(exc: BaseException) -> int:
+    """A full / read-only / cross-device file system under any other error: exit 4."""
+    fault = storage_fault(exc)
+    first = str(exc).splitlines()[0] if str(exc) and not isinstance(exc, OSError) else ""
+    print(f"error: {fault}" + (f"\n  (while: {first[:300]})" if first else ""), file=sys.stderr)
+    return fault.exit_code
 
 
 if __name__ == "__main__":

@@ -6,13 +6,20 @@
 | 1 | an accuracy gate failed, or an accuracy budget is unreachable |
 | 2 | bad input: the recipe, a ``--set`` value, a data or model file |
 | 3 | internal error: a bug; the traceback is saved to ``error.log`` |
-| 4 | environment: lock held, server failed to start, storage or network error,
-      a published repository that fails verification |
+| 4 | environment: lock held, server failed to start, storage or network error
+      (any ENOSPC, EDQUOT, EROFS or EXDEV: disk full, quota, read-only mount, a rename
+      across file systems), a published repository that fails verification |
 | 130 | interrupted (Ctrl-C / SIGTERM) |
 
 Every user-facing failure is a PipelineError whose message names the file,
 field, input or node at fault and what would be valid.
 """
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
 
 EXIT_PASSED = 0
 EXIT_GATE_FAILED = 1
@@ -75,6 +82,67 @@ class LockHeld(EnvironmentFault):
 
 class RepositoryCorrupt(EnvironmentFault):
     """A published repository differs from its ``repository.json`` or is half-published."""
+
+
+class StorageFault(EnvironmentFault):
+    """The file system refused a write: full (ENOSPC), over quota (EDQUOT), read-only
+    (EROFS), or a rename across file systems (EXDEV)."""
+
+
+#: errno -> (what it means, what to do); each is exit 4, never 2 or 3.
+STORAGE_ERRNOS = {
+    errno.ENOSPC: ("no space left on the device", "free space there or choose another folder, then rerun"),
+    errno.EDQUOT: ("disk quota exceeded", "free space there or raise the quota, then rerun"),
+    errno.EROFS: ("the file system is mounted read-only", "mount it read-write or choose another folder"),
+    errno.EXDEV: ("a rename would cross file systems, so it cannot be atomic",
+                  "keep the folder and what is renamed into it on one file system"),
+}
+
+
+def storage_oserror(exc: BaseException | None) -> OSError | None:
+    """The first OSError with an errno of :data:`STORAGE_ERRNOS` in ``exc`` or its
+    ``__cause__`` / ``__context__`` chain, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def storage_fault(exc: BaseException, folder: str | os.PathLike | None = None,
+                  needed_bytes: int | None = None) -> StorageFault | None:
+    """A :class:`StorageFault` for ``exc`` when its chain holds a storage errno (see
+    :func:`storage_oserror`), else None. The message names the folder (``folder``, else
+    the failing file's), the free space there (``shutil.disk_usage``) and, where the
+    caller knows it, the space needed (``needed_bytes``)."""
+    err = storage_oserror(exc)
+    if err is None:
+        return None
+    where = Path(folder) if folder is not None else Path(err.filename).parent if err.filename else None
+    meaning, advice = STORAGE_ERRNOS[err.errno]
+    parts = [f"{where or 'a write'}: {meaning} ([Errno {err.errno}] {err.strerror}"
+             + (f": {err.filename}" if err.filename else "") + ")"]
+    if needed_bytes is not None:
+        parts.append(f"needs {_mib(needed_bytes)}")
+    free = _free_bytes(where)
+    if free is not None and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        parts.append(f"{_mib(free)} free there")
+    return StorageFault("; ".join(parts + [advice]))
+
+
+def _free_bytes(folder: Path | None) -> int | None:
+    while folder is not None and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free if folder is not None else None
+    except OSError:
+        return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 class InternalError(PipelineError):

@@ -13,6 +13,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from pipeline.faults import fault_point
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -62,6 +64,7 @@ def copy_file(source: Path, dest: Path) -> None:
     import shutil
 
     with open(source, "rb") as src, open(dest, "xb") as dst:
+        fault_point(f"copy:{Path(dest).name}", dest)
         try:
             fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
         except OSError:
@@ -113,6 +116,7 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], *, durable
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide reports and indexes from other users
         with os.fdopen(fd, "wb") as fh:
+            fault_point(f"write:{path.name}", path)
             write(fh)
             if durable:
                 fh.flush()

@@ -33,6 +33,7 @@ import onnx
 from onnx import TensorProto, external_data_helper as edh
 
 from pipeline.errors import EnvironmentFault, PipelineError
+from pipeline.faults import fault_point
 
 if TYPE_CHECKING:
     from pipeline.artifacts import TensorSpec
@@ -195,6 +196,7 @@ def replacing(path: str | Path, *, strip: bool = True) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         tmp = scratch / path.name
+        fault_point(f"write:{path.name}", path)
         yield tmp
         if not tmp.is_file():
             raise EnvironmentFault(f"{path}: the writer produced no file at {tmp}")
@@ -278,6 +280,18 @@ def strip_file(path: str | Path) -> int:
     if removed:
         onnx.save_model(model, str(path))  # tensors on disk stay references: only the graph is written
     return removed
+
+
+def save_graph(model: onnx.ModelProto, path: str | Path) -> None:
+    """Write ``model``'s graph proto alone to the new file ``path``: tensors kept on disk
+    (external data) stay references to their files, which the caller places beside it.
+
+    Raises:
+        FileExistsError: ``path`` exists (a published copy is never rewritten in place).
+    """
+    with open(path, "xb") as fh:
+        fault_point(f"write:{Path(path).name}", path)
+        fh.write(model.SerializeToString())
 
 
 def _fsync(path: Path) -> None:

@@ -89,19 +89,36 @@ def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
 def yaml_line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
     """1-based line of the key at ``loc`` in the node tree (of its deepest existing
     parent when the key itself is absent); None without a tree."""
+    return _walk(node, loc)[0]
+
+
+def _walk(node: yaml.Node | None, loc: Sequence[str | int]) -> tuple[int | None, yaml.Node | None]:
+    """(:func:`yaml_line`, the value node at ``loc`` or None when a key on the way is absent)."""
     line = None
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             match = next(((k, v) for k, v in node.value if str(k.value) == str(part)), None)
             if match is None:
-                break
+                return line, None
             line, node = match[0].start_mark.line + 1, match[1]
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
             node = node.value[part]
             line = node.start_mark.line + 1
         else:
-            break
-    return line
+            return line, None
+    return line, node
+
+
+def _quote_hint(got, node: yaml.Node | None, loc: tuple) -> str:
+    """For a number where a string is wanted: YAML read an unquoted scalar as a number
+    (``24.10`` is the float 24.1), so say to quote it, with the text as written."""
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return ""
+    value = _walk(node, loc)[1]
+    if not isinstance(value, yaml.ScalarNode):  # e.g. set by --set: the text as typed is gone
+        return f"; YAML reads an unquoted value as a number (24.10 as 24.1): quote it as written, e.g. '24.10'"
+    shown = f"the number {got!r}" if value.value != str(got) else "a number"
+    return f"; YAML reads the unquoted {value.value} as {shown}: quote it, e.g. '{value.value}'"
 
 
 #: Union fields whose error locations carry the chosen member's tag (``model.source.entry.entry``).
@@ -149,9 +166,10 @@ def _unknown_key_message(loc: tuple) -> str:
     return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
 
 
-def _validation_problems(err: ValidationError) -> list[Problem]:
+def _validation_problems(err: ValidationError, node: yaml.Node | None = None) -> list[Problem]:
     """The ``(key path, message)`` of each schema error in ``err``; a validator's
-    :class:`ConstraintErrors` give their own problems."""
+    :class:`ConstraintErrors` give their own problems. ``node``: the recipe's YAML tree,
+    for the text of a value YAML read as a number where a string is wanted."""
     items: list[Problem] = []
     for e in err.errors():
         cause = (e.get("ctx") or {}).get("error")
@@ -163,7 +181,9 @@ def _validation_problems(err: ValidationError) -> list[Problem]:
             msg = _unknown_key_message(tuple(e["loc"]))
         got = e.get("input")
         shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
-        items.append((_untagged(tuple(e["loc"])), msg + shown))
+        loc = _untagged(tuple(e["loc"]))
+        hint = _quote_hint(got, node, loc) if e["type"] == "string_type" else ""
+        items.append((loc, msg + shown + hint))
     return items
 
 
@@ -215,7 +235,7 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
     try:
         recipe = Recipe.model_validate(data, context={"base_dir": path.parent})
     except ValidationError as e:
-        raise RecipeError(_format_problems(path, _validation_problems(e), node, list(overrides or {}))) from None
+        raise RecipeError(_format_problems(path, _validation_problems(e, node), node, list(overrides or {}))) from None
     problems = constraint_problems(recipe)
     if problems:
         raise RecipeError(_format_problems(path, problems, node, list(overrides or {})))

@@ -51,6 +51,51 @@ TRITON_TENSORRT: dict[str, str] = {
     "25.12-trtllm-python-py3": "10.13.3.9",
 }
 
+#: Triton release -> the ONNX Runtime its ``onnxruntime`` backend is built with: ``ort_version``
+#: of ``TRITON_VERSION_MAP`` / ``DEFAULT_TRITON_VERSION_MAP`` in build.py on each ``rYY.MM`` branch
+#: of triton-inference-server/server (read from the source; no container was run here).
+TRITON_ONNXRUNTIME: dict[str, str] = {
+    "24.08": "1.19.0", "24.09": "1.19.2", "24.10": "1.19.2", "24.11": "1.19.2", "24.12": "1.20.1",
+    "25.01": "1.20.1", "25.02": "1.20.1", "25.03": "1.21.0", "25.04": "1.21.0", "25.05": "1.22.0",
+    "25.06": "1.22.0", "25.07": "1.22.0", "25.08": "1.23.0", "25.09": "1.23.0", "25.10": "1.23.1",
+    "25.11": "1.23.2", "25.12": "1.23.2", "26.01": "1.23.2", "26.02": "1.24.1", "26.03": "1.24.2",
+    "26.04": "1.24.4", "26.05": "1.24.4", "26.06": "1.24.4",
+}
+
+#: ONNX Runtime major.minor -> (highest ONNX IR version, highest ai.onnx opset) it reads, from the
+#: version table of onnxruntime's docs/reference/compatibility.md (rows 1.18-1.20; later releases
+#: are not in that table, so their graphs are not checked). Every release reads opsets from
+#: :data:`ONNXRUNTIME_MIN_OPSET` up, and every lower IR version.
+ONNXRUNTIME_READS: dict[str, tuple[int, int]] = {"1.18": (10, 21), "1.19": (10, 21), "1.20": (10, 21)}
+ONNXRUNTIME_MIN_OPSET = 7
+
+#: The Triton release served where the recipe declares none (``deploy k8s``'s image; Triton
+#: 2.51.0, the release of the tritonserver in the pytriton wheel the repositories are tested with).
+DEFAULT_RELEASE = "24.10"
+
+
+@dataclass(frozen=True)
+class OnnxReader:
+    """What a Triton release's onnxruntime backend reads."""
+
+    release: str
+    onnxruntime: str
+    max_ir: int
+    opsets: tuple[int, int]  # ai.onnx, inclusive
+
+
+def onnxruntime_reader(container: str | None) -> OnnxReader | None:
+    """The onnxruntime backend of Triton container ``container`` (a tag such as
+    ``24.10-py3``; None: :data:`DEFAULT_RELEASE`), or None where its release or that
+    ONNX Runtime is not in :data:`TRITON_ONNXRUNTIME` / :data:`ONNXRUNTIME_READS`."""
+    release = (container or DEFAULT_RELEASE)[:5]
+    ort = TRITON_ONNXRUNTIME.get(release)
+    reads = ONNXRUNTIME_READS.get(".".join(ort.split(".")[:2])) if ort else None
+    if reads is None:
+        return None
+    return OnnxReader(release, ort, reads[0], (ONNXRUNTIME_MIN_OPSET, reads[1]))
+
+
 # GPU model -> CUDA compute capability (developer.nvidia.com/cuda-gpus). Keys
 # are matched as whole words of the GPU name, the longest match wins.
 GPU_CAPABILITY: dict[str, str] = {

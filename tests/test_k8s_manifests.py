@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import jsonschema
@@ -154,3 +155,16 @@ def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch):
     isvc = yaml.safe_load((run_dir / "deploy" / "kserve" / "inferenceservice.yaml").read_text())
     assert isvc["spec"]["predictor"]["model"]["storageUri"] == "s3://models/p"
     assert "target python-onnxruntime (CPU)" in (run_dir / "deploy" / "plain" / "deployment.yaml").read_text()
+
+
+def test_long_and_colliding_recipe_names_fit_kserve_child_names_and_stay_distinct():
+    long = "a" * 55
+    name = k8s.resource_name(long)
+    assert len(name) <= k8s.NAME_MAX and len(name + k8s.KSERVE_CHILD_SUFFIX) <= 63
+    assert len(f"{name}-predictor") <= 63 and name.startswith("triton-aaaa")
+    base = "r" * 62
+    names = {k8s.resource_name(n) for n in (base, f"{base}-canary", "My_Model", "my-model", "my_model")}
+    assert len(names) == 5 and all(len(n) <= k8s.NAME_MAX for n in names)
+    assert all(re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", n) for n in names)
+    assert k8s.resource_name("fp8-llm") == "triton-fp8-llm"  # a name that fits is kept as it is
+    assert k8s.resource_name(long) == name  # deterministic: re-applying replaces the same objects

@@ -237,3 +237,15 @@ def test_all_constraint_problems_are_listed_at_once(tmp_path):
     path = _variant(tmp_path, lambda d: d["triton"].update(max_batch_size=16, generate_model_name="smollm2_fp8"))
     with pytest.raises(RecipeError, match=r"invalid recipe \(2 error\(s\)\)"):
         load_recipe(path)
+
+
+def test_unquoted_container_tag_read_as_a_float_says_to_quote_it(tmp_path):
+    text = (ROOT / "recipes" / "fp8-llm.yaml").read_text()
+    path = tmp_path / "r.yaml"
+    path.write_text(text.replace("triton:\n", "triton:\n  serving:\n    container: 24.10\n    gpu: H100\n", 1))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert "triton.serving.container: Input should be a valid string (got 24.1); YAML reads the unquoted 24.10 " \
+           "as the number 24.1: quote it, e.g. '24.10'" in str(err.value)
+    with pytest.raises(RecipeError, match=r"quote it as written, e\.g\. '24\.10'"):
+        load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"triton.serving": {"container": 24.1, "gpu": "H100"}})

@@ -63,7 +63,7 @@ def test_variants_are_the_compute_model_with_batching_and_instances_varied(tmp_p
         ("tiny__db_off_i1", False, 1), ("tiny__db_off_i2", False, 2),
         ("tiny__db_on_i1", True, 1), ("tiny__db_on_i2", True, 2)]
     for v in variants:
-        assert sorted(p.name for p in v.repository.iterdir()) == ["repository.json", v.name]  # compute only
+        assert sorted(p.name for p in v.repository.iterdir()) == [".publish.lock", "repository.json", v.name]  # compute only
         cfg = parse_config((v.repository / v.name / "config.pbtxt").read_text())
         assert cfg.backend == "python" and cfg.max_batch_size == 4
         assert cfg.HasField("dynamic_batching") == v.dynamic_batching

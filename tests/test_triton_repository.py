@@ -170,8 +170,8 @@ def test_auto_without_engine_writes_onnxruntime_repository(stage):
     art = write_repository(make_recipe(), **stage)
     repo = stage["out_dir"]
     assert art.models == ["tiny", "tiny_generate"] and art.compute_backend == "onnxruntime_onnx"
-    assert sorted(snapshot(repo)) == [
-        "repository.json", "tiny/1/model.onnx", "tiny/config.pbtxt", "tiny_generate/1/model.py",
+    assert sorted(snapshot(repo)) == [  # .publish.lock: the repository lock (pipeline.triton.publish)
+        ".publish.lock", "repository.json", "tiny/1/model.onnx", "tiny/config.pbtxt", "tiny_generate/1/model.py",
         "tiny_generate/1/special_tokens_map.json", "tiny_generate/1/tokenizer.json",
         "tiny_generate/1/tokenizer_config.json", "tiny_generate/config.pbtxt",
     ]
@@ -307,7 +307,7 @@ def test_republish_replaces_models_and_drops_ones_no_longer_written(stage):
     repo = stage["out_dir"]
     (repo / "unrelated").mkdir()
     write_repository(make_recipe(generate_model_name=None, max_batch_size=2), **stage)
-    assert sorted(p.name for p in repo.iterdir()) == ["repository.json", "tiny", "unrelated"]
+    assert sorted(p.name for p in repo.iterdir()) == [".publish.lock", "repository.json", "tiny", "unrelated"]
     assert parse_config((repo / "tiny" / "config.pbtxt").read_text()).max_batch_size == 2
     assert list(json.loads((repo / "repository.json").read_text())["models"]) == ["tiny"]
 

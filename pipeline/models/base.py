@@ -108,6 +108,21 @@ class ModelAdapter(Protocol):
     #: gate may name (``validate.gates``: checked at ``check`` time against this set).
     metric_names: ClassVar[frozenset[str]]
 
+    def check_files(self) -> None:
+        """Refuse, before any stage (``check`` and the export stage), a source that lacks
+        files a later stage needs (text-generation: a loadable fast tokenizer and an EOS id).
+        Default (:class:`pipeline.models.common.SourceFiles`): nothing beyond the weights.
+
+        Raises:
+            ModelFileError: names the folder and the missing files (exit 2).
+        """
+        ...
+
+    def save_processor(self, loaded: LoadedModel, folder: Path) -> None:
+        """Write ``loaded.processor`` (not None) into ``folder`` (``ExportArtifact.tokenizer_dir``),
+        with whatever the served models read from it. Default: ``save_pretrained``."""
+        ...
+
     def load(self, ctx: StageContext) -> LoadedModel:
         """Load the recipe's model source (FP32, eval mode), offline.
 

@@ -28,6 +28,19 @@ class OnnxRuntimeRunners:
         return runners.OrtRunner(q.onnx_path, name=f"{q.precision} (onnxruntime)")
 
 
+class SourceFiles:
+    """The default source-file members of :class:`pipeline.models.base.ModelAdapter`: the
+    kind needs nothing from its source beyond the weights, and its processor is saved
+    with ``save_pretrained``."""
+
+    def check_files(self) -> None:
+        """Nothing to check beyond the weights."""
+
+    def save_processor(self, loaded, folder) -> None:
+        """``loaded.processor.save_pretrained(folder)``."""
+        loaded.processor.save_pretrained(str(folder))
+
+
 def text_batches(exp, data, cal, feeds_for_ids: Callable[[object, np.ndarray], dict[str, np.ndarray]]
                  ) -> list[dict[str, np.ndarray]]:
     """Calibration batches of token windows for text kinds.

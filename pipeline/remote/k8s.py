@@ -55,18 +55,46 @@ import yaml
 
 from pipeline.errors import PipelineError
 from pipeline.recipe_checks import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
+from pipeline.serving import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
-DEFAULT_RELEASE = "24.10"  # Triton 2.51.0, the pytriton wheel's tritonserver
 BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
 KSERVE_HTTP = 8080  # KServe's Triton runtime starts tritonserver with --http-port=8080
 QUEUE_METRIC = "triton_queue_time_us_per_request"
 
 
-def dns_name(text: str) -> str:
-    """``text`` as a DNS-1123 label (lower case, ``-`` for other characters, at most 63)."""
+#: KServe names an InferenceService's predictor ``<name>-predictor`` (kserve/kserve PR #4208,
+#: ``PredictorServiceName``); in serverless mode Knative names its revision ``<that>-00001``
+#: and the revision's Service ``<revision>-private`` (knative/serving issue #3236). Each is a
+#: DNS-1035 label, at most 63 characters, so the InferenceService name may have 63 - 24.
+KSERVE_CHILD_SUFFIX = "-predictor-00001-private"
+LABEL_MAX = 63
+NAME_MAX = LABEL_MAX - len(KSERVE_CHILD_SUFFIX)  # 39
+_HASH_CHARS = 8
+
+
+def dns_name(text: str, limit: int = LABEL_MAX) -> str:
+    """``text`` as a DNS-1123 label of at most ``limit`` characters. Unchanged where it is
+    one already; else lower case, ``-`` for other characters, cut to fit, and ended with
+    ``-`` + the first 8 hex digits of sha256(``text``), so two texts that the cut or the
+    lower-casing would merge (``name`` and ``name-canary`` cut to one prefix, ``A_b``
+    and ``a-b``) keep different names."""
+    if re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", text) and len(text) <= limit:
+        return text
+    import hashlib
+
+    digest = hashlib.sha256(text.encode()).hexdigest()[:_HASH_CHARS]
     name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
-    return name[:63].rstrip("-") or "triton"
+    head = name[:limit - _HASH_CHARS - 1].rstrip("-")
+    return f"{head}-{digest}" if head else f"t{digest}"
+
+
+def resource_name(recipe_name: str) -> str:
+    """The InferenceService / Deployment / Service / HPA name of a recipe:
+    ``triton-<recipe name>`` as a label short enough for KServe's child names
+    (:data:`NAME_MAX`; :func:`dns_name`). The domain KServe derives in raw mode,
+    ``<name>-predictor-<namespace>``, also counts the namespace: keep both short."""
+    return dns_name(f"triton-{recipe_name}", NAME_MAX)
 
 
 def resolve_image(recipe, image: str | None = None) -> str:
@@ -317,7 +345,7 @@ def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None
     from pipeline.remote.s3 import S3Location
 
     loc = S3Location.parse(storage_uri)
-    name = dns_name(f"triton-{recipe.name}")
+    name = resource_name(recipe.name)
     img, gpu = resolve_image(recipe, image), target == "tensorrt"
     shm, shm_why = shm_mib(recipe)
     about = (f"recipe {recipe.name}, target {target} ({'1 GPU' if gpu else 'CPU'}), image {img}\n"

@@ -79,7 +79,7 @@ def run(ctx: StageContext) -> ExportArtifact:
     checks = verify_shapes(ctx, adapter, module, out, inputs, model)
     tok_dir = ctx.stage_dir / "tokenizer"
     if loaded.processor is not None:  # a tokenizer or image processor; a generic model may have none
-        loaded.processor.save_pretrained(str(tok_dir))
+        adapter.save_processor(loaded, tok_dir)
     return ExportArtifact(str(out), inputs, outputs, str(tok_dir), checks)
 
 

@@ -4,16 +4,23 @@ The unit is the recipe's model folders plus their ``repository.json`` entries.
 A publish is a small transaction with a journal (``.publish-journal.json`` in the
 repository) written before anything live changes:
 
-1. every model folder is complete in a staging folder beside the repository,
-   and the new ``repository.json`` content is computed;
+1. every model folder is complete in a staging folder on the repository's own file
+   system (:func:`new_staging`), and the new ``repository.json`` content is computed;
 2. the journal records the staging folder, each staged folder's inode and the new index;
 3. each model folder is swapped in (``renameat2(RENAME_EXCHANGE)`` where possible,
    so a polling Triton never sees a missing model), stale ones are moved out;
 4. ``repository.json`` is replaced atomically, then the journal is removed.
 
+Builds of several recipes may share one repository: every recovery, publish and
+verification holds ``<repo>/.publish.lock`` (``flock``: exclusive to write, shared to
+verify), so there is one journal at a time and ``repository.json`` is re-read under the
+lock before the new one is computed from it.
+
 A crash anywhere in 3-4 leaves the journal; the next publish or build into that
 repository (:func:`recover`) rolls the transaction forward from it: a folder
 whose inode equals the staged one is already in place, any other is swapped in.
+A failed write (a full disk, a read-only mount) undoes 3-4 instead and exits 4
+(:class:`~pipeline.errors.StorageFault`).
 :func:`verify_repository` (``python -m pipeline verify-repo DIR``) reports a
 pending journal and re-hashes every file against ``repository.json``.
 SIGINT / SIGTERM are held back during steps 3-4, so Ctrl-C never splits them.
@@ -21,19 +28,46 @@ SIGINT / SIGTERM are held back during steps 3-4, so Ctrl-C never splits them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import signal
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from pipeline.errors import PipelineError, RepositoryCorrupt, TritonConfigError
+from pipeline.errors import PipelineError, RepositoryCorrupt, StorageFault, TritonConfigError, storage_fault
 from pipeline.faults import fault_point
 from pipeline.fsutil import exchange, file_sha256, write_text_atomic
 
 INDEX_FILE = "repository.json"
 JOURNAL_FILE = ".publish-journal.json"
+LOCK_FILE = ".publish.lock"
+
+
+@contextlib.contextmanager
+def repository_lock(repo: Path, *, shared: bool = False) -> Iterator[None]:
+    """Hold ``flock`` on ``repo/.publish.lock`` (created, with ``repo``, if missing): exclusive
+    for a recovery or publish, ``shared`` for a verification; blocks until it is free.
+    A shared lock on a repository where the lock file cannot be created (read-only)
+    is skipped: nothing can publish there either.
+
+    Raises:
+        OSError: the exclusive lock file cannot be created (e.g. EROFS, ENOSPC).
+    """
+    try:
+        if not shared:
+            repo.mkdir(parents=True, exist_ok=True)
+        fh = open(repo / LOCK_FILE, "a")
+    except OSError:
+        if not shared:
+            raise
+        yield
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
 
 
 def read_index(repo: Path) -> dict[str, dict]:
@@ -97,36 +131,52 @@ def tree_hashes(model_dir: Path) -> dict[str, str]:
 
 def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: str) -> None:
     """Publish the staged folders ``staging/<name>`` (name -> index entry in ``entries``)
-    into ``repo`` as one unit; other recipes' models and entries stay.
+    into ``repo`` as one unit; other recipes' models and entries stay. Holds the repository
+    lock (:func:`repository_lock`) throughout, so builds sharing ``repo`` publish one at a time.
 
     Raises:
+        StorageFault: a write failed on a full, over-quota, read-only or cross-device file
+            system (exit 4, names ``repo``); every step done so far was undone.
         RepositoryCorrupt: an earlier interrupted publish cannot be completed.
         ModelOwnedElsewhere: ``repository.json`` assigns one of ``entries`` to another
             recipe; nothing was changed.
         TritonConfigError: a file-system step failed; every step done so far
             was undone, so the repository holds the previous set.
     """
-    repo.mkdir(parents=True, exist_ok=True)
-    recover(repo)
-    check_ownership(repo, recipe_name, list(entries))
-    index = {k: v for k, v in read_index(repo).items() if v.get("recipe") != recipe_name}
-    index.update(entries)
-    journal = {
-        "recipe": recipe_name,
-        "staging": str(staging.resolve()),
-        "models": {name: os.stat(staging / name).st_ino for name in entries},
-        "stale": [n for n in published_models(repo, recipe_name) if n not in entries],
-        "index": {"models": index},
-    }
-    with _signals_held():
-        _write_json(repo / JOURNAL_FILE, journal)
-        fault_point("publish:journal")
-        try:
-            _swap_models(repo, journal)
-        except OSError as e:
-            _rollback(repo, journal)
-            raise TritonConfigError(f"{repo}: publishing failed ({e}); the previous repository was restored") from e
-        _finish(repo, journal)
+    with repository_lock(repo):
+        _recover(repo)
+        check_ownership(repo, recipe_name, list(entries))
+        index = {k: v for k, v in read_index(repo).items() if v.get("recipe") != recipe_name}  # read under the lock
+        index.update(entries)
+        journal = {
+            "recipe": recipe_name,
+            "staging": str(staging.resolve()),
+            "models": {name: os.stat(staging / name).st_ino for name in entries},
+            "stale": [n for n in published_models(repo, recipe_name) if n not in entries],
+            "index": {"models": index},
+        }
+        with _signals_held():
+            try:
+                _write_json(repo / JOURNAL_FILE, journal)
+            except OSError as e:  # nothing live changed yet
+                raise _failed(repo, e, "nothing was changed") from e
+            fault_point("publish:journal")
+            try:
+                _swap_models(repo, journal)
+                _write_index(repo, journal)
+            except OSError as e:
+                _rollback(repo, journal)
+                raise _failed(repo, e, "the previous repository was restored") from e
+            _cleanup(repo, journal)
+
+
+def _failed(repo: Path, exc: OSError, state: str) -> PipelineError:
+    """The error for a failed publish step: a StorageFault (exit 4) for a full, read-only or
+    cross-device file system, else a TritonConfigError."""
+    fault = storage_fault(exc, repo)
+    if fault is not None:
+        return StorageFault(f"publishing into {repo} failed, {state}: {fault}")
+    return TritonConfigError(f"{repo}: publishing failed ({exc}); {state}")
 
 
 def pending(repo: Path) -> dict | None:
@@ -147,30 +197,76 @@ def recover(repo: Path) -> str | None:
         RepositoryCorrupt: the journal's staged folders are gone, so the
             transaction can neither complete nor be told apart from the old set.
     """
+    with repository_lock(repo):
+        return _recover(repo)
+
+
+def _recover(repo: Path) -> str | None:
+    """:func:`recover`, with the repository lock held."""
     journal = pending(repo)
     if journal is None:
         return None
     with _signals_held():
         _swap_models(repo, journal)
-        _finish(repo, journal)
+        _write_index(repo, journal)
+        _cleanup(repo, journal)
     return f"{repo}: completed the interrupted publish of recipe {journal['recipe']!r}"
 
 
 def staging_prefix(repo: Path, recipe_name: str) -> str:
-    """Name prefix of a recipe's staging folders, beside ``repo``."""
-    return f".{repo.name}.staging-{recipe_name}-"
+    """Name prefix of a recipe's staging folders (a dot-folder, see :func:`staging_parent`)."""
+    return f".{repo.resolve().name}.staging-{recipe_name}-"
+
+
+def staging_parent(repo: Path) -> Path:
+    """Where a publish into ``repo`` stages, so that every rename into it stays on one
+    file system: beside the resolved repository (outside Triton's model namespace)
+    when that folder is writable and on the repository's device (``st_dev``); else,
+    as for a volume mounted at the repository itself (a Kubernetes PVC or Docker
+    volume at ``/models``, or a symlink to one), inside the repository. There it is
+    a dot-folder that ``verify-repo`` never lists (it reads ``repository.json``);
+    Triton's poll mode does try to load every sub-folder (core
+    ``ModelRepositoryManager::Poll`` lists all of them), so the servers this project
+    starts use ``--model-control-mode=explicit`` and load the published models by name.
+    Creates the repository if missing."""
+    real = repo.resolve()
+    real.mkdir(parents=True, exist_ok=True)
+    parent = real.parent
+    if os.stat(parent).st_dev == os.stat(real).st_dev and os.access(parent, os.W_OK | os.X_OK):
+        return parent
+    return real
+
+
+def new_staging(repo: Path, recipe_name: str) -> Path:
+    """A new, empty staging folder for ``recipe_name``'s models (:func:`staging_parent`).
+
+    Raises:
+        StorageFault: it landed on another file system than the repository, so no
+            atomic rename could publish from it (exit 4, names both folders).
+        OSError: it cannot be created (a full or read-only file system: the CLI exits 4).
+    """
+    staging = Path(tempfile.mkdtemp(prefix=staging_prefix(repo, recipe_name), dir=staging_parent(repo)))
+    if os.stat(staging).st_dev != os.stat(repo.resolve()).st_dev:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise StorageFault(f"{repo.resolve()}: no folder on its file system can hold the staging folder "
+                           f"({staging} is on another one), so publishing cannot be an atomic rename; "
+                           "make the repository folder writable")
+    return staging
 
 
 def remove_leftovers(repo: Path, recipe_name: str) -> list[Path]:
-    """Remove staging folders a killed publish of ``recipe_name`` left beside ``repo``
-    (call with the recipe's run lock held, after :func:`recover`); returns them."""
-    journal = pending(repo)
-    keep = Path(journal["staging"]) if journal else None
-    if not repo.parent.is_dir():
+    """Remove staging folders a killed publish of ``recipe_name`` left beside or inside
+    ``repo`` (call with the recipe's run lock held, after :func:`recover`); returns them."""
+    if not repo.is_dir():
         return []
-    gone = [p for p in repo.parent.glob(staging_prefix(repo, recipe_name) + "*") if p.resolve() != keep]
-    for p in gone:
-        shutil.rmtree(p, ignore_errors=True)
+    with repository_lock(repo):
+        journal = pending(repo)
+        keep = Path(journal["staging"]) if journal else None
+        real = repo.resolve()
+        gone = [p for folder in dict.fromkeys([real.parent, real]) if folder.is_dir()
+                for p in folder.glob(staging_prefix(repo, recipe_name) + "*") if p.resolve() != keep]
+        for p in gone:
+            shutil.rmtree(p, ignore_errors=True)
     return gone
 
 
@@ -189,10 +285,14 @@ def _swap_models(repo: Path, journal: dict) -> None:
     fault_point("publish:stale")
 
 
-def _finish(repo: Path, journal: dict) -> None:
-    """Step 4: the new index, then the journal goes, then the staging folder."""
+def _write_index(repo: Path, journal: dict) -> None:
+    """Step 4a: the new index (atomic: a failed write leaves the old one)."""
     _write_json(repo / INDEX_FILE, journal["index"], indent=2)
     fault_point("publish:index")
+
+
+def _cleanup(repo: Path, journal: dict) -> None:
+    """Step 4b: the journal goes, then the staging folder."""
     (repo / JOURNAL_FILE).unlink()
     fault_point("publish:cleanup")
     shutil.rmtree(journal["staging"], ignore_errors=True)
@@ -277,6 +377,11 @@ def verify_repository(repo: Path, models: Sequence[str] | None = None, recipe: s
     every file that is missing, differs from its recorded sha256, or is not recorded.
     """
     repo = Path(repo)
+    with repository_lock(repo, shared=True):  # not mid-way through another build's publish
+        return _verify_locked(repo, models, recipe)
+
+
+def _verify_locked(repo: Path, models: Sequence[str] | None, recipe: str | None) -> list[str]:
     problems = []
     journal = pending(repo)
     if journal is not None:

@@ -15,8 +15,10 @@ Layout under ``out_dir`` (``<v>`` = ``triton.version``)::
     <model_name>_ensemble/config.pbtxt   sentence-embedding recipes: text -> tokenizer -> compute model
     <model_name>_ensemble/<v>/           (empty, as Triton wants for ensembles)
 
-Publishing: everything is written into a staging folder next to ``out_dir``
-(model files are copied or reflinked, never hard-linked to stage outputs);
+Publishing: everything is written into a staging folder on ``out_dir``'s own file
+system (:func:`pipeline.triton.publish.new_staging`: beside it, or inside it as a
+dot-folder when ``out_dir`` is a mounted volume; model files are copied or
+reflinked, never hard-linked to stage outputs);
 every config is checked (:func:`~pipeline.triton.config.check_config`) and every
 written config.pbtxt re-parsed; only then are the recipe's model folders and
 index entries published as one unit (:mod:`pipeline.triton.publish`). A failure
@@ -29,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -38,7 +39,7 @@ from pathlib import Path
 import onnx
 
 from pipeline.artifacts import BuildArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
-from pipeline.errors import TritonConfigError
+from pipeline.errors import StorageFault, TritonConfigError, storage_fault
 from pipeline.fsutil import copy_file
 from pipeline.triton import publish
 from pipeline.recipe import Recipe
@@ -126,14 +127,25 @@ def profile_batch(profiles: Sequence[ResolvedProfile]) -> tuple[int | None, int 
 
 @contextlib.contextmanager
 def staging_folder(out_dir: Path, recipe_name: str) -> Iterator[Path]:
-    """A new staging folder beside ``out_dir`` for one recipe's models; removed on exit
-    unless a publish from it is pending (the next run completes that publish)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=publish.staging_prefix(out_dir, recipe_name), dir=out_dir.parent))
+    """A new staging folder on ``out_dir``'s file system for one recipe's models
+    (:func:`pipeline.triton.publish.new_staging`); removed on exit unless a publish
+    from it is pending (the next run completes that publish).
+
+    Raises:
+        StorageFault: a write into it failed on a full, over-quota, read-only or
+            cross-device file system (exit 4); it names ``out_dir`` and the file.
+    """
+    staging = publish.new_staging(out_dir, recipe_name)
     try:
         yield staging
+    except (OSError, StorageFault) as e:
+        fault = e if isinstance(e, StorageFault) else storage_fault(e, staging)
+        if fault is None:
+            raise
+        raise StorageFault(f"{out_dir}: staging the models failed, nothing was published: {fault}") from e
     finally:
-        if publish.pending(out_dir) is None:
+        journal = publish.pending(out_dir)
+        if journal is None or Path(journal["staging"]) != staging.resolve():
             shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -165,7 +177,8 @@ def stage_compute(
     if target == "tensorrt":
         _copy_model_file(Path(str(build.plan_path)), version_dir / "model.plan")
     else:
-        _copy_onnx(source, model, version_dir / "model.onnx")
+        _copy_onnx(source, model, version_dir / "model.onnx", rewrite=target == "onnxruntime" and _fit_ir(recipe, model,
+                                                                                                         source))
     if target == "python-onnxruntime":
         write_template("onnxruntime_model.py", version_dir / "model.py")
     write_config(staging / cfg.name, cfg)
@@ -267,12 +280,40 @@ def _copy_model_file(source: Path, dest: Path) -> None:
     """
     if not source.is_file():
         raise TritonConfigError(f"{source}: model file not found")
-    copy_file(source, dest)
+    try:
+        copy_file(source, dest)
+    except OSError as e:
+        fault = storage_fault(e, dest.parent, needed_bytes=source.stat().st_size)
+        if fault is None:
+            raise
+        raise fault from e
 
 
-def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path) -> None:
-    """Place the ONNX file as ``dest`` and its external-data files (same relative names) beside it."""
-    _copy_model_file(source, dest)
+def _fit_ir(recipe: Recipe, model: onnx.ModelProto, source: Path) -> bool:
+    """Fit ``model`` (in place) to the IR version the declared container's onnxruntime backend
+    reads (:func:`pipeline.triton.ir_version.fit_to_reader`; ``triton.serving.container``, else
+    :data:`pipeline.serving.DEFAULT_RELEASE`); True when it changed. A container missing from the
+    runtime tables is not checked.
+
+    Raises:
+        TritonConfigError: the graph cannot be read there (names both versions).
+    """
+    from pipeline import serving
+    from pipeline.triton.ir_version import fit_to_reader
+
+    reader = serving.onnxruntime_reader(recipe.triton.serving.container if recipe.triton.serving else None)
+    return reader is not None and fit_to_reader(model, reader, str(source))
+
+
+def _copy_onnx(source: Path, model: onnx.ModelProto, dest: Path, *, rewrite: bool = False) -> None:
+    """Place the ONNX file as ``dest`` (``rewrite``: ``model`` as changed in memory, else
+    ``source``'s bytes) and its external-data files (same relative names) beside it."""
+    if rewrite:
+        from pipeline.onnx_io import save_graph
+
+        save_graph(model, dest)
+    else:
+        _copy_model_file(source, dest)
     for location in sorted(_external_files(model)):
         rel = Path(location)
         if rel.is_absolute() or ".." in rel.parts:

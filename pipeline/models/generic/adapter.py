@@ -29,7 +29,7 @@ from pipeline import export_checks, onnx_io
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError, RecipeError
 from pipeline.models.base import BenchWorkload, LoadedModel
-from pipeline.models.common import OnnxRuntimeRunners
+from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 from pipeline.models.generic import feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
 from pipeline.models.sources import EntrySource, OnnxSource, check_entry_axes, external_data_files
@@ -38,7 +38,7 @@ NO_TORCH = ("model.source is an ONNX graph exported elsewhere: ONNX Runtime FP32
             "comparison was made; the export checks only prove the graph runs at every check point")
 
 
-class GenericAdapter(OnnxRuntimeRunners):
+class GenericAdapter(OnnxRuntimeRunners, SourceFiles):
     """Adapter of ``kind: generic`` (see the module docstring)."""
 
     kind: ClassVar[str] = "generic"

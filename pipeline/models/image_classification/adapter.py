@@ -20,7 +20,7 @@ from pipeline.artifacts import TensorSpec
 from pipeline.datasets import DataError
 from pipeline.errors import AccuracyError, ExportError
 from pipeline.models.base import BenchWorkload, LoadedModel
-from pipeline.models.common import OnnxRuntimeRunners
+from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 from pipeline.models.image_classification import graph, metrics, preprocess, serving
 from pipeline.models.image_classification.data import batches, labelled_inputs
 
@@ -37,7 +37,7 @@ class ShippedGraph:
     classes: int
 
 
-class ImageClassificationAdapter(OnnxRuntimeRunners):
+class ImageClassificationAdapter(OnnxRuntimeRunners, SourceFiles):
     """An ONNX image classifier with one ``[batch, 3, H, W]`` input and one ``[batch, classes]`` output."""
 
     kind: ClassVar[str] = "image-classification"

@@ -12,12 +12,12 @@ import torch
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
 from pipeline.models.base import BenchWorkload, LoadedModel
-from pipeline.models.common import OnnxRuntimeRunners, text_batches
+from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
 from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, MeanPooledEncoder, load_encoder, random_feeds
 from pipeline.recipe import ModelSource
 
 
-class SentenceEmbeddingAdapter(OnnxRuntimeRunners):
+class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
     """A mean-pooled, normalised sentence encoder (``model.kind: sentence-embedding``).
 
     One instance serves one run: :meth:`load` records the vocabulary size that

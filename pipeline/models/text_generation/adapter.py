@@ -13,16 +13,17 @@ from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
 from pipeline.models import quiet_export
 from pipeline.models.base import BenchWorkload, LoadedModel
-from pipeline.models.common import OnnxRuntimeRunners, text_batches as _text_batches
+from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches as _text_batches
 from pipeline.models.text_generation import kv as kv_mod
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout
 from pipeline.models.text_generation.model import (
-    KVCacheLM, complete_point, kv_layout, load_causal_lm, package_file, prefill_feeds, sample_feeds,
+    KVCacheLM, check_model_folder, complete_point, kv_layout, load_causal_lm, package_file, prefill_feeds,
+    sample_feeds, save_tokenizer,
 )
 from pipeline.recipe import ModelSource
 
 
-class TextGenerationAdapter(OnnxRuntimeRunners):
+class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
     """A causal LM with its KV cache as graph I/O (``model.kind: text-generation``).
 
     One instance serves one run: :meth:`load` records the KV layout that the
@@ -40,13 +41,27 @@ class TextGenerationAdapter(OnnxRuntimeRunners):
         self.source = source
         self.layout: KVLayout | None = None
 
+    def check_files(self) -> None:
+        """A loadable fast tokenizer and an EOS id (:func:`check_model_folder`).
+
+        Raises:
+            ModelFileError: names the folder and the missing files.
+        """
+        check_model_folder(self.source)
+
+    def save_processor(self, loaded: LoadedModel, folder: Path) -> None:
+        """The tokenizer and the model's generation config (its EOS set): :func:`save_tokenizer`."""
+        save_tokenizer(loaded.processor, loaded.module.model.generation_config, folder)
+
     def load(self, ctx) -> LoadedModel:
         """The FP32 model wrapped as :class:`KVCacheLM`, its tokenizer and the export example
         (batch 2, sequence 5, past 3: sizes above 1 and distinct, so nothing is specialised).
 
         Raises:
             ExportError: the package or file is missing.
+            ModelFileError: the folder lacks tokenizer files or an EOS id (:meth:`check_files`).
         """
+        self.check_files()
         with ctx.progress.step(f"load {package_file(self.source)}"):
             model, tok = load_causal_lm(self.source)
         self.layout = kv_layout(model)

@@ -13,18 +13,97 @@ feeds and greedy decoding. Graph I/O: :mod:`pipeline.models.text_generation.kv`.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from pipeline.models.sources import package_file
+from pipeline.models.sources import ModelFileError, package_file
 from pipeline.models.text_generation.attention import GROUPED, use_grouped_attention
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs, layout_of_config
 from pipeline.recipe import ModelSource
 
 __all__ = ["LAST_LOGITS", "KVLayout", "KVCacheLM", "load_causal_lm", "kv_layout", "sample_feeds", "complete_point",
-           "greedy_generate", "prefill_feeds", "layout_from_specs", "package_file", "Step"]
+           "greedy_generate", "prefill_feeds", "layout_from_specs", "package_file", "Step", "check_model_folder",
+           "save_tokenizer"]
+
+#: the tokenizer files of a Hugging Face folder: the generation model loads tokenizer.json with the
+#: tokenizers library; tokenizer_config.json names the special tokens and the chat template.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def save_tokenizer(tok, generation, folder: Path) -> None:
+    """The export's tokenizer folder: ``tok``'s files (``save_pretrained``) and, where it
+    has an ``eos_token_id``, the model's ``generation_config.json`` (``generation``, a
+    transformers ``GenerationConfig``): the EOS set the generation model stops at and
+    ``serve --check`` cuts at (:func:`pipeline.triton.repository.eos_token_ids` reads it first)."""
+    tok.save_pretrained(str(folder))
+    if generation is not None and generation.eos_token_id is not None:
+        generation.save_pretrained(str(folder))
+
+
+def check_model_folder(source: ModelSource) -> None:
+    """Refuse, before any stage, a Hugging Face folder the build would fail on later: one
+    whose tokenizer transformers cannot load as a fast tokenizer (the served tokenizer.json),
+    or with no EOS id in any of generation_config.json, the tokenizer's special tokens or
+    config.json. The EOS set is found as the build finds it: the tokenizer folder the
+    export writes (:func:`save_tokenizer`), read by
+    :func:`pipeline.triton.repository.eos_token_ids`. A GGUF file carries both.
+
+    Raises:
+        ModelFileError: names the folder, what is missing and the missing files (exit 2).
+    """
+    import tempfile
+
+    from pipeline.errors import TritonConfigError
+    from pipeline.triton.repository import eos_token_ids
+
+    path = package_file(source)
+    if not path.is_dir():
+        return
+    missing = [f for f in TOKENIZER_FILES if not (path / f).is_file()]
+    lacks = f" (missing: {', '.join(missing)})" if missing else ""
+    tok = _fast_tokenizer(path, lacks)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_tokenizer(tok, _generation_config(path), Path(tmp))
+        try:
+            eos_token_ids(Path(tmp))
+        except TritonConfigError as e:
+            raise ModelFileError(
+                f"model.source: {path}: no EOS token id{lacks}: neither generation_config.json nor config.json "
+                "has eos_token_id, and the tokenizer names no eos_token; the generation model needs one to stop. "
+                "Add the model's tokenizer_config.json or generation_config.json") from e
+
+
+def _fast_tokenizer(path: Path, lacks: str):
+    """The folder's tokenizer, which must be a fast one (it saves tokenizer.json).
+
+    Raises:
+        ModelFileError: transformers cannot load it, or only as a slow tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ModelFileError(f"model.source: {path}: no loadable tokenizer{lacks} ({why}); the build loads it from "
+                             "tokenizer.json: copy the model's tokenizer files into the folder") from None
+    if not tok.is_fast:
+        raise ModelFileError(f"model.source: {path}: only a slow tokenizer{lacks}; the generation model loads "
+                             "tokenizer.json with the tokenizers library: add the model's tokenizer.json")
+    return tok
+
+
+def _generation_config(path: Path):
+    """The folder's GenerationConfig as transformers builds it for the model: generation_config.json,
+    else derived from config.json."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    return GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
 
 
 def load_causal_lm(source: ModelSource, attention: str = GROUPED):

@@ -1,0 +1,163 @@
+"""The repository where users really put it (issue 23): shared by two recipes built at
+once, on a mounted volume, on a full or read-only disk.
+
+Builds use the hand-made ONNX graph of the custom-model example (``onnx:`` source, no
+torch export), so a whole run takes seconds. Latency and errnos are injected with
+the fault shim (:mod:`pipeline.faults`)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from pipeline import cli
+from pipeline.errors import STORAGE_ERRNOS, StorageFault, storage_fault
+from pipeline.triton import publish
+from pipeline.triton.publish import INDEX_FILE, JOURNAL_FILE, verify_repository
+from test_onnx_source_errors import byte_graph, onnx_workspace
+from test_repository_ownership import snapshot
+
+ERRNOS = sorted(errno.errorcode[e] for e in STORAGE_ERRNOS)
+
+
+def renamed(path: Path, name: str, model: str) -> Path:
+    """A copy of recipe ``path`` named ``name`` serving model ``model``, same output_dir."""
+    data = yaml.safe_load(path.read_text())
+    data["name"], data["triton"]["model_name"] = name, model
+    new = path.parent / f"{name}.yaml"
+    new.write_text(yaml.safe_dump(data, sort_keys=False))
+    return new
+
+
+def build_proc(path: Path, env: dict, *sets: str) -> subprocess.Popen:
+    args = [a for s in sets for a in ("--set", s)]
+    return subprocess.Popen([sys.executable, "-m", "pipeline", "build", str(path), "--quiet", *args], cwd=ROOT,
+                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return onnx_workspace(tmp_path_factory.mktemp("shared"), byte_graph())
+
+
+def test_two_recipes_publishing_at_once_with_slow_writes_both_end_up_published(workspace):
+    """Two real processes, 1 s added at every publish step (as on a network file system):
+    both publishes overlap in time, the lock serialises them, and both models are indexed."""
+    a, b = renamed(workspace, "recipe-a", "model_a"), renamed(workspace, "recipe-b", "model_b")
+    repo = Path(yaml.safe_load(a.read_text())["output_dir"])
+    slow = {"PIPELINE_FAULT_DELAY_S": "1.0", "PIPELINE_FAULT_DELAY_AT": "publish:"}
+    procs = [build_proc(p, slow) for p in (a, b)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    index = publish.read_index(repo)
+    assert {k: v["recipe"] for k, v in index.items()} == {"model_a": "recipe-a", "model_b": "recipe-b"}
+    assert verify_repository(repo) == [] and cli.main(["verify-repo", str(repo)]) == 0
+    assert not (repo / JOURNAL_FILE).exists()
+    assert not [p for d in (repo, repo.parent) for p in d.iterdir() if ".staging-" in p.name]
+
+
+def test_staging_beside_the_repository_when_its_folder_shares_the_device(tmp_path):
+    repo = tmp_path / "models"
+    assert publish.staging_parent(repo) == tmp_path
+    link = tmp_path / "link"
+    link.symlink_to(repo)
+    staging = publish.new_staging(link, "r")  # resolved: beside the real folder, named after it
+    assert staging.parent == tmp_path and staging.name.startswith(".models.staging-r-")
+
+
+def _mount_tmpfs(target: Path) -> str | None:
+    """Mount a small tmpfs at ``target``; the reason when this machine cannot."""
+    if shutil.which("mount") is None:
+        return "no mount command"
+    target.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(target)],
+                          capture_output=True, text=True)
+    return None if proc.returncode == 0 else f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}"
+
+
+@pytest.fixture
+def mounted_repo(tmp_path):
+    """A repository that is itself a mount point (as a PVC at /models), reached through a symlink."""
+    target = tmp_path / "volume"
+    why = _mount_tmpfs(target)
+    if why:
+        pytest.skip(why)
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=False)
+
+
+def test_repository_on_a_mounted_volume_stages_inside_it_and_publishes(tmp_path, mounted_repo):
+    assert os.stat(mounted_repo).st_dev != os.stat(tmp_path).st_dev
+    assert publish.staging_parent(mounted_repo) == mounted_repo
+    link = tmp_path / "models"
+    link.symlink_to(mounted_repo)
+    path = onnx_workspace(tmp_path, byte_graph())
+    data = yaml.safe_load(path.read_text())
+    data["output_dir"] = str(link)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert cli.main(["build", str(path), "--quiet"]) == 0
+    assert verify_repository(link) == [] and "custom_int8" in publish.read_index(link)
+    assert sorted(p.name for p in mounted_repo.iterdir()) == [".publish.lock", "custom_int8", INDEX_FILE]
+
+
+def test_storage_fault_names_folder_free_and_needed_space(tmp_path):
+    err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x" / "model.onnx"))
+    wrapped = RuntimeError("export failed")
+    wrapped.__cause__ = err
+    fault = storage_fault(wrapped, needed_bytes=3 * 2**20)
+    assert isinstance(fault, StorageFault) and fault.exit_code == 4
+    msg = str(fault)
+    assert msg.startswith(f"{tmp_path / 'x'}: no space left on the device") and "needs 3.0 MiB" in msg
+    assert "MiB free there" in msg and "model.onnx" in msg
+    assert storage_fault(OSError(errno.EACCES, "denied")) is None
+
+
+def _published(tmp_path: Path) -> tuple[Path, Path, dict]:
+    path = onnx_workspace(tmp_path, byte_graph())
+    assert cli.main(["build", str(path), "--quiet"]) == 0
+    repo = Path(yaml.safe_load(path.read_text())["output_dir"])
+    return path, repo, snapshot(repo)
+
+
+#: write sites of a publish: a staged model file, the journal, the swap of the first model, the index
+SITES = ["copy:model.onnx", f"write:{JOURNAL_FILE}", "publish:model:0", f"write:{INDEX_FILE}"]
+
+
+@pytest.mark.parametrize("code", ERRNOS)
+def test_each_storage_errno_at_each_publish_write_site_exits_4_and_keeps_the_repository(tmp_path, code, capsys,
+                                                                                       monkeypatch):
+    path, repo, before = _published(tmp_path)
+    monkeypatch.setenv("PIPELINE_FAULT_ERRNO", code)
+    for i, site in enumerate(SITES):
+        monkeypatch.setenv("PIPELINE_FAULT", site)
+        capsys.readouterr()
+        rc = cli.main(["build", str(path), "--quiet",
+                       "--set", f"triton.dynamic_batching.max_queue_delay_microseconds={200 + i}"])
+        err = capsys.readouterr().err
+        assert rc == 4, (site, err)
+        assert f"[Errno {getattr(errno, code)}]" in err and str(repo) in err, (site, err)
+        assert "internal error" not in err, site
+        assert snapshot(repo) == before and verify_repository(repo) == [], site
+        assert not [p for d in (repo, repo.parent) for p in d.iterdir() if ".staging-" in p.name], site
+
+
+def test_full_disk_during_export_exits_4(tmp_path, capsys, monkeypatch):
+    """The export stage's first atomic write (its graph check report or the graph) fails."""
+    path = onnx_workspace(tmp_path, byte_graph())
+    monkeypatch.setenv("PIPELINE_FAULT_ERRNO", "ENOSPC")
+    monkeypatch.setenv("PIPELINE_FAULT", "write:model.onnx")
+    rc = cli.main(["build", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 4 and "no space left on the device" in err and "[Errno 28]" in err, err
+    assert "internal error" not in err
