@@ -93,6 +93,15 @@ def test_greedy_search_choice_does_not_move_with_float_noise():
     assert chosen == {("down_proj", "gate_proj")}  # gate_proj ties up_proj and wins by name
 
 
+def test_the_ranking_does_not_depend_on_the_bound():
+    """Ties follow the float noise, not the bound: a loose bound must not merge real differences."""
+    orders = {tuple(budget.rank(GAINS, budget.Tolerance.of(Gate(metric="kld_mean", max=m), 2e-9).tie))
+              for m in (0.015, 0.021, 0.0265, 0.05)}
+    assert len(orders) == 1
+    (order,) = orders
+    assert order[:6] == tuple(f"layers.{i}.down_proj" for i in range(6))
+
+
 def test_a_trial_within_the_tolerance_of_the_bound_misses():
     assert budget.passes(GATE, {"kld_mean": 0.0199}, tol=0.0)
     assert not budget.passes(GATE, {"kld_mean": 0.0199}, tol=2e-4)

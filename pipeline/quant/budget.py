@@ -86,21 +86,28 @@ def passes(budget, metrics: dict[str, float], tol: float = 0.0) -> bool:
 NOISE_FACTOR = 10.0
 #: ... and at least this fraction of the bound (kernels of another CPU differ more than threads do)
 TOL_FLOOR = 0.01
+#: ranking ties: at least this fraction of the bound (far below any real difference between GEMMs)
+TIE_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Float-kernel noise of a trial metric and the tolerance derived from it (metric units):
-    ``value = max(NOISE_FACTOR * noise, TOL_FLOOR * |bound|)``. Two trial values closer than
-    ``value`` are a tie, broken by name (:func:`rank`); a trial within ``value`` of the bound misses."""
+    """Float-kernel noise of a trial metric and the tolerances derived from it (metric units).
+
+    ``value = max(NOISE_FACTOR * noise, TOL_FLOOR * |bound|)``: a trial within ``value`` of the
+    bound misses. ``tie = max(NOISE_FACTOR * noise, TIE_FLOOR * |bound|)``: two gains closer than
+    ``tie`` are a tie in a ranking, broken by name (:func:`rank`). The ranking's threshold follows
+    the noise, not the bound: a coarse one would merge real differences and rank them by name."""
 
     value: float
     noise: float
+    tie: float = 0.0
 
     @classmethod
     def of(cls, budget, noise: float) -> "Tolerance":
-        bound = budget.max if budget.max is not None else budget.min
-        return cls(max(NOISE_FACTOR * abs(noise), TOL_FLOOR * abs(float(bound))), abs(noise))
+        bound = abs(float(budget.max if budget.max is not None else budget.min))
+        floor = NOISE_FACTOR * abs(noise)
+        return cls(max(floor, TOL_FLOOR * bound), abs(noise), max(floor, TIE_FLOOR * bound))
 
 
 def rank(values: dict[str, float], tol: float) -> list[str]:
@@ -163,14 +170,14 @@ def search(runner: S.TrialRunner, sens: S.Sensitivity, budget, *, total_gemms: i
     Returns:
         A :class:`BudgetResult`; ``status`` is ``unreachable`` when no configuration met the budget.
     """
-    tv = tol.value if tol else 0.0
+    tv, tie = (tol.value, tol.tie) if tol else (0.0, 0.0)
     tr = _Trials(runner, budget, max_trials, time_limit_s, 2 * len(sens.rows) + 1, say)
     quantizable = len(runner.targets)
 
     def frac(groups: list[str]) -> float:
         return (quantizable - len(runner.nodes_of(groups))) / total_gemms
 
-    order = rank({r["group"]: float(r["improvement"]) for r in sens.rows}, tv)
+    order = rank({r["group"]: float(r["improvement"]) for r in sens.rows}, tie)
     excluded: list[str] = []
     best = current = tr(excluded)
     status = "met" if passes(budget, current.metrics, tv) else "unreachable"
@@ -213,7 +220,7 @@ def search_fine(runner: S.TrialRunner, gains: dict[str, float], budget, *, total
     """GEMM by GEMM, ranked by a proxy, bracketed by full trials (issue 18 §5).
 
     GEMMs are ranked by their predicted gain (:func:`pipeline.quant.proxy.predicted_gain`, ties
-    within ``tol`` by name). The predicted metric after reverting the top ``k`` is the
+    within ``tol.tie`` by name). The predicted metric after reverting the top ``k`` is the
     all-quantized trial's minus the top ``k`` gains summed; the first full trial is at the smallest
     ``k`` predicted to meet the budget by ``tol``, then a bisection (or, while it misses, steps of
     half the count again) over ``k``, at most ``full_trials`` trials. The smallest ``k`` measured
@@ -228,7 +235,7 @@ def search_fine(runner: S.TrialRunner, gains: dict[str, float], budget, *, total
         A :class:`BudgetResult` whose groups are single GEMMs (their module scopes).
     """
     tr = _Trials(runner, budget, max_trials, time_limit_s, full_trials + 1, say)
-    order = rank(gains, tol.value)
+    order = rank(gains, tol.tie)
     lower = budget.max is not None
     base = tr([])
     if passes(budget, base.metrics, tol.value):
@@ -348,7 +355,7 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     else:
         with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
             res = search(runner, sens, q.accuracy_budget, tol=tol, **bounds)
-    res.tolerance = {"value": tol.value, "noise": tol.noise}
+    res.tolerance = {"value": tol.value, "tie": tol.tie, "noise": tol.noise}
     _write(ctx.stage_dir, res, list(q.exclude.nodes))
     if res.status != "met":
         best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
@@ -417,8 +424,9 @@ def _write(folder: Path, res: BudgetResult, forced: list[str]) -> None:
                      f"{t['kld_mean']:.4g} | {t['relative_perplexity_increase']:.4g} | {t['top1_agreement']:.4f} | "
                      f"{t['wall_s']} |")
         prev = t["excluded_groups"]
-    tol = (f"Float-noise tolerance {res.tolerance['value']:.3g} (measured noise {res.tolerance['noise']:.3g}): "
-           "closer values are ties, broken by name." if res.tolerance else "")
+    tol = (f"Float noise {res.tolerance['noise']:.3g} (measured): a trial within {res.tolerance['value']:.3g} of the "
+           f"bound misses; gains closer than {res.tolerance.get('tie', 0):.3g} are ties, broken by name."
+           if res.tolerance else "")
     lines += ["", *res.notes, tol, "", *why_lines(res), "", "Recipe snippet (pins this result without a search):",
               "", "```yaml", res.snippet(forced), "```"]
     (folder / "budget.md").write_text("\n".join(lines) + "\n")
