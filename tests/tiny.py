@@ -37,12 +37,9 @@ def make_tiny_llama(folder: Path) -> Path:
 CAUSAL_LMS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
-    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=64)),
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=None)),
-    "granite": ("GraniteConfig", dict(num_key_value_heads=2)),
-    "stablelm": ("StableLmConfig", dict(num_key_value_heads=2, partial_rotary_factor=0.25)),
     "gpt2": ("GPT2Config", dict(n_positions=1024)),                                  # learned positions
     "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=1024)),  # offset 2
     "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.25, use_parallel_residual=True)),  # Pythia

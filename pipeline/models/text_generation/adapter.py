@@ -21,6 +21,8 @@ from pipeline.models.text_generation.model import (
 )
 from pipeline.recipe import ModelSource
 
+LEFT_PAD = 2  # masked leading positions of the left-padded row at export check points
+
 
 class TextGenerationAdapter(OnnxRuntimeRunners):
     """A causal LM with its KV cache as graph I/O (``model.kind: text-generation``).
@@ -111,9 +113,11 @@ class TextGenerationAdapter(OnnxRuntimeRunners):
             raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
 
     def sample_feeds(self, module, inputs, point: dict[str, int], seed: int) -> dict[str, np.ndarray]:
-        """Random feeds at ``point`` (``batch``, ``sequence``, ``past_sequence``; all-ones mask)."""
+        """Random feeds at ``point`` (``batch``, ``sequence``, ``past_sequence``); at batch >= 2
+        row 0 is left-padded by :data:`LEFT_PAD` positions (as batched generation pads prompts),
+        so the check compares positions derived from the mask with torch."""
         p = complete_point(point)
-        return sample_feeds(self.layout, p["batch"], p["sequence"], p["past_sequence"], seed)
+        return sample_feeds(self.layout, p["batch"], p["sequence"], p["past_sequence"], seed, left_pad=LEFT_PAD)
 
     def calibration_feeds(self, exp, data, cal) -> list[dict[str, np.ndarray]]:
         """Prefill batches of real text: ``cal.samples`` windows int64 ``[<=cal.batch_size,

@@ -138,13 +138,18 @@ class KVCacheLM(torch.nn.Module):
         return (out.logits, *flat, out.logits[:, -1, :])
 
 
-def sample_feeds(layout: KVLayout, batch: int, sequence: int, past: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random but valid feeds for one shape point (all-ones attention mask)."""
+def sample_feeds(layout: KVLayout, batch: int, sequence: int, past: int, seed: int = 0,
+                 left_pad: int = 0) -> dict[str, np.ndarray]:
+    """Random but valid feeds for one shape point: an all-ones attention mask, except that with
+    ``left_pad`` > 0 and ``batch`` >= 2 row 0 is left-padded: its first ``left_pad`` positions
+    of ``total_sequence`` masked (cut to leave one real position), past or new tokens alike."""
     rng = np.random.default_rng(seed)
     feeds = {
         "input_ids": rng.integers(0, layout.vocab, (batch, sequence), dtype=np.int64),
         "attention_mask": np.ones((batch, past + sequence), np.int64),
     }
+    if batch >= 2:
+        feeds["attention_mask"][0, :min(left_pad, past + sequence - 1)] = 0
     shape = (batch, layout.kv_heads, past, layout.head_dim)
     for n in layout.past_names():
         feeds[n] = rng.standard_normal(shape).astype(np.float32)
