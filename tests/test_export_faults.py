@@ -186,13 +186,13 @@ def test_tiny_bert_encoder_passes_through_the_encoder_export(tmp_path):
 
     from conftest import ROOT
     from pipeline.models.sentence_embedding.adapter import SentenceEmbeddingAdapter as EncoderAdapter
-    from pipeline.models.sentence_embedding.model import INPUTS, MeanPooledEncoder, random_feeds
+    from pipeline.models.sentence_embedding.model import INPUTS, PooledEncoder, random_feeds
     from pipeline.recipe_load import load_recipe
 
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=1200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64)
-    module = MeanPooledEncoder(BertModel(cfg, add_pooling_layer=False).eval()).eval()
+    module = PooledEncoder(BertModel(cfg, add_pooling_layer=False).eval()).eval()
     export_cfg = load_recipe(ROOT / "recipes" / "int8-encoder.yaml").export
     adapter = EncoderAdapter(None)
     adapter.vocab = cfg.vocab_size
