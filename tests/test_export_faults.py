@@ -221,7 +221,8 @@ def test_export_stage_checks_a_fully_masked_row_on_the_tiny_llama(tmp_path):
     stage = json.loads((tmp_path / "artifacts" / "tiny-llm" / "export" / "stage.json").read_text())
     checks = _find(stage, "shape_checks")
     masked = [c["masked_row"] for c in checks if "masked_row" in c]
-    assert len(checks) == 3 and all(c["passed"] for c in checks)
+    assert len(checks) == 4 and all(c["passed"] for c in checks)  # the recipe's 3 + the profile's minimum
+    assert checks[-1]["point"] == {"batch": 1, "sequence": 1, "past_sequence": 0, "total_sequence": 1}
     assert len(masked) == 1 and masked[0]["row"] == 2 and masked[0]["masked_inputs"] == ["attention_mask"]
     assert masked[0]["undefined_in_both"] == 0  # finite in both; only the convention differs
 
