@@ -85,3 +85,14 @@ def test_fp8_and_int8_builds_end_to_end(arch, tiny_lms, tmp_path):
     assert [c["point"] for c in checks][-1] == {"batch": 1, "sequence": 1, "past_sequence": 0, "total_sequence": 1}
     assert all(c["passed"] for c in checks) and "masked_row" in checks[1]
     assert (tmp_path / "model_repository" / "smollm2_fp8" / "config.pbtxt").is_file()
+
+
+def test_a_state_space_model_is_refused_with_exit_2_naming_the_missing_cache():
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from pipeline.errors import ExportError
+
+    model = AutoModelForCausalLM.from_config(MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512)).eval()
+    with pytest.raises(ExportError, match="MambaForCausalLM.*state-space or recurrent layers have no KV cache") as e:
+        kv_layout(model)
+    assert e.value.exit_code == 2
