@@ -96,3 +96,21 @@ def test_a_state_space_model_is_refused_with_exit_2_naming_the_missing_cache():
     with pytest.raises(ExportError, match="MambaForCausalLM.*state-space or recurrent layers have no KV cache") as e:
         kv_layout(model)
     assert e.value.exit_code == 2
+
+
+def test_a_sliding_window_shorter_than_the_profile_is_refused():
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from pipeline.errors import ExportError
+    from pipeline.models.text_generation.adapter import check_window
+
+    cfg = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    profile = SimpleNamespace(name="default", dims={"total_sequence": SimpleNamespace(max=768)})
+    with pytest.raises(ExportError, match=r"total_sequence max 768 exceeds .* \(63 positions of a 64-token window\)") as e:
+        check_window(model, [profile])
+    assert e.value.exit_code == 2
+    check_window(model, [SimpleNamespace(name="short", dims={"total_sequence": SimpleNamespace(max=63)})])

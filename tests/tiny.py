@@ -38,7 +38,7 @@ CAUSAL_LMS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
-    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=64)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=4096)),  # its default
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=None)),
     "gpt2": ("GPT2Config", dict(n_positions=1024)),                                  # learned positions
     "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=1024)),  # offset 2

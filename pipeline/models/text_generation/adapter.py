@@ -17,7 +17,7 @@ from pipeline.models.common import OnnxRuntimeRunners, text_batches as _text_bat
 from pipeline.models.text_generation import kv as kv_mod
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout
 from pipeline.models.text_generation.model import (
-    KVCacheLM, complete_point, kv_layout, load_causal_lm, package_file, prefill_feeds, sample_feeds,
+    KVCacheLM, complete_point, kv_layout, sliding_window, load_causal_lm, package_file, prefill_feeds, sample_feeds,
 )
 from pipeline.recipe import ModelSource
 
@@ -52,6 +52,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners):
         with ctx.progress.step(f"load {package_file(self.source)}"):
             model, tok = load_causal_lm(self.source)
         self.layout = kv_layout(model)
+        check_window(model, ctx.recipe.build.profiles)
         module = KVCacheLM(model, self.layout).eval()
         names = ("input_ids", "attention_mask", *self.layout.past_names())
         return LoadedModel(module, tok, sample_feeds(self.layout, batch=2, sequence=5, past=3), names,
@@ -166,6 +167,23 @@ class TextGenerationAdapter(OnnxRuntimeRunners):
         return module(*(torch.from_numpy(feeds[n]) for n in names))
 
 
+
+
+def check_window(model, build_profiles) -> None:
+    """A sliding-window cache layer keeps ``window - 1`` positions, so ``present`` is not
+    ``past + sequence`` beyond that: every profile's ``total_sequence`` max must stay within it.
+
+    Raises:
+        ExportError: names the window, the profile and its ``total_sequence`` max.
+    """
+    window = sliding_window(model)
+    for prof in build_profiles if window else []:
+        total = prof.dims.get("total_sequence")
+        if total is not None and total.max > window - 1:
+            raise ExportError(
+                f"build.profiles {prof.name!r}: total_sequence max {total.max} exceeds what the sliding-window "
+                f"cache layers of {type(model).__name__} keep ({window - 1} positions of a {window}-token window); "
+                f"lower total_sequence max to <= {window - 1} (and past_sequence / sequence with it)")
 
 
 BENCH_PROMPTS = 8  # prompts when the recipe has no validate.generation

@@ -66,10 +66,7 @@ def kv_layout(model) -> KVLayout:
         ExportError: the model returns no per-layer key/value cache (e.g. state-space
             layers), or its layers disagree on ``[H, D]`` or dtype.
     """
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([[0, 1]]), use_cache=True)
-    cache = getattr(out, "past_key_values", None)
-    layers = getattr(cache, "layers", None) or []
+    out, cache, layers = _probe(model)
     keys = [getattr(layer, "keys", None) for layer in layers]
     name = type(model).__name__
     if not keys or any(k is None or k.ndim != 4 for k in keys):
@@ -83,6 +80,22 @@ def kv_layout(model) -> KVLayout:
                           "the text-generation export needs one geometry for every layer")
     heads, head_dim = next(iter(geometry))
     return KVLayout(num_layers=len(keys), kv_heads=int(heads), head_dim=int(head_dim), vocab=int(out.logits.shape[-1]))
+
+
+def _probe(model):
+    """``(output, cache, cache layers)`` of one forward pass on 2 tokens (ids 0 and 1)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[0, 1]]), use_cache=True)
+    cache = getattr(out, "past_key_values", None)
+    return out, cache, list(getattr(cache, "layers", None) or [])
+
+
+def sliding_window(model) -> int | None:
+    """The smallest ``sliding_window`` of the cache layers the model returns (transformers'
+    ``DynamicSlidingWindowLayer``, e.g. Gemma 2, Mistral with a window), None when every layer
+    keeps the whole past. Such a layer keeps only its last ``window - 1`` positions."""
+    windows = [w for layer in _probe(model)[2] if (w := getattr(layer, "sliding_window", None))]
+    return min(windows) if windows else None
 
 
 def forward_arguments(model) -> tuple[str, bool]:
