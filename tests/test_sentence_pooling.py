@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -107,3 +108,19 @@ def test_a_plain_hf_folder_keeps_mean_and_l2_and_says_so(tmp_path):
     shutil.copy(MINILM / "config.json", tmp_path / "config.json")
     pooling = read_pooling(tmp_path)
     assert pooling == Pooling() and "no modules.json" in pooling.note
+
+
+def test_the_tokenizer_model_truncates_at_the_folders_max_seq_length_or_the_profile(tmp_path):
+    from conftest import ROOT
+    from pipeline.models.sentence_embedding.triton import truncation_length
+    from pipeline.recipe_load import load_recipe
+
+    folder = tmp_path / "enc"
+    folder.mkdir()
+    recipe = load_recipe(ROOT / "recipes" / "int8-encoder.yaml", {"model.source": {"path": str(folder)}})
+    profiles = [SimpleNamespace(shapes={"input_ids": {"min": [1, 1], "opt": [16, 64], "max": [32, 256]}})]
+    assert truncation_length(recipe, profiles) == 256  # no sentence_bert_config.json: the profile
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32, "do_lower_case": False}))
+    assert truncation_length(recipe, profiles) == 32
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 4096}))
+    assert truncation_length(recipe, profiles) == 256

@@ -96,6 +96,22 @@ def read_pooling(folder: str | Path) -> Pooling:
     return Pooling(modes, normalize, f"{listing}: {' + '.join(modes)} pooling{' + L2' if normalize else ''}")
 
 
+def max_seq_length(folder: str | Path) -> int | None:
+    """``max_seq_length`` of the folder's ``sentence_bert_config.json`` (tokens; the
+    sentence-transformers truncation), None when the file or field is absent.
+
+    Raises:
+        ExportError: the value is not a positive integer.
+    """
+    path = Path(folder) / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_seq_length")
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ExportError(f"{path}: max_seq_length must be a positive integer, got {value!r}")
+    return value
+
+
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
     """float ``[B, S, H]`` states and int ``[B, S]`` mask -> float ``[B, k * H]`` as
     sentence-transformers' Pooling and Normalize modules compute it: the mean's count clamped
