@@ -97,6 +97,22 @@ def test_constant_reshape_is_named(tmp_path):
     assert "x.flatten(1)" in msg and e.value.exit_code == 2
 
 
+def test_flattening_reshape_into_the_inferred_dim_is_not_a_baked_dim():
+    """GPT-2's Conv1D: [batch, sequence, 64] -> [-1, 64] keeps 64 as the last axis and folds
+    batch and sequence into the -1; a [batch, 32] -> [2, -1] still bakes the batch."""
+    def graph(data_shape, target):
+        node = helper.make_node("Reshape", ["x", "shape"], ["y"], name="r")
+        shape = helper.make_tensor("shape", TensorProto.INT64, [len(target)], target)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, data_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+
+    axes = {"x": {0: "batch", 1: "sequence"}}
+    assert ec.baked_reshapes(graph(["batch", "sequence", 64], [-1, 64]), axes) == []
+    found = ec.baked_reshapes(graph(["batch", 32], [2, -1]), {"x": {0: "batch"}})
+    assert [(str(a), n, t) for a, n, t in found] == [("input 'x' axis 0 (batch)", "r", [2, -1])]
+
+
 def test_per_sample_loop_is_named(tmp_path):
     with pytest.raises(ExportError) as e:
         _export_verify(PerSample(), _x(2), AXES, tmp_path)
