@@ -169,11 +169,21 @@ def baked_reshapes(model: onnx.ModelProto, dynamic_axes: DynamicAxes,
         target = [int(v) for v in consts[node.input[1]].reshape(-1)]
         data = shapes.get(node.input[0])
         for p, v in enumerate(target):
+            q = _aligned(target, data, p)
             for dim, ax in by_dim.items():
-                fixed = sizes is not None and sizes.get(dim) == v and ax.axis == p and _axis_of(v, data, p)
-                if v > 0 and (_axis_of(dim, data, p) or fixed):
+                fixed = sizes is not None and sizes.get(dim) == v and ax.axis == q and _axis_of(v, data, q)
+                if v > 0 and (_axis_of(dim, data, q) or fixed):
                     found.append((ax, node.name, target))
     return found
+
+
+def _aligned(target: list[int], data: list[int | str] | None, p: int) -> int:
+    """The data axis that position ``p`` of a Reshape's ``target`` keeps: positions after an
+    inferred ``-1`` count from the end when the rank changes (``[B, S, 64] -> [-1, 64]``
+    flattens B and S into the -1 and keeps 64 as the last axis), all others from the start."""
+    if data is None or -1 not in target or len(target) == len(data) or p < target.index(-1):
+        return p
+    return p + len(data) - len(target)
 
 
 def _picked_index(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> tuple[int, int] | None:

@@ -97,6 +97,22 @@ def test_constant_reshape_is_named(tmp_path):
     assert "x.flatten(1)" in msg and e.value.exit_code == 2
 
 
+def test_flattening_reshape_into_the_inferred_dim_is_not_a_baked_dim():
+    """GPT-2's Conv1D: [batch, sequence, 64] -> [-1, 64] keeps 64 as the last axis and folds
+    batch and sequence into the -1; a [batch, 32] -> [2, -1] still bakes the batch."""
+    def graph(data_shape, target):
+        node = helper.make_node("Reshape", ["x", "shape"], ["y"], name="r")
+        shape = helper.make_tensor("shape", TensorProto.INT64, [len(target)], target)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, data_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+
+    axes = {"x": {0: "batch", 1: "sequence"}}
+    assert ec.baked_reshapes(graph(["batch", "sequence", 64], [-1, 64]), axes) == []
+    found = ec.baked_reshapes(graph(["batch", 32], [2, -1]), {"x": {0: "batch"}})
+    assert [(str(a), n, t) for a, n, t in found] == [("input 'x' axis 0 (batch)", "r", [2, -1])]
+
+
 def test_per_sample_loop_is_named(tmp_path):
     with pytest.raises(ExportError) as e:
         _export_verify(PerSample(), _x(2), AXES, tmp_path)
@@ -186,13 +202,13 @@ def test_tiny_bert_encoder_passes_through_the_encoder_export(tmp_path):
 
     from conftest import ROOT
     from pipeline.models.sentence_embedding.adapter import SentenceEmbeddingAdapter as EncoderAdapter
-    from pipeline.models.sentence_embedding.model import INPUTS, MeanPooledEncoder, random_feeds
+    from pipeline.models.sentence_embedding.model import INPUTS, PooledEncoder, random_feeds
     from pipeline.recipe_load import load_recipe
 
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=1200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64)
-    module = MeanPooledEncoder(BertModel(cfg, add_pooling_layer=False).eval()).eval()
+    module = PooledEncoder(BertModel(cfg, add_pooling_layer=False).eval()).eval()
     export_cfg = load_recipe(ROOT / "recipes" / "int8-encoder.yaml").export
     adapter = EncoderAdapter(None)
     adapter.vocab = cfg.vocab_size
@@ -221,7 +237,8 @@ def test_export_stage_checks_a_fully_masked_row_on_the_tiny_llama(tmp_path):
     stage = json.loads((tmp_path / "artifacts" / "tiny-llm" / "export" / "stage.json").read_text())
     checks = _find(stage, "shape_checks")
     masked = [c["masked_row"] for c in checks if "masked_row" in c]
-    assert len(checks) == 3 and all(c["passed"] for c in checks)
+    assert len(checks) == 4 and all(c["passed"] for c in checks)  # the recipe's 3 + the profile's minimum
+    assert checks[-1]["point"] == {"batch": 1, "sequence": 1, "past_sequence": 0, "total_sequence": 1}
     assert len(masked) == 1 and masked[0]["row"] == 2 and masked[0]["masked_inputs"] == ["attention_mask"]
     assert masked[0]["undefined_in_both"] == 0  # finite in both; only the convention differs
 

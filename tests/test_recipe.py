@@ -22,9 +22,10 @@ def _variant(tmp_path, mutate):
 def test_shipped_recipe_is_valid():
     r = load_recipe(RECIPE)
     assert r.quantize.precision == "fp8"
-    [gate] = r.validate_.gates
-    assert (gate.label, gate.metric, gate.max, gate.min) == ("max_relative_perplexity_increase",
-                                                             "relative_perplexity_increase", 0.010, None)
+    ppl, kld = r.validate_.gates
+    assert (ppl.label, ppl.metric, ppl.max, ppl.min) == ("max_relative_perplexity_increase",
+                                                         "relative_perplexity_increase", 0.020, None)
+    assert (kld.metric, kld.max) == ("kld_mean", 0.025)
     assert r.validate_.data.describe() == "built-in corpus lee_background, documents [220, 300)"
     assert r.quantize.calibration.data.describe() == "built-in corpus lee_background, documents [0, 200)"
 
@@ -78,8 +79,8 @@ def test_missing_file_and_non_mapping(tmp_path):
     "old, new, where",
     [
         ("    nodes: []", "    nodes: []\n    nodes: []", "'quantize.exclude.nodes'"),
-        ("    - {metric: relative_perplexity_increase, max: 0.010}",
-         "    - {metric: relative_perplexity_increase, max: 0.010, max: 9}", "'validate.gates.0.max'"),
+        ("    - {metric: relative_perplexity_increase, max: 0.020}",
+         "    - {metric: relative_perplexity_increase, max: 0.020, max: 9}", "'validate.gates.0.max'"),
         ("name: fp8-llm", "name: fp8-llm\nname: other", "'name'"),
         ("        batch:          {min: 1, opt: 4,   max: 8}",
          "        batch:          {min: 1, opt: 4,   max: 8, max: 16}", "'build.profiles.0.dims.batch.max'"),
@@ -176,13 +177,13 @@ def _profile(name="default", batch=(1, 4, 8), sequence=(1, 64, 256), past=(0, 64
         (lambda d: d["triton"].update(dynamic_batching={"preferred_batch_size": [4, 16]}),
          "triton.dynamic_batching.preferred_batch_size.1: 16 is outside 1..max_batch_size (8)"),
         (lambda d: d["validate"]["gates"].append({"metric": "mean_cosine", "min": 0.99}),
-         "validate.gates.1.metric: 'mean_cosine' is not a metric of a text-generation model; valid: "
+         "validate.gates.2.metric: 'mean_cosine' is not a metric of a text-generation model; valid: "
          f"{sorted(kind_metrics('text-generation'))}"),
         (lambda d: (d["validate"]["gates"].append({"metric": "token_agreement", "min": 0.9}),
                     d["validate"].pop("generation")),
-         "validate.gates.1.metric: token_agreement is measured by greedy generation: add validate.generation"),
+         "validate.gates.2.metric: token_agreement is measured by greedy generation: add validate.generation"),
         (lambda d: d["validate"]["gates"].append({"metric": "relative_perplexity_increase", "max": 0.1}),
-         "validate.gates.1: gate name 'max_relative_perplexity_increase' is also the name of gate 0"),
+         "validate.gates.2: gate name 'max_relative_perplexity_increase' is also the name of gate 0"),
         (lambda d: d["validate"].update(data={"type": "corpus", "name": "wordsim353"}),
          "validate.data.type: built-in corpus wordsim353, word pairs [0, end) gives pairs; a text-generation model "
          "reads texts here: a corpus (lee_background), text or jsonl source"),

@@ -31,6 +31,60 @@ def make_tiny_llama(folder: Path) -> Path:
     return folder
 
 
+#: Tiny causal-LM configs (2 layers, hidden 64, 4 heads): transformers config class name and the
+#: fields that make each family's own scheme show (GQA / MQA, partial rotary, learned positions,
+#: ALiBi, parallel blocks, sliding windows). Names are the matrix's test ids.
+CAUSAL_LMS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=4096)),  # its default
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=None)),
+    "gpt2": ("GPT2Config", dict(n_positions=1024)),                                  # learned positions
+    "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=1024)),  # offset 2
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.25, use_parallel_residual=True)),  # Pythia
+    "gptj": ("GPTJConfig", dict(rotary_dim=8, n_positions=1024)),                     # parallel block
+    "phi": ("PhiConfig", dict(partial_rotary_factor=0.5)),
+    "falcon": ("FalconConfig", dict(multi_query=True, parallel_attn=True)),           # fused QKV, MQA
+    "bloom": ("BloomConfig", dict()),                                                 # ALiBi
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(multi_query=True, n_positions=1024)),    # MQA, learned
+}
+
+
+def smollm2_tokenizer(folder: Path):
+    """The real SmolLM2 tokenizer (from its GGUF, without loading the weights), saved in ``folder``."""
+    from transformers import AutoTokenizer
+
+    from pipeline.models.sources import package_file
+    from pipeline.recipe_load import load_recipe
+
+    if not (folder / "tokenizer_config.json").exists():
+        path = package_file(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def make_tiny_causal_lm(arch: str, folder: Path, tokenizer_dir: Path) -> Path:
+    """A random-weight (seed 0) 2-layer, hidden-64 model of ``arch`` (a :data:`CAUSAL_LMS` key)
+    with the SmolLM2 tokenizer, saved in ``folder``."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    tok = smollm2_tokenizer(tokenizer_dir)
+    cls, extra = CAUSAL_LMS[arch]
+    size = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    cfg = getattr(transformers, cls)(**{**size, **extra})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
     """Write a recipe for the tiny model into ``ws``; ``changes`` are dotted overrides."""
     data = yaml.safe_load((ROOT / "recipes" / "fp8-llm.yaml").read_text())

@@ -44,13 +44,19 @@ def check_dynamic(inputs: list[TensorSpec], dynamic_axes: dict[str, dict[int, st
 def shape_points(ctx: StageContext) -> list[dict[str, int]]:
     """Shape points (symbolic dim -> size) for the export check.
 
-    ``export.check_points`` when given, else min/opt/max of the first profile.
+    ``export.check_points`` when given, else min/opt/max of the first profile; then every
+    profile's minimum shapes not already among them (the smallest inputs are where index
+    arithmetic such as relative-position buckets breaks first).
     """
     rec = ctx.recipe
-    if rec.export.check_points:
-        return [dict(p) for p in rec.export.check_points]
     dims = rec.build.profiles[0].dims
-    return [{d: getattr(r, k) for d, r in dims.items()} for k in ("min", "opt", "max")]
+    points = ([dict(p) for p in rec.export.check_points] if rec.export.check_points
+              else [{d: getattr(r, k) for d, r in dims.items()} for k in ("min", "opt", "max")])
+    for profile in rec.build.profiles:
+        low = {d: r.min for d, r in profile.dims.items()}
+        if not any(all(p.get(d) == v for d, v in low.items()) for p in points):
+            points.append(low)
+    return points
 
 
 def run(ctx: StageContext) -> ExportArtifact:

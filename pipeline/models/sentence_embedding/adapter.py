@@ -1,8 +1,9 @@
-"""The sentence-embedding adapter (:class:`pipeline.models.base.ModelAdapter`): a mean-pooled,
-normalised encoder, measured by word-similarity Spearman and cosine to FP32, served
+"""The sentence-embedding adapter (:class:`pipeline.models.base.ModelAdapter`): an encoder pooled
+as its sentence-transformers folder says, measured by word-similarity Spearman and cosine to FP32, served
 as text -> tokenizer model -> compute model (an ensemble)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import ClassVar
 
@@ -13,12 +14,15 @@ from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
-from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, MeanPooledEncoder, load_encoder, random_feeds
+from pipeline.models.sources import package_file
+from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, PooledEncoder, load_encoder, random_feeds, read_pooling
 from pipeline.recipe import ModelSource
+
+log = logging.getLogger(__name__)
 
 
 class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
-    """A mean-pooled, normalised sentence encoder (``model.kind: sentence-embedding``).
+    """A pooled sentence encoder (``model.kind: sentence-embedding``).
 
     One instance serves one run: :meth:`load` records the vocabulary size that
     :meth:`export` reads; everything after export reads the stage artifacts.
@@ -34,16 +38,20 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
         self.vocab: int | None = None
 
     def load(self, ctx) -> LoadedModel:
-        """The FP32 encoder wrapped as :class:`MeanPooledEncoder`, its tokenizer and the export
-        example (batch 2, sequence 7; row 1 padded).
+        """The FP32 encoder wrapped as :class:`PooledEncoder` with the folder's pooling
+        (:func:`read_pooling`, logged), its tokenizer and the export example (batch 2,
+        sequence 7; row 1 padded).
 
         Raises:
             ModelFileError: the package or folder is missing.
+            ExportError: the folder's sentence-transformers modules cannot be exported.
         """
         with ctx.progress.step(f"load {self.source.source.describe()}"):
             model, tok = load_encoder(self.source)
+            pooling = read_pooling(package_file(self.source))
+        log.info("export: %s", pooling.note)
         self.vocab = int(model.config.vocab_size)
-        return LoadedModel(MeanPooledEncoder(model).eval(), tok, random_feeds(self.vocab, batch=2, sequence=7),
+        return LoadedModel(PooledEncoder(model, pooling).eval(), tok, random_feeds(self.vocab, batch=2, sequence=7),
                            INPUTS, (OUTPUT,))
 
     def graph_io(self, loaded: LoadedModel, export_cfg) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -69,7 +77,7 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
             axes.setdefault(name, dict(axes["input_ids"]))
         return axes
 
-    def export(self, module: MeanPooledEncoder, export_cfg, out: Path) -> None:
+    def export(self, module: PooledEncoder, export_cfg, out: Path) -> None:
         """torch.onnx.export(dynamo=True), dims named as in the recipe, output ``embeddings``.
 
         Raises:
@@ -106,7 +114,7 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
         vocab = int(module.model.config.vocab_size)
         return random_feeds(vocab, point["batch"], point["sequence"], seed)
 
-    def torch_outputs(self, module: MeanPooledEncoder, feeds: dict[str, np.ndarray]):
+    def torch_outputs(self, module: PooledEncoder, feeds: dict[str, np.ndarray]):
         """``(embeddings,)``: float32 ``[B, H]``."""
         return (module(*(torch.from_numpy(feeds[n]) for n in INPUTS)),)
 

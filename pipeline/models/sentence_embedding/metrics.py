@@ -214,11 +214,34 @@ def _softmax_nodes(onnx_path: str) -> list[str]:
     return [n.name for n in onnx.load(onnx_path, load_external_data=False).graph.node if n.op_type == "Softmax"]
 
 
+def index_arithmetic_nodes(onnx_path: str) -> list[str]:
+    """Nodes whose outputs end in a Cast to an integer type, with every node that feeds them:
+    float arithmetic that computes indices (e.g. MPNet/T5 relative-position buckets,
+    ``log(n / max_exact)`` with ``-inf`` at ``n = 0``). A Q/DQ there turns the ``-inf`` range into a
+    NaN scale and every bucket into an index of -2^63 (an ORT Gather error), so it is left FP32."""
+    import onnx
+
+    graph = onnx.load(onnx_path, load_external_data=False).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    todo = [n for n in graph.node if n.op_type == "Cast"
+            and any(a.name == "to" and a.i in ints for a in n.attribute)]
+    seen: dict[str, onnx.NodeProto] = {}
+    while todo:
+        node = todo.pop()
+        if node.name in seen:
+            continue
+        seen[node.name] = node
+        todo += [producer[i] for i in node.input if i in producer]
+    return sorted(seen)
+
+
 def naive_ort_model(ctx, exp, q) -> str:
     """ONNX Runtime ``quantize_static`` with its QDQ defaults on the FP32 export and the
     quantize stage's calibration feeds (``q.calibration_feeds_path``); FP8 uses E4M3FN activation
     and weight types, the Distribution calibrator (the only one ``quantize_static`` accepts
-    for float8) and leaves Softmax nodes unquantized (ORT's float8 path fails on them).
+    for float8) and leaves Softmax nodes unquantized (ORT's float8 path fails on them). Index
+    arithmetic (:func:`index_arithmetic_nodes`) stays FP32 at both precisions.
 
     Returns the path of the written model (in the validate stage folder).
 
@@ -234,13 +257,14 @@ def naive_ort_model(ctx, exp, q) -> str:
     if not getattr(q, "calibration_feeds_path", None):
         raise PipelineError(f"{q.onnx_path}: the quantize artifact has no calibration feeds; re-run the quantize stage")
     out = ctx.stage_dir / f"naive_ort_{precision}.onnx"
-    kw: dict = {"quant_format": QuantFormat.QDQ}
+    kw: dict = {"quant_format": QuantFormat.QDQ, "nodes_to_exclude": index_arithmetic_nodes(exp.onnx_path)}
     if precision == "fp8":
         # quantize_static accepts only the Distribution calibrator for float8 types, and its
         # fixed [0, 1] range for Softmax outputs carries no avg/std, which float8 scales need
         # (AttributeError in ORT 1.31): Softmax nodes are left out, everything else is default.
         kw.update(activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN,
-                  calibrate_method=CalibrationMethod.Distribution, nodes_to_exclude=_softmax_nodes(exp.onnx_path))
+                  calibrate_method=CalibrationMethod.Distribution,
+                  nodes_to_exclude=kw["nodes_to_exclude"] + _softmax_nodes(exp.onnx_path))
     with ctx.progress.step(f"validate: naive ORT quantize_static ({precision})"):
         quantize_static(exp.onnx_path, str(out), _FeedReader(load_batches(q.calibration_feeds_path)), **kw)
     return str(out)

@@ -44,7 +44,7 @@ def stage_text_models(
     write_template("tokenizer_model.py", tok_dir / "model.py")
     tokenizer = tokenizer_config(
         tokenizer_model_name(name), max_batch_size=recipe.triton.max_batch_size, outputs=[s.name for s in compute.inputs],
-        max_length=context_limits(build.profiles)["max_prompt_tokens"] or DEFAULT_MAX_LENGTH,
+        max_length=truncation_length(recipe, build.profiles),
         pad_id=pad_token_id(tok_dir), pad_to_multiple_of=PAD_TO_MULTIPLE_OF,
     )
     ensemble = ensemble_config(ensemble_model_name(name), tokenizer, compute.config)
@@ -56,6 +56,22 @@ def stage_text_models(
     ids = [TensorSpec(s.name, "int64", ["batch", "sequence"]) for s in compute.inputs]
     return [StagedModel(tokenizer, text, ids, "python", None, required_files=("tokenizer.json",)),
             StagedModel(ensemble, text, compute.outputs, "ensemble", None)]
+
+
+def truncation_length(recipe: Recipe, profiles) -> int:
+    """Tokens the tokenizer model keeps: the smaller of the profiles' ``input_ids`` sequence max
+    and the model folder's ``sentence_bert_config.json`` ``max_seq_length``, whichever are given
+    (:data:`DEFAULT_MAX_LENGTH` when neither is; a source folder no longer there gives none)."""
+    from pipeline.models.sentence_embedding.model import max_seq_length
+    from pipeline.models.sources import ModelFileError, package_file
+
+    try:
+        folder = package_file(recipe.model)
+    except ModelFileError:
+        folder = None
+    limits = [context_limits(profiles)["max_prompt_tokens"],
+              max_seq_length(folder) if folder is not None and folder.is_dir() else None]
+    return min((v for v in limits if v), default=DEFAULT_MAX_LENGTH)
 
 
 def pad_token_id(tokenizer_dir: Path) -> int:

@@ -17,10 +17,12 @@ from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
 from pipeline.models.text_generation import kv as kv_mod
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout
 from pipeline.models.text_generation.model import (
-    KVCacheLM, check_model_folder, complete_point, kv_layout, load_causal_lm, package_file, prefill_feeds,
-    sample_feeds, save_tokenizer,
+    KVCacheLM, check_model_folder, complete_point, kv_layout, sliding_window, load_causal_lm, package_file,
+    prefill_feeds, sample_feeds, save_tokenizer,
 )
 from pipeline.recipe import ModelSource
+
+LEFT_PAD = 2  # masked leading positions of the left-padded row at export check points
 
 
 class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
@@ -65,6 +67,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         with ctx.progress.step(f"load {package_file(self.source)}"):
             model, tok = load_causal_lm(self.source)
         self.layout = kv_layout(model)
+        check_window(model, ctx.recipe.build.profiles)
         module = KVCacheLM(model, self.layout).eval()
         names = ("input_ids", "attention_mask", *self.layout.past_names())
         return LoadedModel(module, tok, sample_feeds(self.layout, batch=2, sequence=5, past=3), names,
@@ -126,9 +129,11 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
             raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
 
     def sample_feeds(self, module, inputs, point: dict[str, int], seed: int) -> dict[str, np.ndarray]:
-        """Random feeds at ``point`` (``batch``, ``sequence``, ``past_sequence``; all-ones mask)."""
+        """Random feeds at ``point`` (``batch``, ``sequence``, ``past_sequence``); at batch >= 2
+        row 0 is left-padded by :data:`LEFT_PAD` positions (as batched generation pads prompts),
+        so the check compares positions derived from the mask with torch."""
         p = complete_point(point)
-        return sample_feeds(self.layout, p["batch"], p["sequence"], p["past_sequence"], seed)
+        return sample_feeds(self.layout, p["batch"], p["sequence"], p["past_sequence"], seed, left_pad=LEFT_PAD)
 
     def calibration_feeds(self, exp, data, cal) -> list[dict[str, np.ndarray]]:
         """Prefill batches of real text: ``cal.samples`` windows int64 ``[<=cal.batch_size,
@@ -177,6 +182,23 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         return module(*(torch.from_numpy(feeds[n]) for n in names))
 
 
+
+
+def check_window(model, build_profiles) -> None:
+    """A sliding-window cache layer keeps ``window - 1`` positions, so ``present`` is not
+    ``past + sequence`` beyond that: every profile's ``total_sequence`` max must stay within it.
+
+    Raises:
+        ExportError: names the window, the profile and its ``total_sequence`` max.
+    """
+    window = sliding_window(model)
+    for prof in build_profiles if window else []:
+        total = prof.dims.get("total_sequence")
+        if total is not None and total.max > window - 1:
+            raise ExportError(
+                f"build.profiles {prof.name!r}: total_sequence max {total.max} exceeds what the sliding-window "
+                f"cache layers of {type(model).__name__} keep ({window - 1} positions of a {window}-token window); "
+                f"lower total_sequence max to <= {window - 1} (and past_sequence / sequence with it)")
 
 
 BENCH_PROMPTS = 8  # prompts when the recipe has no validate.generation

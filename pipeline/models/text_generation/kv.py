@@ -53,13 +53,6 @@ class KVLayout:
         return {n: np.zeros(shape, np.float32) for n in self.past_names()}
 
 
-def layout_of_config(config) -> KVLayout:
-    """The layout of a transformers causal-LM config (float32 export)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return KVLayout(num_layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads, head_dim=head_dim,
-                    vocab=config.vocab_size)
-
-
 def kv_layout(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec] = (),
               error: type[PipelineError] = ExportError) -> KVLayout:
     """L, kv_heads, head_dim and dtype from ``past_key_values.{i}.key/value``

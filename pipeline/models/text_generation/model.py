@@ -13,15 +13,17 @@ feeds and greedy decoding. Graph I/O: :mod:`pipeline.models.text_generation.kv`.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
+from pipeline.errors import ExportError
 from pipeline.models.sources import ModelFileError, package_file
 from pipeline.models.text_generation.attention import GROUPED, use_grouped_attention
-from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs, layout_of_config
+from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs
 from pipeline.recipe import ModelSource
 
 __all__ = ["LAST_LOGITS", "KVLayout", "KVCacheLM", "load_causal_lm", "kv_layout", "sample_feeds", "complete_point",
@@ -135,8 +137,59 @@ def load_causal_lm(source: ModelSource, attention: str = GROUPED):
 
 
 def kv_layout(model) -> KVLayout:
-    """The KV layout of a loaded transformers causal LM (its config)."""
-    return layout_of_config(model.config)
+    """The KV layout of a loaded transformers causal LM, read from what it returns: one
+    forward pass on 2 tokens (ids 0 and 1), the cache layers' key shapes ``[1, H, 2, D]``
+    and the logits width. Works whatever the config calls its heads (MQA, GQA, fused QKV).
+
+    Raises:
+        ExportError: the model returns no per-layer key/value cache (e.g. state-space
+            layers), or its layers disagree on ``[H, D]`` or dtype.
+    """
+    out, cache, layers = _probe(model)
+    keys = [getattr(layer, "keys", None) for layer in layers]
+    name = type(model).__name__
+    if not keys or any(k is None or k.ndim != 4 for k in keys):
+        raise ExportError(f"model {name}: it returns no per-layer key/value cache [batch, heads, sequence, "
+                          f"head_dim] (got {type(cache).__name__}); state-space or recurrent layers have no KV "
+                          "cache, which the text-generation export needs")
+    geometry = {(k.shape[1], k.shape[3]) for k in keys} | {(v.shape[1], v.shape[3]) for v in
+                                                            (layer.values for layer in layers)}
+    if len(geometry) != 1:
+        raise ExportError(f"model {name}: its cache layers differ in [kv_heads, head_dim] ({sorted(geometry)}); "
+                          "the text-generation export needs one geometry for every layer")
+    heads, head_dim = next(iter(geometry))
+    return KVLayout(num_layers=len(keys), kv_heads=int(heads), head_dim=int(head_dim), vocab=int(out.logits.shape[-1]))
+
+
+def _probe(model):
+    """``(output, cache, cache layers)`` of one forward pass on 2 tokens (ids 0 and 1)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[0, 1]]), use_cache=True)
+    cache = getattr(out, "past_key_values", None)
+    return out, cache, list(getattr(cache, "layers", None) or [])
+
+
+def sliding_window(model) -> int | None:
+    """The smallest ``sliding_window`` of the cache layers the model returns (transformers'
+    ``DynamicSlidingWindowLayer``, e.g. Gemma 2, Mistral with a window), None when every layer
+    keeps the whole past. Such a layer keeps only its last ``window - 1`` positions."""
+    windows = [w for layer in _probe(model)[2] if (w := getattr(layer, "sliding_window", None))]
+    return min(windows) if windows else None
+
+
+def forward_arguments(model) -> tuple[str, bool]:
+    """``(cache argument name, takes position_ids)`` of the model's ``forward``: ``cache``
+    (transformers >= 5.24) or ``past_key_values``; ALiBi models (BLOOM, MPT) take no positions.
+
+    Raises:
+        ExportError: ``forward`` takes neither cache argument.
+    """
+    params = inspect.signature(model.forward).parameters
+    cache = next((n for n in ("cache", "past_key_values") if n in params), None)
+    if cache is None:
+        raise ExportError(f"model {type(model).__name__}: forward takes no `cache` / `past_key_values` argument; "
+                          "the text-generation export feeds the KV cache through it")
+    return cache, "position_ids" in params
 
 
 class KVCacheLM(torch.nn.Module):
@@ -145,13 +198,16 @@ class KVCacheLM(torch.nn.Module):
     ``last_logits`` (``logits[:, -1, :]``) comes last, so code that unpacks
     ``logits, *present`` and zips ``present`` with the past names is unaffected.
 
-    Position ids are derived from the attention mask so left padding and a
-    non-empty past both give the right rotary positions.
+    Position ids are derived from the attention mask (``cumsum - 1``, as transformers'
+    ``generate`` does), so left padding and a non-empty past give the right rotary or
+    learned positions (OPT adds its offset of 2 itself); models whose ``forward`` takes no
+    ``position_ids`` (ALiBi: BLOOM, MPT) read positions from the mask themselves.
     """
 
     def __init__(self, model, layout: KVLayout):
         super().__init__()
         self.model, self.layout = model, layout
+        self.cache_arg, self.takes_positions = forward_arguments(model)
 
     def output_names(self) -> list[str]:
         """Graph output names, in :meth:`forward`'s order (for ``torch.onnx.export``)."""
@@ -163,28 +219,29 @@ class KVCacheLM(torch.nn.Module):
         cache = DynamicCache(config=self.model.config)
         for i in range(self.layout.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        past_len = past[0].shape[2]
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        kwargs = {self.cache_arg: cache}
+        if self.takes_positions:
+            past_len = past[0].shape[2]
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         flat = []
         for layer in out.past_key_values.layers:
             flat += [layer.keys, layer.values]
         return (out.logits, *flat, out.logits[:, -1, :])
 
 
-def sample_feeds(layout: KVLayout, batch: int, sequence: int, past: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random but valid feeds for one shape point (all-ones attention mask)."""
+def sample_feeds(layout: KVLayout, batch: int, sequence: int, past: int, seed: int = 0,
+                 left_pad: int = 0) -> dict[str, np.ndarray]:
+    """Random but valid feeds for one shape point: an all-ones attention mask, except that with
+    ``left_pad`` > 0 and ``batch`` >= 2 row 0 is left-padded: its first ``left_pad`` positions
+    of ``total_sequence`` masked (cut to leave one real position), past or new tokens alike."""
     rng = np.random.default_rng(seed)
     feeds = {
         "input_ids": rng.integers(0, layout.vocab, (batch, sequence), dtype=np.int64),
         "attention_mask": np.ones((batch, past + sequence), np.int64),
     }
+    if batch >= 2:
+        feeds["attention_mask"][0, :min(left_pad, past + sequence - 1)] = 0
     shape = (batch, layout.kv_heads, past, layout.head_dim)
     for n in layout.past_names():
         feeds[n] = rng.standard_normal(shape).astype(np.float32)

@@ -1,0 +1,116 @@
+"""Causal LMs of many families end to end: tiny random models (2 layers, hidden 64, the SmolLM2
+tokenizer) built from their transformers configs, through export (check points with a
+left-padded row), FP8 and INT8 quantize, validate and triton."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.models.text_generation.model import KVCacheLM, kv_layout, load_causal_lm
+from pipeline.recipe import ModelSource
+from pipeline.recipe_load import load_recipe
+from pipeline.runner import run_pipeline
+from tiny import CAUSAL_LMS, make_tiny_causal_lm, tiny_recipe
+
+ARCHS = sorted(CAUSAL_LMS)
+
+
+@pytest.fixture(scope="module")
+def tiny_lms(tmp_path_factory):
+    """``arch -> model folder``, each built once (on first use) for this module."""
+    root, built = tmp_path_factory.mktemp("causal-lms"), {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_tiny_causal_lm(arch, root / arch, root / "tokenizer")
+        return built[arch]
+
+    return get
+
+
+def _wrapped(folder: Path) -> KVCacheLM:
+    model, _ = load_causal_lm(ModelSource.model_validate({"kind": "text-generation", "source": {"path": str(folder)}}))
+    return KVCacheLM(model, kv_layout(model)).eval()
+
+
+def _run(lm: KVCacheLM, ids: torch.Tensor, mask: torch.Tensor, past: list[torch.Tensor]):
+    with torch.no_grad():
+        logits, *rest = lm(ids, mask, *past)
+    return rest[-1], rest[:-1]  # last_logits, present
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padding_and_a_past_give_the_unpadded_logits(arch, tiny_lms):
+    """Row 0 left-padded by 3 positions gives row 1's (the same prompt unpadded) last logits,
+    at prefill and at a decode step on the past: the positions follow the mask as in torch."""
+    lm = _wrapped(tiny_lms(arch))
+    layout = lm.layout
+    prompt = torch.tensor([[5, 17, 300, 42]])
+    ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], 1), torch.cat([prompt, prompt[:, :3]], 1)])
+    padded = _run(lm, ids, torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * 1 + [[1] * 7]), [
+        torch.zeros(2, layout.kv_heads, 0, layout.head_dim)] * 2 * layout.num_layers)
+    alone = _run(lm, prompt, torch.ones(1, 4, dtype=torch.long),
+                 [torch.zeros(1, layout.kv_heads, 0, layout.head_dim)] * 2 * layout.num_layers)
+    np.testing.assert_allclose(padded[0][0].numpy(), alone[0][0].numpy(), rtol=1e-4, atol=1e-4)
+    # One decode step on each row's past: row 0 keeps its 3 masked positions.
+    nxt = torch.tensor([[7]])
+    step_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    after_pad = _run(lm, nxt, step_mask, [p[:1] for p in padded[1]])
+    after_alone = _run(lm, nxt, torch.ones(1, 5, dtype=torch.long), list(alone[1]))
+    np.testing.assert_allclose(after_pad[0][0].numpy(), after_alone[0][0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_and_int8_builds_end_to_end(arch, tiny_lms, tmp_path):
+    model = tiny_lms(arch)
+    for precision in ("fp8", "int8"):  # the second run's export is a cache hit
+        path = tiny_recipe(tmp_path, model, **{
+            "quantize.precision": precision, "quantize.per_channel_weights": precision == "int8",
+            "quantize.exclude.nodes": [], "validate.max_windows": 2,
+            "export.check_points": [{"batch": 1, "sequence": 4, "past_sequence": 0},
+                                    {"batch": 3, "sequence": 2, "past_sequence": 5},
+                                    {"batch": 2, "sequence": 1, "past_sequence": 3}]})
+        result = run_pipeline(load_recipe(path), path, quiet=True)
+        man = result.manifest
+        assert result.passed and man["verdict"] == "pass", (precision, man["metrics"])
+        assert {n: s["status"] for n, s in man["stages"].items()} == dict.fromkeys(
+            ("export", "quantize", "build", "validate", "triton"), "ok") | {"build": man["stages"]["build"]["status"]}
+        assert np.isfinite(man["metrics"]["relative_perplexity_increase"])
+        assert result.artifacts["quantize"].quantized_nodes, precision
+    checks = result.artifacts["export"].shape_checks
+    # the three points given, plus the profile's minimum (batch 1, sequence 1, empty past)
+    assert [c["point"] for c in checks][-1] == {"batch": 1, "sequence": 1, "past_sequence": 0, "total_sequence": 1}
+    assert all(c["passed"] for c in checks) and "masked_row" in checks[1]
+    assert (tmp_path / "model_repository" / "smollm2_fp8" / "config.pbtxt").is_file()
+
+
+def test_a_state_space_model_is_refused_with_exit_2_naming_the_missing_cache():
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from pipeline.errors import ExportError
+
+    model = AutoModelForCausalLM.from_config(MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512)).eval()
+    with pytest.raises(ExportError, match="MambaForCausalLM.*state-space or recurrent layers have no KV cache") as e:
+        kv_layout(model)
+    assert e.value.exit_code == 2
+
+
+def test_a_sliding_window_shorter_than_the_profile_is_refused():
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from pipeline.errors import ExportError
+    from pipeline.models.text_generation.adapter import check_window
+
+    cfg = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    profile = SimpleNamespace(name="default", dims={"total_sequence": SimpleNamespace(max=768)})
+    with pytest.raises(ExportError, match=r"total_sequence max 768 exceeds .* \(63 positions of a 64-token window\)") as e:
+        check_window(model, [profile])
+    assert e.value.exit_code == 2
+    check_window(model, [SimpleNamespace(name="short", dims={"total_sequence": SimpleNamespace(max=63)})])
