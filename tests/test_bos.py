@@ -129,8 +129,9 @@ def test_smollm2_adds_no_prefix_so_its_windows_and_prompts_are_unchanged(smollm2
     for doc in docs:
         stream += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     windows = data.token_windows(tok, docs, v.seq_len, v.max_windows)
-    assert windows.shape == (v.max_windows, v.seq_len)
-    assert windows.reshape(-1).tolist() == stream[: v.max_windows * v.seq_len]
+    n = min(v.max_windows, len(stream) // v.seq_len)  # fp8-llm asks for more windows than its split holds
+    assert windows.shape == (n, v.seq_len)
+    assert windows.reshape(-1).tolist() == stream[: n * v.seq_len]
     firsts = [ids[:16] for ids in (tok(d, add_special_tokens=False)["input_ids"] for d in docs) if len(ids) >= 16]
     assert data.prompts(tok, docs, v.generation.prompts).tolist() == firsts[: v.generation.prompts]
 
