@@ -91,7 +91,7 @@ def onnxruntime_reader(container: str | None) -> OnnxReader | None:
     release = (container or DEFAULT_RELEASE)[:5]
     ort = TRITON_ONNXRUNTIME.get(release)
     reads = ONNXRUNTIME_READS.get(".".join(ort.split(".")[:2])) if ort else None
-    if reads is None:
+    if ort is None or reads is None:
         return None
     return OnnxReader(release, ort, reads[0], (ONNXRUNTIME_MIN_OPSET, reads[1]))
 

@@ -197,6 +197,8 @@ def recover(repo: Path) -> str | None:
         RepositoryCorrupt: the journal's staged folders are gone, so the
             transaction can neither complete nor be told apart from the old set.
     """
+    if not repo.is_dir():  # no repository yet: nothing to recover, and nothing is created
+        return None
     with repository_lock(repo):
         return _recover(repo)
 
