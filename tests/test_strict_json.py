@@ -126,11 +126,13 @@ def test_validate_writes_strict_metrics_and_the_cached_run_agrees(tmp_path, monk
     monkeypatch.setattr(validate, "measure", lambda ctx, exp, q: (dict(measured), {}))
     monkeypatch.setattr(validate, "_metrics_key", lambda ctx, exp, q: "key")
     ctx = type("Ctx", (), {"recipe": load_recipe(ROOT / "recipes" / "fp8-encoder.yaml"), "stage_dir": tmp_path})()
-    fresh = validate.run(ctx, None, None)
+    q = type("Q", (), {"onnx_path": "quantize/model.onnx"})()  # what the note names
+    fresh = validate.run(ctx, None, q)
     stored = _strict_load(tmp_path / "metrics.json")["metrics"]
-    assert stored == fresh.metrics == {**measured, "spearman_drop_max": None}
+    assert stored == {**measured, "spearman_drop_max": None}
+    assert {k: v for k, v in fresh.metrics.items() if k != "validated_artifact"} == stored  # + what it measured
     monkeypatch.setattr(validate, "measure", lambda ctx, exp, q: pytest.fail("the memo should be used"))
-    cached = validate.run(ctx, None, None)
+    cached = validate.run(ctx, None, q)
     assert cached.metrics == fresh.metrics
     for art in (fresh, cached):
         drop = next(g for g in art.gates if g.metric == "spearman_drop_max")
