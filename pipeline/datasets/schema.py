@@ -28,7 +28,12 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from pipeline.datasets import corpus, images, jsonl, npz, pairs, text
+import pipeline.datasets.corpus as corpus
+import pipeline.datasets.images as images
+import pipeline.datasets.jsonl as jsonl
+import pipeline.datasets.npz as npz
+import pipeline.datasets.pairs as pairs
+import pipeline.datasets.text as text
 from pipeline.datasets.base import Claim, Range, RecipeBound, Strict, files_sha256
 
 RecordKind = Literal["documents", "labeled_documents", "pairs", "images", "feeds"]

@@ -30,7 +30,7 @@ from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError, RecipeError
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
-from pipeline.models.generic import feeds as F
+import pipeline.models.generic.feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
 from pipeline.models.sources import EntrySource, OnnxSource, check_entry_axes, external_data_files
 
