@@ -30,3 +30,12 @@ def fp8_llm_run(llm_workspace):
     path = ROOT / "recipes" / "fp8-llm.yaml"
     recipe = load_recipe(path, llm_overrides(llm_workspace))
     return run_pipeline(recipe, path, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (``tiny.make_tiny_llama``), made once per
+    session. Tests copy it before changing any file in it."""
+    from tiny import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")

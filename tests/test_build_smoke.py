@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,12 +10,7 @@ from pipeline.cli import main
 from pipeline.errors import PipelineError
 from pipeline.models.sources import EntrySource, OnnxSource, PackageSource
 from pipeline.smoke import hf_location, random_copy
-from tiny import make_tiny_llama, tiny_recipe
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+from tiny import tiny_recipe
 
 
 def test_random_copy_keeps_the_config_with_two_layers_and_the_tokenizer(tmp_path):

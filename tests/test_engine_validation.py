@@ -18,12 +18,7 @@ from pipeline.cli import main as cli_main
 from pipeline.context import Progress, StageContext
 from pipeline.recipe_load import load_recipe
 from pipeline.stages import build, validate
-from tiny import make_tiny_llama, tiny_recipe
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+from tiny import tiny_recipe
 
 
 class FakeEngine:

@@ -16,7 +16,7 @@ from pipeline.errors import EnvironmentFault, PipelineError
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.runtime import ort_session
-from tiny import make_tiny_llama, tiny_recipe
+from tiny import tiny_recipe
 
 
 def _matmul_model(scale: float) -> onnx.ModelProto:
@@ -104,11 +104,6 @@ def test_lazy_model_is_saved_from_its_source_folder(tmp_path):
 
 
 # --- the pipeline on the tiny Llama, with external data forced everywhere ---------------
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def _run(path: Path, quiet: bool = True):

@@ -13,12 +13,7 @@ from pipeline import cli
 from pipeline.models.text_generation.model import check_model_folder
 from pipeline.recipe_load import load_recipe
 from pipeline.triton.repository import eos_token_ids
-from tiny import make_tiny_llama, tiny_recipe
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+from tiny import tiny_recipe
 
 
 def without(tiny_model: Path, dest: Path, *names: str) -> Path:

@@ -16,20 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from conftest import ROOT
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.triton.publish import JOURNAL_FILE, verify_repository
-from tiny import make_tiny_llama, tiny_recipe
+from tiny import tiny_recipe
 
 STAGES = ["export", "quantize", "build", "validate", "triton"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def snapshot(folder: Path) -> dict[str, str]:

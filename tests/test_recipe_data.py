@@ -16,7 +16,7 @@ from pipeline.datasets import DataError, load
 from pipeline.errors import RecipeError
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
-from tiny import make_tiny_llama, tiny_recipe
+from tiny import tiny_recipe
 
 LLM = ROOT / "recipes" / "fp8-llm.yaml"
 
@@ -136,11 +136,6 @@ def test_build_refuses_overlap_before_any_stage(tmp_path, capsys, monkeypatch):
 
 
 # --- a user's JSONL eval set, end to end on the tiny LM ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-
 
 def _jsonl(path: Path, docs: list[str]) -> None:
     path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))

@@ -15,12 +15,7 @@ from conftest import ROOT
 from pipeline.errors import PipelineError
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_lock, run_pipeline
-from tiny import make_tiny_llama, tiny_recipe
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+from tiny import tiny_recipe
 
 
 def _hits(man: dict) -> dict[str, bool]:
