@@ -109,11 +109,10 @@ def test_convention_names_window_stride_and_bos(saved):
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    from pipeline.models.text_generation.model import load_causal_lm
-    from pipeline.recipe_load import load_recipe
+def smollm2_tokenizer(tmp_path_factory):
+    from tiny import smollm2_tokenizer as load  # the GGUF's tokenizer, without its weights
 
-    return load_causal_lm(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)[1]
+    return load(tmp_path_factory.mktemp("smollm2-tokenizer"))
 
 
 def test_smollm2_adds_no_prefix_so_its_windows_and_prompts_are_unchanged(smollm2_tokenizer):

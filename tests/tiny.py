@@ -16,12 +16,9 @@ def make_tiny_llama(folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.models.text_generation.model import load_causal_lm
-    from pipeline.recipe_load import load_recipe
-
     if (folder / "config.json").exists():
         return folder
-    _, tok = load_causal_lm(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)
+    tok = smollm2_tokenizer(folder)  # the tokenizer alone: no dequantizing of the GGUF weights
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
