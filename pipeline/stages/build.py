@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from pipeline import engine_backends, engine_report, profiles, serving
-from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
+from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
+from pipeline.context import StageContext
 from pipeline.engine_backends import TENSORRT, Backend
 from pipeline.errors import EXIT_INTERNAL, PipelineError
 from pipeline.fsutil import sha256_file, write_bytes_atomic, write_text_atomic
@@ -74,7 +75,23 @@ class ServingRuntimeError(EngineBuildError):
     """This machine cannot build an engine the declared serving runtime loads (or none is declared)."""
 
 
-def run(
+NAME = "build"
+NEEDS = ("export", "quantize")
+ARTIFACT = BuildArtifact
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe the build reads: its section and the serving target it must match."""
+    return [r.build.model_dump(mode="json"), r.triton.serving and r.triton.serving.model_dump(mode="json")]
+
+
+def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> BuildArtifact:
+    """The stage: :func:`build_from_onnx` on the quantized graph, into the stage folder."""
+    return build_from_onnx(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
+                           quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
+
+
+def build_from_onnx(
     recipe: Recipe,
     quantized_onnx: str,
     inputs: list[TensorSpec],

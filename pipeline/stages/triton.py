@@ -17,6 +17,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NAME = "triton"
+NEEDS = ("export", "quantize", "build")
+ARTIFACT = TritonArtifact
+#: runs only when every earlier verdict passed: a failed accuracy gate publishes nothing
+GATED = True
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe the repository reads: the triton section, the kind, where it goes,
+    and the generation settings the served model uses."""
+    return [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
+            r.validate_.generation and r.validate_.generation.model_dump()]
+
+
+def cached_problems(art: TritonArtifact, recipe_name: str) -> list[str]:
+    """Why a cached repository no longer counts (empty: it does): its models must still be
+    assigned to this recipe in repository.json and byte-identical to what it published."""
+    from pipeline.triton import publish
+
+    return publish.verify_repository(Path(art.repository), art.models, recipe=recipe_name)
+
 
 def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildArtifact) -> TritonArtifact:
     """Publish ``recipe.output_dir`` atomically; every config is checked against its model.

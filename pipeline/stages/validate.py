@@ -21,9 +21,19 @@ from pipeline.fsutil import sha256_file, strict_jsonable, write_json_atomic, wri
 from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX
 from pipeline.provenance import code_hash
+from pipeline.recipe import Recipe
 from pipeline.gates import evaluate
 
+NAME = "validate"
+# validate measures the engine when one was built: the gate is on what ships
+NEEDS = ("export", "quantize", "build")
+ARTIFACT = ValidationArtifact
 ENGINE = ENGINE_PREFIX  # prefix of the engine's metrics
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe validate reads: its section (data, gates) and the precision."""
+    return [r.validate_.model_dump(mode="json"), r.quantize.precision]
 COMPARISON_FILE = "engine_vs_onnxruntime.md"
 
 
