@@ -227,9 +227,10 @@ def model_facts(recipe: Recipe, workspace_bytes: int | None = None) -> ModelFact
     from pipeline.profiles import resolve_profiles, shape_tensor_inputs
     from pipeline.onnx_io import graph_specs
     from pipeline.models.text_generation.triton import kv_layout
+    from pipeline.recipe_kinds import facts
     from pipeline.triton.repository import context_limits, profile_batch
 
-    if recipe.model.kind != "text-generation":
+    if not facts(recipe.model.kind).kv_cache:
         raise PipelineError(f"model.kind: plan sizes the KV cache of causal LMs; recipe {recipe.name!r} is "
                             f"{recipe.model.kind!r}")
     run_dir = Path(recipe.work_dir) / recipe.name

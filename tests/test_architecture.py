@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "pipeline.provenance": BASE, "pipeline.onnx_io": BASE,
     # the recipe (problems, schema, per-kind gate metrics, checks, loader) and what it reads
     "pipeline.recipe_problems": GROUND, "pipeline.recipe": GROUND, "pipeline.recipe_checks": GROUND,
+    "pipeline.recipe_kinds": GROUND,
     "pipeline.recipe_load": GROUND, "pipeline.gates": GROUND, "pipeline.serving": GROUND,
     "pipeline.datasets": GROUND, "pipeline.models.sources": GROUND,
     # graph checks, runners, TensorRT profiles, quantization, Triton, metrics, text data
