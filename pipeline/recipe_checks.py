@@ -244,17 +244,17 @@ def _triton_problems(r: Recipe) -> list[Problem]:
 
 def _target_problems(r: Recipe) -> list[Problem]:
     """``build.targets`` against FP8 (needs sm89+) and TensorRT-RTX's architectures."""
-    from pipeline import serving
+    from pipeline import serving_targets
 
     b = r.build
     out: list[Problem] = []
     for i, target in enumerate(b.targets):
-        cap = serving.sm_capability(target)
-        if r.quantize.precision == "fp8" and serving.fp8_problem(cap, target):
+        cap = serving_targets.sm_capability(target)
+        if r.quantize.precision == "fp8" and serving_targets.fp8_problem(cap, target):
             out.append((("build", "targets", i), f"{target}: FP8 needs compute capability >= 8.9 (sm89, sm90, "
                         "sm100, sm120, ...); drop it or quantize to int8"))
-    if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving.RTX_TARGETS for t in b.targets):
+    if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving_targets.RTX_TARGETS for t in b.targets):
         out.append((("build", "backend"), f"tensorrt-rtx cannot build for {b.targets} (it builds "
-                    f"{', '.join(serving.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "
-                    f"{serving.RTX_CHECK_TARGET} plus trtexec.sh) or tensorrt on such a GPU"))
+                    f"{', '.join(serving_targets.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "
+                    f"{serving_targets.RTX_CHECK_TARGET} plus trtexec.sh) or tensorrt on such a GPU"))
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import serving
+from pipeline import serving_targets
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 from test_build_stage import DECODE, INPUTS, PROFILE, make_recipe, write_onnx
@@ -263,4 +263,4 @@ def test_stamp_of_fake_build_passes_the_deploy_check(tmp_path, machine):
         "loads, but its kernels were timed on another GPU model (performance may differ); rebuild on the serving "
         "GPU model for best results"
     ]
-    assert serving.declared_target(recipe.triton.serving).tensorrt == "10.8.0.43"
+    assert serving_targets.declared_target(recipe.triton.serving).tensorrt == "10.8.0.43"

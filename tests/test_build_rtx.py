@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import engine_backends, engine_report, serving
+from pipeline import engine_backends, engine_report, serving_targets
 from pipeline.artifacts import ResolvedProfile, TensorSpec
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, RecipeError
 from pipeline.recipe import Recipe
@@ -96,7 +96,7 @@ def test_hopper_target_gets_a_labelled_sm89_check(tmp_path):
 def test_rtx_stamp_is_refused_for_tensorrt_plan(tmp_path):
     art = build.build_from_onnx(rtx_recipe(tmp_path, [PREFILL]), write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS,
                     tmp_path / "build")
-    h100 = serving.Target("10.8.0.43", "9.0", "H100")
+    h100 = serving_targets.Target("10.8.0.43", "9.0", "H100")
     result = build.check_stamp(stamp_of(art), h100, "whatever")
     assert len(result.errors) == 1
     assert result.errors[0].startswith("backend: engine built by TensorRT-RTX 1.7")
@@ -153,7 +153,7 @@ def test_recipe_refuses_fp8_below_sm89_and_rtx_without_a_buildable_target():
                          ids=lambda p: p.stem if p.stem != "recipe" else p.parent.name)
 def test_every_shipped_recipe_declares_a_target_tensorrt_rtx_builds(path):
     recipe = load_recipe(path)
-    assert recipe.build.targets and all(t in serving.RTX_TARGETS for t in recipe.build.targets)
+    assert recipe.build.targets and all(t in serving_targets.RTX_TARGETS for t in recipe.build.targets)
     if recipe.quantize.precision == "fp8":
         assert recipe.build.targets == ["sm89"]
 

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ProfileError
-from pipeline import serving
+from pipeline import serving_targets
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 
@@ -263,7 +263,7 @@ STAMP = {
 }
 
 
-TARGET = serving.Target("10.13.0.35", "9.0", "H200")
+TARGET = serving_targets.Target("10.13.0.35", "9.0", "H200")
 
 
 def test_check_stamp_accepts_a_matching_engine():
@@ -282,7 +282,7 @@ def test_check_stamp_lists_every_mismatch():
 
 
 def test_check_stamp_warns_for_another_gpu_of_the_same_capability():
-    result = build.check_stamp(STAMP, serving.Target("10.13.0", "9.0", "H100"), "abc123")
+    result = build.check_stamp(STAMP, serving_targets.Target("10.13.0", "9.0", "H100"), "abc123")
     assert result.errors == []
     [warning] = result.warnings
     assert warning.startswith("gpu_name: engine has 'NVIDIA H200', the serving GPU is 'H100': same compute capability 9.0")
@@ -312,7 +312,7 @@ def test_file_sha256_matches_hashlib(tmp_path):
 def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
     here = build.local_target()
     data = make_recipe(tmp_path, [PROFILE, DECODE]).model_dump(by_alias=True)
-    trt = ".".join(map(str, serving.tensorrt_triple(here.tensorrt)))
+    trt = ".".join(map(str, serving_targets.tensorrt_triple(here.tensorrt)))
     data["triton"]["serving"] = {"tensorrt": trt, "gpu": here.gpu_name, "compute_capability": here.compute_capability}
     recipe = Recipe.model_validate(data)
     art = build.build_from_onnx(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")

@@ -173,13 +173,13 @@ def test_one_kv_layout_for_the_graph_the_generation_model_and_validate():
 
 
 def test_bench_sends_the_sentences_validate_measures(monkeypatch):
-    from pipeline import data
+    from pipeline import text_data
     from pipeline.models.sentence_embedding import metrics
     from pipeline.models.sentence_embedding.adapter import SentenceEmbeddingAdapter
 
     recipe = load_recipe(ROOT / "recipes" / "int8-encoder.yaml")
     docs = ["First held-out sentence is here. Second one follows it! A third, short: no.", "Fourth sentence of text."]
-    monkeypatch.setattr(data, "documents", lambda source: docs)
+    monkeypatch.setattr(text_data, "documents", lambda source: docs)
     validated = metrics.validate_sentences(recipe.validate_)
     work = SentenceEmbeddingAdapter(recipe.model).bench_workload(recipe, "unused")
     sent = [r["text"][0, 0].decode() for r in work.requests]
@@ -298,7 +298,7 @@ def test_old_model_fields_are_refused_with_the_source_form(tmp_path, model, fiel
 
 
 def test_an_onnx_file_inside_a_package_is_an_onnx_source():
-    from pipeline.models.sources import OnnxSource, package_file
+    from pipeline.model_source import OnnxSource, package_file
 
     recipe = load_recipe(ROOT / "recipes" / "int8-textline-orientation.yaml")
     src = recipe.model.source

@@ -56,7 +56,7 @@ import yaml
 
 from pipeline.errors import PipelineError
 from pipeline.recipe_kinds import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
-from pipeline.serving import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
+from pipeline.serving_targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
 BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
@@ -100,16 +100,16 @@ def resource_name(recipe_name: str) -> str:
 
 def resolve_image(recipe, image: str | None = None) -> str:
     """The Triton image for ``recipe`` (see the module docstring)."""
-    from pipeline import serving
+    from pipeline import serving_targets
 
     if image:
         return image
     declared = recipe.triton.serving
     if declared is not None and declared.container:
-        return serving.container_image(declared.container)
-    if declared is not None and declared.tensorrt and serving.containers_with(declared.tensorrt):
-        return serving.container_image(serving.containers_with(declared.tensorrt)[0])
-    return serving.container_image(DEFAULT_RELEASE)
+        return serving_targets.container_image(declared.container)
+    if declared is not None and declared.tensorrt and serving_targets.containers_with(declared.tensorrt):
+        return serving_targets.container_image(serving_targets.containers_with(declared.tensorrt)[0])
+    return serving_targets.container_image(DEFAULT_RELEASE)
 
 
 def resolve_target(recipe, published: dict | None, target: str | None = None) -> str:

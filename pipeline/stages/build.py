@@ -13,7 +13,7 @@ checks nothing about the serving runtime (its reason says so).
 
 Where an engine would be built, the recipe must declare ``triton.serving``
 (the Triton container / TensorRT version and GPU model that will load the
-plan, see pipeline.serving): the build refuses a local TensorRT or compute
+plan, see pipeline.serving_targets): the build refuses a local TensorRT or compute
 capability that differs from it, and FP8 on a GPU below compute capability
 8.9. The stamp records what the engine was built with; :func:`check_stamp`
 compares it with the declared target at deploy time.
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from pipeline import engine_backends, engine_report, profiles, serving
+from pipeline import engine_backends, engine_report, profiles, serving_targets
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
 from pipeline.context import StageContext
 from pipeline.engine_backends import TENSORRT, Backend
@@ -200,13 +200,13 @@ def engine_name(plan: engine_backends.BuildPlan) -> str:
 # --- serving runtime: checked before building ---------------------------------------------
 
 
-def local_target() -> serving.Target:
+def local_target() -> serving_targets.Target:
     """This machine as a build target: tensorrt package version and CUDA device 0."""
     capability, name = gpu_info()
-    return serving.Target(tensorrt_version(), capability, name)
+    return serving_targets.Target(tensorrt_version(), capability, name)
 
 
-def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
+def preflight(recipe: Recipe, local: serving_targets.Target, script: Path) -> list[str]:
     """Refuse a build whose engine the declared serving runtime could not load.
 
     Args:
@@ -223,7 +223,7 @@ def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
             major.minor.patch or compute capability than declared.
     """
     fp8 = recipe.quantize.precision == "fp8"
-    problem = serving.fp8_problem(local.compute_capability, f"this GPU ({local.gpu_name})") if fp8 else None
+    problem = serving_targets.fp8_problem(local.compute_capability, f"this GPU ({local.gpu_name})") if fp8 else None
     if problem:
         raise ServingRuntimeError(f"build: {problem}; build on a GPU of compute capability 8.9 or later")
     cfg = recipe.triton.serving
@@ -234,11 +234,11 @@ def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
             "that will load it. Add e.g. triton: {serving: {container: '25.01-trtllm-python-py3', gpu: 'H100'}} or "
             "{tensorrt: '10.8.0', gpu: 'H100'}" + _containers_hint(local.tensorrt)
         )
-    declared = serving.declared_target(cfg)
-    problem = serving.fp8_problem(declared.compute_capability, f"the serving GPU ({declared.gpu_name})") if fp8 else None
+    declared = serving_targets.declared_target(cfg)
+    problem = serving_targets.fp8_problem(declared.compute_capability, f"the serving GPU ({declared.gpu_name})") if fp8 else None
     if problem:
         raise ServingRuntimeError(f"build: {problem} (recipe triton.serving.gpu)")
-    result = serving.compare(local, declared, "this machine")
+    result = serving_targets.compare(local, declared, "this machine")
     if result.errors:
         raise ServingRuntimeError(
             "build: refusing to build an engine the declared serving runtime cannot load:\n  "
@@ -248,25 +248,25 @@ def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
 
 
 def _containers_hint(version: str) -> str:
-    tags = serving.containers_with(version)
+    tags = serving_targets.containers_with(version)
     return f"; known containers with TensorRT {version}: {', '.join(tags)}" if tags else ""
 
 
-def _where_to_build(declared: serving.Target, script: Path) -> str:
+def _where_to_build(declared: serving_targets.Target, script: Path) -> str:
     """How to build the same engine where TensorRT and the GPU match the declaration."""
     rel = os.path.relpath(script)
     under_cwd = not rel.startswith("..")  # then mounting the working folder brings the script's inputs along
     shown = rel if under_cwd else str(script)
     image = declared.image
     if image is None:
-        tags = serving.containers_with(declared.tensorrt)
-        image = serving.container_image(tags[0]) if tags else None
+        tags = serving_targets.containers_with(declared.tensorrt)
+        image = serving_targets.container_image(tags[0]) if tags else None
     where = f"inside {image}" if image else f"where TensorRT {declared.tensorrt} is installed"
     docker = f"  (e.g. docker run --rm --gpus all -v \"$PWD\":/work -w /work {image} sh {shown})"
     return (
         f"Build on a {declared.gpu_name} (compute capability {declared.compute_capability}) {where}, with "
         f"trtexec on PATH: sh {shown}" + (docker if image and under_cwd else "")
-        + f"; or install tensorrt=={'.'.join(map(str, serving.tensorrt_triple(declared.tensorrt)))}.* here"
+        + f"; or install tensorrt=={'.'.join(map(str, serving_targets.tensorrt_triple(declared.tensorrt)))}.* here"
     )
 
 
@@ -412,10 +412,10 @@ def make_stamp(
     backend = plan.backend or TENSORRT
     if backend is TENSORRT:
         capability, gpu_name = gpu_info()
-        targets = [serving.sm_name(capability)]
+        targets = [serving_targets.sm_name(capability)]
         runs_on = f"Triton's tensorrt_plan backend with TensorRT {backend.version()} on a {gpu_name}"
     else:
-        capability, gpu_name, targets = ",".join(serving.sm_capability(t) for t in plan.targets), None, plan.targets
+        capability, gpu_name, targets = ",".join(serving_targets.sm_capability(t) for t in plan.targets), None, plan.targets
         runs_on = rtx_runs_on(plan.targets)
     return {
         "backend": backend.name,
@@ -440,7 +440,7 @@ def make_stamp(
 
 def rtx_runs_on(targets: Sequence[str]) -> str:
     """Where a TensorRT-RTX engine for ``targets`` runs, and how to load it."""
-    gpus = [f"{t} ({', '.join(g.upper() for g, c in serving.GPU_CAPABILITY.items() if c == serving.sm_capability(t))})"
+    gpus = [f"{t} ({', '.join(g.upper() for g, c in serving_targets.GPU_CAPABILITY.items() if c == serving_targets.sm_capability(t))})"
             for t in targets]
     return ("the TensorRT-RTX runtime (tensorrt_rtx_bindings.Runtime(logger).deserialize_cuda_engine(bytes)) on a "
             f"GPU of {', '.join(gpus)}; not Triton's tensorrt_plan backend, which links datacenter TensorRT")
@@ -451,7 +451,7 @@ def file_sha256(path: Path) -> str:
     return sha256_file(path)
 
 
-def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str) -> serving.Comparison:
+def check_stamp(stamp: dict[str, Any], target: serving_targets.Target, recipe_hash: str) -> serving_targets.Comparison:
     """Compare an engine's stamp with the DECLARED serving target (not this machine).
 
     A plan loads only in the TensorRT major.minor.patch that built it and on
@@ -465,7 +465,7 @@ def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str)
         GPU model with the same compute capability.
     """
     if stamp.get("backend", TENSORRT.name) != TENSORRT.name:
-        return serving.Comparison([
+        return serving_targets.Comparison([
             f"backend: engine built by {stamp.get('backend_label', stamp['backend'])} "
             f"{stamp.get('tensorrt_version', '?')}, which Triton's tensorrt_plan backend (datacenter TensorRT "
             f"{target.tensorrt}) cannot load; serve the ONNX graph, or build with datacenter TensorRT on the "
@@ -478,10 +478,10 @@ def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str)
         errors.append(f"recipe_hash: engine has {stamp['recipe_hash']!r}, the recipe {recipe_hash!r} "
                       "(the recipe changed since the engine was built); rebuild the engine")
     if errors:
-        return serving.Comparison(errors, [])
-    built = serving.Target(str(stamp["tensorrt_version"]), str(stamp["compute_capability"]), str(stamp["gpu_name"]))
-    result = serving.compare(built, target, "engine")
-    return serving.Comparison([f"{e}; rebuild the engine" for e in result.errors], result.warnings)
+        return serving_targets.Comparison(errors, [])
+    built = serving_targets.Target(str(stamp["tensorrt_version"]), str(stamp["compute_capability"]), str(stamp["gpu_name"]))
+    result = serving_targets.compare(built, target, "engine")
+    return serving_targets.Comparison([f"{e}; rebuild the engine" for e in result.errors], result.warnings)
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:

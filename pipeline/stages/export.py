@@ -14,7 +14,7 @@ from pipeline.context import StageContext
 from pipeline.errors import ExportError
 from pipeline.models import registry
 from pipeline.recipe import Recipe
-from pipeline.runtime import load_session
+from pipeline.ort_sessions import load_session
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def check_tolerance_patterns(patterns, outputs: list[str]) -> None:
 
 def onnx_source(adapter) -> Path | None:
     """The graph file of an ``onnx:`` model source (verified, not exported), else None."""
-    from pipeline.models.sources import OnnxSource
+    from pipeline.model_source import OnnxSource
 
     source = getattr(adapter, "source", None)
     return source.location() if isinstance(source, OnnxSource) else None

@@ -13,7 +13,7 @@ from pipeline.errors import TritonConfigError
 from pipeline.recipe import Recipe
 
 if TYPE_CHECKING:
-    from pipeline.serving import Target
+    from pipeline.serving_targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
         TritonConfigError: no stamp, no declared serving runtime, or one line
             per mismatch.
     """
-    from pipeline import serving
+    from pipeline import serving_targets
     from pipeline.stages import build
 
     if b.stamp_path is None or not Path(b.stamp_path).is_file():
@@ -154,7 +154,7 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
                 f"engine {b.engine_path}: recipe triton.serving is not declared, so there is no serving runtime to "
                 "check the engine stamp against; declare the Triton container (or TensorRT version) and GPU model"
             )
-        target = serving.declared_target(recipe.triton.serving)
+        target = serving_targets.declared_target(recipe.triton.serving)
     stamp = json.loads(Path(b.stamp_path).read_text())
     result = build.check_stamp(stamp, target, recipe.engine_hash)
     if result.errors:
