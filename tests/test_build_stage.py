@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ProfileError
-from pipeline import serving_targets
+from pipeline import fsutil, serving_targets
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 
@@ -302,7 +302,7 @@ def test_file_sha256_matches_hashlib(tmp_path):
     path.write_bytes(b"x" * (3 << 20))
     import hashlib
 
-    assert build.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert fsutil.sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # --- real build: only where tensorrt and a CUDA GPU are present ---------------------------
@@ -321,5 +321,5 @@ def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
     assert (tmp_path / "cache" / "tiny.cache").stat().st_size > 0
     stamp = json.loads(Path(art.stamp_path).read_text())
     assert build.check_stamp(stamp, build.local_target(), recipe.engine_hash).errors == []
-    assert stamp["onnx_sha256"] == build.file_sha256(tmp_path / "model.onnx")
+    assert stamp["onnx_sha256"] == fsutil.sha256_file(tmp_path / "model.onnx")
     assert shlex.split(Path(art.trtexec_cmd_path).read_text().split("\n", 2)[2].replace("\\\n", " "))[0] == "trtexec"

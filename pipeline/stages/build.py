@@ -23,8 +23,6 @@ against ``tensorrt-stubs`` (tests/test_build_typecheck.py).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib
 import json
 import logging
 import os
@@ -164,7 +162,7 @@ def build_from_onnx(
     engine_path = out_dir / engine_name(plan)
     context = FailureContext(resolved, dynamic, inserted_nodes(model, source_onnx), _node_ops(model))
     built = build_engine(plan.backend, plan.targets, onnx_path, recipe.build, cache_path, notes, context)
-    _write_atomic(engine_path, built.plan)
+    write_bytes_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
     stamp["onnx_qdq_nodes"] = sum(n.op_type in _INSERTED_OPS for n in model.graph.node)
     notes = _gemm_warnings(built.network, quantized_nodes) + notes
@@ -184,7 +182,7 @@ def _gemm_warnings(network: engine_report.NetworkSummary, quantized_nodes: list[
 def _write_records(out_dir: Path, stamp: dict[str, Any], quantized_nodes: list[str] | None, notes: list[str]) -> Path:
     """Write ``engine_stamp.json`` and the report section ``engine.md``; returns the stamp's path."""
     stamp_path = out_dir / STAMP_NAME
-    _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
+    write_bytes_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
     count = None if quantized_nodes is None else len(quantized_nodes)
     write_text_atomic(out_dir / engine_report.SECTION_FILE, engine_report.section_markdown(stamp, count, notes))
     return stamp_path
@@ -426,7 +424,7 @@ def make_stamp(
         "targets": targets,
         "check_only": plan.check_only,
         "recipe_hash": recipe.engine_hash,
-        "onnx_sha256": file_sha256(onnx_path),
+        "onnx_sha256": sha256_file(onnx_path),  # the .onnx file only, not external data
         "profiles": [asdict(p) for p in resolved],
         "engine_file": engine_path.name,
         "engine_bytes": len(built.plan),
@@ -444,11 +442,6 @@ def rtx_runs_on(targets: Sequence[str]) -> str:
             for t in targets]
     return ("the TensorRT-RTX runtime (tensorrt_rtx_bindings.Runtime(logger).deserialize_cuda_engine(bytes)) on a "
             f"GPU of {', '.join(gpus)}; not Triton's tensorrt_plan backend, which links datacenter TensorRT")
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file's bytes (the .onnx file only, not external data)."""
-    return sha256_file(path)
 
 
 def check_stamp(stamp: dict[str, Any], target: serving_targets.Target, recipe_hash: str) -> serving_targets.Comparison:
@@ -482,10 +475,6 @@ def check_stamp(stamp: dict[str, Any], target: serving_targets.Target, recipe_ha
     built = serving_targets.Target(str(stamp["tensorrt_version"]), str(stamp["compute_capability"]), str(stamp["gpu_name"]))
     result = serving_targets.compare(built, target, "engine")
     return serving_targets.Comparison([f"{e}; rebuild the engine" for e in result.errors], result.warnings)
-
-
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-    write_bytes_atomic(path, data)
 
 
 # --- failures: which node, which shapes, whose fault ---------------------------------------
@@ -686,7 +675,7 @@ def attach_timing_cache(config: trt.IBuilderConfig, path: Path, notes: list[str]
 def save_timing_cache(cache: trt.ITimingCache, path: Path) -> None:
     """Serialize the (updated) timing cache to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, memoryview(cache.serialize()))
+    write_bytes_atomic(path, memoryview(cache.serialize()))
 
 
 def add_profile(
