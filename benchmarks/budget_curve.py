@@ -60,7 +60,7 @@ def main() -> int:
     from pipeline.models import registry
     from pipeline.quant import sensitivity as S
     from pipeline.recipe_load import load_recipe
-    from pipeline.runtime import ort_session
+    from pipeline.ort_sessions import ort_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "fp8-llm.yaml"))

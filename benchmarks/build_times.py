@@ -49,7 +49,7 @@ def make_large_llama(folder: Path) -> int:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pipeline.models.sources import package_file
+    from pipeline.model_source import package_file
     from pipeline.recipe_load import load_recipe
 
     src = package_file(load_recipe(Path("recipes/fp8-llm.yaml")).model)

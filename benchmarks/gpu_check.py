@@ -28,12 +28,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import data  # noqa: E402
+from pipeline import text_data  # noqa: E402
 from pipeline.artifacts import ExportArtifact, TensorSpec  # noqa: E402
 from pipeline.models.text_generation.model import prefill_feeds  # noqa: E402
 from pipeline.recipe import Recipe
 from pipeline.recipe_load import load_recipe# noqa: E402
-from pipeline.runtime import ort_session  # noqa: E402
+from pipeline.ort_sessions import ort_session  # noqa: E402
 from pipeline.models.text_generation.metrics import mean_nll  # noqa: E402
 
 Runner = Callable[[dict[str, np.ndarray]], np.ndarray]  # feeds -> logits float32 [batch, seq, vocab]
@@ -146,9 +146,9 @@ def check(recipe: Recipe, engines: dict[str, Path], windows_limit: int) -> dict[
     run_dir = Path(recipe.work_dir) / recipe.name
     exp = load_export(run_dir)
     v = recipe.validate_
-    tok = data.load_tokenizer(exp.tokenizer_dir)
-    windows = data.token_windows(tok, data.documents(v.data), v.seq_len, min(v.max_windows, windows_limit))
-    context = v.seq_len - data.window_convention(tok, v.seq_len)["scored_per_window"]
+    tok = text_data.load_tokenizer(exp.tokenizer_dir)
+    windows = text_data.token_windows(tok, text_data.documents(v.data), v.seq_len, min(v.max_windows, windows_limit))
+    context = v.seq_len - text_data.window_convention(tok, v.seq_len)["scored_per_window"]
     quantized = run_dir / "quantize" / "model.onnx"
     results: dict[str, dict[str, float]] = {}
     for label, plan in engines.items():

@@ -4,7 +4,7 @@ divides the served weights by for its CPU decode roofline).
 Each run copies a float64 array far larger than the last-level cache with
 ``np.copyto``; read + write bytes (2 x the array, the STREAM "copy" convention)
 over the run's wall time is one GB/s sample (10^9 bytes/s); the median of the
-runs is reported. The implementation is :func:`pipeline.plan_measure.copy_bandwidth`.
+runs is reported. The implementation is :func:`pipeline.plan.measure.copy_bandwidth`.
 
     .venv/bin/python benchmarks/memory_bandwidth.py [--size-mib 256] [--repeats 7] [--json out.json]
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.plan_measure import copy_bandwidth  # noqa: E402
+from pipeline.plan.measure import copy_bandwidth  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Prefill and decode-step throughput of a reference graph and a quantized graph, side
 by side in one run, in ONNX Runtime at the level each is served at
-(:func:`pipeline.runtime.optimization_level`: FP8 Q/DQ and full-range INT8 at
+(:func:`pipeline.ort_sessions.optimization_level`: FP8 Q/DQ and full-range INT8 at
 ``basic``, everything else at ``all``).
 
 Each shape runs the two graphs interleaved (reference, candidate, reference, ...)
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.metrics.speed import time_pair  # noqa: E402
 from pipeline.onnx_io import graph_specs  # noqa: E402
-from pipeline.runtime import optimization_level, ort_session  # noqa: E402
+from pipeline.ort_sessions import optimization_level, ort_session  # noqa: E402
 
 
 def shapes(path: Path, batch: int, seq: int, past: int) -> dict[str, dict[str, np.ndarray]]:

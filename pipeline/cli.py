@@ -61,7 +61,7 @@ def preflight(args):
             ``output_dir`` by another recipe.
         DataError: two data uses overlap (names both) or a data file is missing.
     """
-    from pipeline.models.sources import package_file
+    from pipeline.model_source import package_file
 
     recipe = load_from_args(args)
     from pipeline import datasets, manifest
@@ -196,7 +196,7 @@ COMMANDS = (
     ("deploy", "cmd_deploy", "write Kubernetes manifests (KServe InferenceService, or Deployment + Service + HPA)",
      "pipeline.remote.k8s:add_deploy_arguments"),
     ("plan", "cmd_plan", "GPU capacity plan (weights, KV cache, roofline, replicas) from the built model's numbers",
-     "pipeline.plan:add_plan_arguments"),
+     "pipeline.plan.capacity:add_plan_arguments"),
 )
 
 

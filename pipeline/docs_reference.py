@@ -26,7 +26,7 @@ REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "rec
 HEADER = """# Recipe reference
 
 Generated from the pydantic schema (`pipeline/recipe.py`, `pipeline/datasets/schema.py`,
-`pipeline/models/sources.py`) by `make docs` (`python -m pipeline.docs_reference`); do not
+`pipeline/model_source.py`) by `make docs` (`python -m pipeline.docs_reference`); do not
 edit by hand: `tests/test_docs_reference.py` fails when this file is stale. The guide to
 writing a recipe is [docs/recipes-and-gates.md](../recipes-and-gates.md).
 

@@ -7,7 +7,7 @@ dependency) has the same ONNX parser and builder API and builds without a GPU
 for the compute capabilities chosen on the builder config
 (``num_compute_capabilities`` / ``set_compute_capability``), but only those of
 its ``ComputeCapability`` enum (no sm90 / sm100, see
-:data:`pipeline.serving.RTX_TARGETS`); its timing-cache calls are deprecated
+:data:`pipeline.serving_targets.RTX_TARGETS`); its timing-cache calls are deprecated
 no-ops. Its engines run only in the TensorRT-RTX runtime, not in Triton.
 
 :class:`Backend` hides those differences so pipeline.stages.build has one
@@ -20,7 +20,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from pipeline import serving
+from pipeline import serving_targets
 from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def set_compute_capabilities(config: rtx.IBuilderConfig, targets: Sequence[str])
         cap = getattr(rtx.ComputeCapability, target.upper(), None)
         if cap is None:
             raise BackendChoiceError(f"build.targets: TensorRT-RTX {rtx.__version__} cannot build for {target}; "
-                                     f"it builds {', '.join(serving.RTX_TARGETS)}")
+                                     f"it builds {', '.join(serving_targets.RTX_TARGETS)}")
         config.set_compute_capability(cap, index)
 
 
@@ -101,7 +101,7 @@ class BuildPlan:
 
     ``targets``: compute capabilities the engine is built for (``["sm89"]``; empty for
     datacenter TensorRT, which builds for the local GPU). ``check_only``: a TensorRT-RTX
-    parse-and-build check for :data:`~pipeline.serving.RTX_CHECK_TARGET`, standing in for
+    parse-and-build check for :data:`~pipeline.serving_targets.RTX_CHECK_TARGET`, standing in for
     a target TensorRT-RTX cannot build (not a deployable engine). ``notes``: for the report.
     """
 
@@ -117,7 +117,7 @@ def declared_targets(recipe: Recipe) -> list[str]:
     them (``["sm89", "sm90"]``); [] when neither is declared."""
     targets: list[str] = list(recipe.build.targets)
     if recipe.triton.serving is not None:
-        served = serving.sm_name(serving.declared_target(recipe.triton.serving).compute_capability)
+        served = serving_targets.sm_name(serving_targets.declared_target(recipe.triton.serving).compute_capability)
         targets += [] if served in targets else [served]
     return targets
 
@@ -153,16 +153,16 @@ def _rtx_plan(recipe: Recipe, choice: str, datacenter_problem: str | None) -> Bu
     if problem:
         why = f"{datacenter_problem}; {problem}" if choice == "auto" else problem
         return BuildPlan(None, reason=why)
-    buildable = [t for t in targets if t in serving.RTX_TARGETS]
-    left = [t for t in targets if t not in serving.RTX_TARGETS]
+    buildable = [t for t in targets if t in serving_targets.RTX_TARGETS]
+    left = [t for t in targets if t not in serving_targets.RTX_TARGETS]
     notes = [f"{', '.join(left)}: not a TensorRT-RTX target; build that engine with datacenter TensorRT on such a "
              "GPU (trtexec.sh)"] if left else []
     if buildable:
         return BuildPlan(TENSORRT_RTX, buildable, notes=notes)
     if choice == "tensorrt-rtx":
         raise BackendChoiceError(f"build.backend: tensorrt-rtx cannot build for {targets} (it builds "
-                                 f"{', '.join(serving.RTX_TARGETS)}); use backend auto for a check build")
-    check = serving.RTX_CHECK_TARGET
+                                 f"{', '.join(serving_targets.RTX_TARGETS)}); use backend auto for a check build")
+    check = serving_targets.RTX_CHECK_TARGET
     return BuildPlan(TENSORRT_RTX, [check], check_only=True, notes=notes + [
         f"TensorRT-RTX parse-and-build CHECK for {check} (the parser and builder accept the graph and profiles), "
         f"not a deployable engine for {', '.join(left)}"])

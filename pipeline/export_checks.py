@@ -466,7 +466,7 @@ def verify_export(module, example_feeds: Feeds, onnx_path: str | Path, dynamic_a
     Raises:
         ExportError: any fault, naming the input, axis and dim and the fix.
     """
-    from pipeline.runtime import ort_session
+    from pipeline.ort_sessions import ort_session
 
     check_example_sizes(example_feeds, dynamic_axes)
     sizes = example_sizes(example_feeds, dynamic_axes)

@@ -22,7 +22,7 @@ def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
     Raises:
         DataError: a data file is missing.
     """
-    from pipeline.models.sources import manifest_input
+    from pipeline.model_source import manifest_input
 
     return {
         "recipe_path": str(recipe_path),

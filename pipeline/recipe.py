@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from pydantic_core import PydanticCustomError
 
 from pipeline.datasets.schema import DataSource
-from pipeline.models.sources import ModelSourceSpec, legacy_problem
+from pipeline.model_source import ModelSourceSpec, legacy_problem
 from pipeline.recipe_problems import ConstraintErrors, Problem
 
 Precision = Literal["fp8", "int8", "fp16", "fp32"]
@@ -37,7 +37,7 @@ class Strict(BaseModel):
 
 class ModelSource(Strict):
     """The model: its task (``kind``) and where it comes from (``source``, one of
-    package / path / entry / onnx; see :mod:`pipeline.models.sources`)."""
+    package / path / entry / onnx; see :mod:`pipeline.model_source`)."""
 
     kind: ModelKind = Field(description="the task: selects the adapter in pipeline/models/<kind>/")
     source: ModelSourceSpec = Field(
@@ -400,7 +400,7 @@ class InstanceGroup(Strict):
 
 
 class ServingRuntime(Strict):
-    """The Triton runtime an engine is built for (see pipeline.serving): a container
+    """The Triton runtime an engine is built for (see pipeline.serving_targets): a container
     tag or a TensorRT version, plus the GPU model. Checked only when an engine is built."""
 
     container: str | None = Field(None, pattern=r"^\d{2}\.\d{2}(-[a-z0-9\-]+)?$",
@@ -411,20 +411,20 @@ class ServingRuntime(Strict):
 
     @model_validator(mode="after")
     def _resolvable(self) -> "ServingRuntime":
-        from pipeline import serving
+        from pipeline import serving_targets
 
         if self.container is None and self.tensorrt is None:
             raise ValueError("give a Triton container tag (container: '25.01-trtllm-python-py3') or a TensorRT "
-                             f"version (tensorrt: '10.8.0'); known containers: {', '.join(serving.TRITON_TENSORRT)}")
+                             f"version (tensorrt: '10.8.0'); known containers: {', '.join(serving_targets.TRITON_TENSORRT)}")
         if self.tensorrt is None:
-            serving.container_tensorrt(self.container or "")  # raises for an unknown tag
-        elif self.container in serving.TRITON_TENSORRT and not serving.same_tensorrt(
-                self.tensorrt, serving.TRITON_TENSORRT[self.container]):
+            serving_targets.container_tensorrt(self.container or "")  # raises for an unknown tag
+        elif self.container in serving_targets.TRITON_TENSORRT and not serving_targets.same_tensorrt(
+                self.tensorrt, serving_targets.TRITON_TENSORRT[self.container]):
             raise ValueError(f"tensorrt {self.tensorrt!r} contradicts container {self.container!r}, which ships "
-                             f"TensorRT {serving.TRITON_TENSORRT[self.container]}; drop one of them")
-        if self.compute_capability is None and serving.gpu_capability(self.gpu) is None:
+                             f"TensorRT {serving_targets.TRITON_TENSORRT[self.container]}; drop one of them")
+        if self.compute_capability is None and serving_targets.gpu_capability(self.gpu) is None:
             raise ValueError(f"gpu {self.gpu!r}: compute capability unknown to this pipeline; add "
-                             f"compute_capability (e.g. '9.0'); known models: {', '.join(serving.GPU_CAPABILITY)}")
+                             f"compute_capability (e.g. '9.0'); known models: {', '.join(serving_targets.GPU_CAPABILITY)}")
         return self
 
 

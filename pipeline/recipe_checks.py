@@ -12,20 +12,14 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from pipeline.recipe_kinds import PAST_DIM, facts
 from pipeline.recipe_problems import ConstraintErrors, Loc, Problem, dotted  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from pipeline.datasets import DataSource
     from pipeline.recipe import Profile, Recipe
 
-#: Inputs of the encoder graph (pipeline.models.sentence_embedding.model.INPUTS), all int64 [batch, sequence].
-ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-#: Inputs of the causal-LM graph besides the KV cache (pipeline.models.text_generation), rank 2.
-LLM_INPUTS = ("input_ids", "attention_mask")
 _PAST = re.compile(r"^past_key_values\.\d+\.(key|value)$")
-PAST_DIM = "past_sequence"  # the adapter's dim name for axis 2 of every past input
-#: Kinds whose calibration and validate data are texts (documents).
-TEXT_KINDS = frozenset({"text-generation", "sentence-embedding", "causal-lm", "encoder"})
 #: Record kinds (pipeline.datasets) that give texts.
 TEXT_RECORDS = ("documents", "labeled_documents")
 #: Metrics measured by greedy generation, so only with validate.generation.
@@ -47,7 +41,7 @@ def constraint_problems(r: Recipe) -> list[Problem]:
 
 
 def _batch_dim(r: Recipe) -> str:
-    if r.model.kind not in TEXT_KINDS:  # any input's axis 0 (one batch name is checked below)
+    if facts(r.model.kind).graph_inputs is None:  # any input's axis 0 (one batch name is checked below)
         return next((dims[0] for dims in r.export.dynamic_axes.values() if 0 in dims), "batch")
     return r.export.dynamic_axes.get("input_ids", {}).get(0, "batch")
 
@@ -59,22 +53,23 @@ def _sequence_dim(r: Recipe) -> str:
 def _known_dims(r: Recipe) -> set[str]:
     """Symbolic dim names the exported graph will have."""
     names = {d for axes in r.export.dynamic_axes.values() for d in axes.values()}
-    return names | ({PAST_DIM} if r.model.kind == "text-generation" else set())
+    return names | ({PAST_DIM} if facts(r.model.kind).kv_cache else set())
 
 
 def _export_problems(r: Recipe) -> list[Problem]:
     axes = r.export.dynamic_axes
     at: Loc = ("export", "dynamic_axes")
     out: list[Problem] = []
-    if r.model.kind not in TEXT_KINDS:  # the graph's own inputs are checked at export
+    kind = facts(r.model.kind)
+    if kind.graph_inputs is None:  # the graph's own inputs are checked at export
         return _batch_name_problems(axes, at)
     if 0 not in axes.get("input_ids", {}):
         out.append((at, "needs input_ids with a dynamic batch axis, e.g. input_ids: {0: batch, 1: sequence}"))
-    allowed = ENCODER_INPUTS if r.model.kind == "sentence-embedding" else LLM_INPUTS
+    allowed = kind.graph_inputs
     for name, dims in axes.items():
-        if name not in allowed and not (r.model.kind == "text-generation" and _PAST.match(name)):
+        if name not in allowed and not (kind.kv_cache and _PAST.match(name)):
             out.append(((*at, name), f"a {r.model.kind} graph has no input {name!r}; its inputs are "
-                        f"{list(allowed)}" + (" and past_key_values.N.key/value" if r.model.kind == "text-generation" else "")))
+                        f"{list(allowed)}" + (" and past_key_values.N.key/value" if kind.kv_cache else "")))
             continue
         rank = 4 if _PAST.match(name) else 2
         for axis in dims:
@@ -100,8 +95,9 @@ def _check_point_problems(r: Recipe) -> list[Problem]:
     if len(points) < 3:
         out.append((at, f"give at least 3 shape points (min, a middle one, max), got {len(points)}"))
     known = _known_dims(r)
-    required = {_batch_dim(r)} if r.model.kind not in TEXT_KINDS else (
-        {"batch", "sequence"} | ({PAST_DIM} if r.model.kind == "text-generation" else set()))
+    kind = facts(r.model.kind)
+    required = {_batch_dim(r)} if kind.graph_inputs is None else (
+        {"batch", "sequence"} | ({PAST_DIM} if kind.kv_cache else set()))
     for i, point in enumerate(points):
         for dim, size in point.items():
             if dim not in known:
@@ -113,7 +109,7 @@ def _check_point_problems(r: Recipe) -> list[Problem]:
         if missing:
             out.append(((*at, i), f"point {point} lacks {missing}; a {r.model.kind} point needs {sorted(required)}"))
         total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
-        if r.model.kind == "text-generation" and total in point and {"sequence", PAST_DIM} <= point.keys():
+        if kind.kv_cache and total in point and {"sequence", PAST_DIM} <= point.keys():
             if point[total] != point["sequence"] + point[PAST_DIM]:
                 out.append(((*at, i, total), f"{total}={point[total]} must equal sequence + {PAST_DIM} "
                             f"({point['sequence']} + {point[PAST_DIM]}); omit it to have it computed"))
@@ -153,7 +149,7 @@ def _calibration_problems(r: Recipe) -> list[Problem]:
     # Calibration runs prefills: batch_size rows of seq_len tokens (an empty past for an LLM).
     shape = {"batch_size": (_batch_dim(r), cal.batch_size), "seq_len": (_sequence_dim(r), cal.seq_len)}
     total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
-    if r.model.kind == "text-generation":
+    if facts(r.model.kind).kv_cache:
         shape[f"{PAST_DIM} (empty past)"] = (PAST_DIM, 0)
         if total:
             shape[f"{total} (= seq_len)"] = (total, cal.seq_len)
@@ -181,7 +177,7 @@ def _data_problems(r: Recipe) -> list[Problem]:
     """A text model's calibration and validate data must give texts. (Overlap between
     the uses needs the files: :func:`pipeline.datasets.check_disjoint`, run by ``check``
     and ``build``.)"""
-    if r.model.kind not in TEXT_KINDS:
+    if not facts(r.model.kind).text_data:
         return []
     uses: list[tuple[Loc, DataSource]] = [(("validate", "data"), r.validate_.data)]
     if r.quantize.calibration is not None:
@@ -227,7 +223,7 @@ def _triton_problems(r: Recipe) -> list[Problem]:
                 out.append((("export", "dynamic_axes", name), f"axis 0 of {name} is not dynamic, but "
                             "triton.max_batch_size > 0 / dynamic_batching batches it; add 0: batch "
                             "or set triton.max_batch_size: 0 without dynamic_batching"))
-    if r.model.kind == "sentence-embedding" and t.max_batch_size < 1:
+    if facts(r.model.kind).batching_front and t.max_batch_size < 1:
         out.append(((*at, "max_batch_size"), "an encoder's tokenizer model and ensemble batch requests: "
                     "max_batch_size must be >= 1"))
     if t.dynamic_batching is not None:
@@ -248,17 +244,17 @@ def _triton_problems(r: Recipe) -> list[Problem]:
 
 def _target_problems(r: Recipe) -> list[Problem]:
     """``build.targets`` against FP8 (needs sm89+) and TensorRT-RTX's architectures."""
-    from pipeline import serving
+    from pipeline import serving_targets
 
     b = r.build
     out: list[Problem] = []
     for i, target in enumerate(b.targets):
-        cap = serving.sm_capability(target)
-        if r.quantize.precision == "fp8" and serving.fp8_problem(cap, target):
+        cap = serving_targets.sm_capability(target)
+        if r.quantize.precision == "fp8" and serving_targets.fp8_problem(cap, target):
             out.append((("build", "targets", i), f"{target}: FP8 needs compute capability >= 8.9 (sm89, sm90, "
                         "sm100, sm120, ...); drop it or quantize to int8"))
-    if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving.RTX_TARGETS for t in b.targets):
+    if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving_targets.RTX_TARGETS for t in b.targets):
         out.append((("build", "backend"), f"tensorrt-rtx cannot build for {b.targets} (it builds "
-                    f"{', '.join(serving.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "
-                    f"{serving.RTX_CHECK_TARGET} plus trtexec.sh) or tensorrt on such a GPU"))
+                    f"{', '.join(serving_targets.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "
+                    f"{serving_targets.RTX_CHECK_TARGET} plus trtexec.sh) or tensorrt on such a GPU"))
     return out

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import RecipeError
-from pipeline.models.sources import SOURCE_KEYS
+from pipeline.model_source import SOURCE_KEYS
 from pipeline.recipe import OLD_GATE_FIELDS, Recipe
 from pipeline.recipe_checks import constraint_problems
 from pipeline.recipe_problems import ConstraintErrors, Problem, dotted

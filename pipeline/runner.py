@@ -1,7 +1,14 @@
 """Run the stages in order with a content-addressed cache; write the manifest.
 
-A stage's cache key hashes its recipe sections, its upstream stages' keys and
-the tool versions. A stage whose key matches the ``stage.json`` left by an
+Each module of :data:`STAGES` declares itself: ``NAME``, ``NEEDS`` (the stages whose
+artifacts it takes, in order), ``ARTIFACT`` (its artifact type), ``key_sections(recipe)``
+(what of the recipe it reads) and ``run(ctx, *needed_artifacts)``; optionally
+``key_extra(ctx)`` (more key inputs), ``GATED`` (skipped once a verdict failed) and
+``cached_problems(artifact, recipe_name)`` (why a cached artifact no longer counts). The
+runner knows no recipe section and no stage by name: it walks them.
+
+A stage's cache key hashes its recipe sections, its upstream stages' keys, the tool
+versions and its own code (the import closure of its module). A stage whose key matches the ``stage.json`` left by an
 earlier finished run (and whose files still exist) is not run again.
 ``stage.json`` is written last, atomically, so an interrupted stage is simply
 re-run next time.
@@ -11,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 from pydantic import TypeAdapter
@@ -24,57 +33,69 @@ from pipeline import artifacts as A
 from pipeline import interrupts
 from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
-from pipeline.errors import LockHeld
+from pipeline.errors import InternalError, LockHeld
 from pipeline.faults import fault_point
 from pipeline.memory import PeakRSS
 from pipeline.provenance import code_hash
 from pipeline.recipe import Recipe
 
 
+#: The stage modules, in the order a run walks them (each after the stages it needs).
+STAGES = ("pipeline.stages.export", "pipeline.stages.quantize", "pipeline.stages.build",
+          "pipeline.stages.validate", "pipeline.stages.triton")
+
+
 @dataclass(frozen=True)
 class StageDef:
-    name: str
-    deps: tuple[str, ...]
-    artifact: type
-    fn: Callable[..., Any]  # fn(ctx, *dep_artifacts) -> artifact
+    """One stage module, as the runner sees it (the module's own declarations)."""
+    module: ModuleType
+
+    @property
+    def name(self) -> str:
+        return self.module.NAME
+
+    @property
+    def deps(self) -> tuple[str, ...]:
+        return tuple(self.module.NEEDS)
+
+    @property
+    def artifact(self) -> type:
+        return self.module.ARTIFACT
+
+    @property
+    def fn(self) -> Callable[..., Any]:  # fn(ctx, *needed artifacts) -> artifact
+        return self.module.run
+
+    @property
+    def gated(self) -> bool:
+        return bool(getattr(self.module, "GATED", False))
 
     def key_sections(self, recipe: Recipe) -> Any:
-        return _SECTIONS[self.name](recipe)
+        return self.module.key_sections(recipe)
 
+    def key_extra(self, ctx: StageContext) -> dict:
+        extra = getattr(self.module, "key_extra", None)
+        return extra(ctx) if extra else {}
 
-def _export_sections(r: Recipe) -> Any:
-    points = r.export.check_points or r.build.profiles[0].model_dump(mode="json")
-    return [r.model.model_dump(mode="json"), r.export.model_dump(mode="json"), points]
-
-
-_SECTIONS: dict[str, Callable[[Recipe], Any]] = {
-    "export": _export_sections,
-    "quantize": lambda r: [r.quantize.model_dump(mode="json"), r.validate_.data.model_dump(mode="json")],
-    "build": lambda r: [r.build.model_dump(mode="json"), r.triton.serving and r.triton.serving.model_dump(mode="json")],
-    "validate": lambda r: [r.validate_.model_dump(mode="json"), r.quantize.precision],
-    "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
-                         r.validate_.generation and r.validate_.generation.model_dump()],
-}
+    def cached_problems(self, art: Any, recipe_name: str) -> list[str]:
+        check = getattr(self.module, "cached_problems", None)
+        return check(art, recipe_name) if check else []
 
 
 def _stages() -> list[StageDef]:
-    from pipeline.stages import build, export, quantize, triton, validate
+    """The stages of :data:`STAGES`, checked: each needs only stages walked before it.
 
-    return [
-        StageDef("export", (), A.ExportArtifact, export.run),
-        StageDef("quantize", ("export",), A.QuantizedArtifact, quantize.run),
-        StageDef("build", ("export", "quantize"), A.BuildArtifact, _build),
-        # validate measures the engine when one was built: the gate is on what ships
-        StageDef("validate", ("export", "quantize", "build"), A.ValidationArtifact, validate.run),
-        StageDef("triton", ("export", "quantize", "build"), A.TritonArtifact, triton.run),
-    ]
-
-
-def _build(ctx: StageContext, exp: A.ExportArtifact, q: A.QuantizedArtifact) -> A.BuildArtifact:
-    from pipeline.stages import build
-
-    return build.run(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
-                     quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
+    Raises:
+        InternalError: a stage needs one that is unknown or comes later.
+    """
+    stages = [StageDef(importlib.import_module(name)) for name in STAGES]
+    seen: list[str] = []
+    for stage in stages:
+        if missing := [d for d in stage.deps if d not in seen]:
+            raise InternalError(f"stage {stage.name} ({stage.module.__name__}) needs {missing}, "
+                              f"which do not run before it (order: {[s.name for s in stages]})")
+        seen.append(stage.name)
+    return stages
 
 
 @dataclass
@@ -183,10 +204,6 @@ def _key_versions(versions: dict, inputs: dict) -> dict:
     return {**kept, "inputs": {k: v.get("sha256") for k, v in inputs.items()}}
 
 
-#: stage -> the module whose import closure is its code (default ``pipeline.stages.<name>``)
-_STAGE_MODULES: dict[str, str] = {}
-
-
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False) -> RunResult:
     _repair_published(recipe, progress)
     man: dict = {}
@@ -212,12 +229,11 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
     for stage in _stages():
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
         ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found)
-        extra = {"pin": found.key()} if stage.name == "quantize" else {}
-        code = {"code": code_hash(_STAGE_MODULES.get(stage.name, f"pipeline.stages.{stage.name}"))}
-        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], {**versions, **code, **extra})
-        gate_failed = "validate" in arts and not arts["validate"].passed
-        if stage.name == "triton" and gate_failed:
-            man["stages"]["triton"] = M.stage_record("skipped", "accuracy gate failed: nothing is published")
+        code = {"code": code_hash(stage.module.__name__)}
+        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps],
+                                     {**versions, **code, **stage.key_extra(ctx)})
+        if stage.gated and not all(getattr(a, "passed", True) for a in arts.values()):
+            man["stages"][stage.name] = M.stage_record("skipped", "accuracy gate failed: nothing is published")
             continue
         arts[stage.name] = _run_stage(stage, ctx, keys[stage.name], arts, man)
         if stage.name == upto:
@@ -235,19 +251,9 @@ def _repair_published(recipe: Recipe, progress: Progress) -> None:
     publish.remove_leftovers(Path(recipe.output_dir), recipe.name)
 
 
-def _publish_problems(stage: StageDef, art: Any, recipe_name: str) -> list[str]:
-    """Why a cached triton stage no longer counts (empty: it does): its models must still be
-    assigned to this recipe in repository.json and byte-identical to what it published."""
-    if stage.name != "triton":
-        return []
-    from pipeline.triton import publish
-
-    return publish.verify_repository(Path(art.repository), art.models, recipe=recipe_name)
-
-
 def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
     cached = _load_cached(stage, ctx.run_dir / stage.name, key)
-    problems = _publish_problems(stage, cached, ctx.recipe.name) if cached is not None else []
+    problems = stage.cached_problems(cached, ctx.recipe.name) if cached is not None else []
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         ctx.progress.print(f"[yellow]{stage.name}[/yellow]: {problems[0]}{more}; republishing")
@@ -280,7 +286,7 @@ def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: di
 
 
 def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:
-    val: A.ValidationArtifact = arts["validate"]
+    val = next(a for a in arts.values() if isinstance(a, A.ValidationArtifact))  # the verdict
     man["metrics"] = val.metrics
     man["gates"] = [{**A.to_jsonable(g), "message": g.message} for g in val.gates]
     man["verdict"] = "pass" if val.passed else "fail"

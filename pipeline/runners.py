@@ -5,7 +5,7 @@ names or -1) and ``run(feeds) -> outputs`` with numpy arrays keyed by tensor
 name. Validate measures every artifact through it, so the gate can measure
 what ships:
 
-* :class:`OrtRunner`: an ONNX graph in ONNX Runtime (pipeline.runtime's
+* :class:`OrtRunner`: an ONNX graph in ONNX Runtime (pipeline.ort_sessions's
   session: CUDA provider first when usable, basic optimizations for Q/DQ).
 * :func:`tensorrt_runner`: a serialized TensorRT engine (``model.plan``).
   Polygraphy's ``TrtRunner`` when polygraphy is importable, else
@@ -57,10 +57,10 @@ _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor
 
 
 class OrtRunner:
-    """An ONNX graph in ONNX Runtime (:func:`pipeline.runtime.ort_session`)."""
+    """An ONNX graph in ONNX Runtime (:func:`pipeline.ort_sessions.ort_session`)."""
 
     def __init__(self, onnx_path: str | Path, name: str | None = None):
-        from pipeline.runtime import ort_session
+        from pipeline.ort_sessions import ort_session
 
         self.session = ort_session(str(onnx_path))
         self.name = name or f"onnxruntime ({Path(onnx_path).name})"

@@ -34,7 +34,7 @@ def hf_location(recipe) -> Path:
     Raises:
         PipelineError: an ``entry:`` or ``onnx:`` source (no copy can be made), or a missing model.
     """
-    from pipeline.models.sources import package_file
+    from pipeline.model_source import package_file
 
     source = recipe.model.source
     if not source.hf_loadable:

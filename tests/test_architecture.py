@@ -29,19 +29,19 @@ LAYERS: dict[str, int] = {
     "pipeline.provenance": BASE, "pipeline.onnx_io": BASE,
     # the recipe (problems, schema, per-kind gate metrics, checks, loader) and what it reads
     "pipeline.recipe_problems": GROUND, "pipeline.recipe": GROUND, "pipeline.recipe_checks": GROUND,
-    "pipeline.recipe_load": GROUND, "pipeline.gates": GROUND, "pipeline.serving": GROUND,
-    "pipeline.datasets": GROUND, "pipeline.models.sources": GROUND,
+    "pipeline.recipe_kinds": GROUND,
+    "pipeline.recipe_load": GROUND, "pipeline.gates": GROUND, "pipeline.serving_targets": GROUND,
+    "pipeline.datasets": GROUND, "pipeline.model_source": GROUND,
     # graph checks, runners, TensorRT profiles, quantization, Triton, metrics, text data
     "pipeline.compare": TOOLKITS, "pipeline.graph_checks": TOOLKITS, "pipeline.export_checks": TOOLKITS,
-    "pipeline.runtime": TOOLKITS, "pipeline.runners": TOOLKITS, "pipeline.feeds": TOOLKITS,
+    "pipeline.ort_sessions": TOOLKITS, "pipeline.runners": TOOLKITS, "pipeline.feeds": TOOLKITS,
     "pipeline.profiles": TOOLKITS, "pipeline.engine_backends": TOOLKITS, "pipeline.engine_report": TOOLKITS,
-    "pipeline.context": TOOLKITS, "pipeline.data": TOOLKITS,
+    "pipeline.context": TOOLKITS, "pipeline.text_data": TOOLKITS,
     "pipeline.quant": TOOLKITS, "pipeline.triton": TOOLKITS, "pipeline.metrics": TOOLKITS,
     "pipeline.models": KINDS,
     "pipeline.stages": STAGES,
     "pipeline.runner": RUN, "pipeline.manifest": RUN, "pipeline.smoke": RUN,
-    "pipeline.serve": SERVICES, "pipeline.plan": SERVICES, "pipeline.plan_measure": SERVICES,
-    "pipeline.plan_gpus": SERVICES, "pipeline.remote": SERVICES,
+    "pipeline.serve": SERVICES, "pipeline.plan": SERVICES, "pipeline.remote": SERVICES,
     "pipeline.cli": ROOF, "pipeline.__main__": ROOF, "pipeline.docs_reference": ROOF,
 }
 
@@ -153,13 +153,13 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
     ``importlib`` and a relative import are each found, and a circle of two is reported."""
     source = ('from __future__ import annotations\nfrom typing import TYPE_CHECKING\nimport importlib\n'
               'if TYPE_CHECKING:\n    from pipeline.recipe import Recipe\n'
-              'def f():\n    from pipeline import cli\n    return importlib.import_module("pipeline.plan")\n'
+              'def f():\n    from pipeline import cli\n    return importlib.import_module("pipeline.plan.capacity")\n'
               'from .registry import adapter\n')
     modules = {"pipeline.models.common": Path("x"), "pipeline.recipe": Path("x"), "pipeline.cli": Path("x"),
-               "pipeline.plan": Path("x"), "pipeline.models.registry": Path("x"), "pipeline": Path("x")}
+               "pipeline.plan.capacity": Path("x"), "pipeline.models.registry": Path("x"), "pipeline": Path("x")}
     names = {_module_of(n, modules) for node in ast.walk(ast.parse(source))
              for n in _named(node, "pipeline.models.common", False)}
-    assert names == {None, "pipeline.recipe", "pipeline.cli", "pipeline.plan", "pipeline.models.registry"}
+    assert names == {None, "pipeline.recipe", "pipeline.cli", "pipeline.plan.capacity", "pipeline.models.registry"}
     a_b = Import("a", "a.py", 3, "b")
     b_a = Import("b", "b.py", 7, "a")
     assert cycles([a_b, b_a, Import("b", "b.py", 8, "c")]) == [[a_b, b_a]]

@@ -13,7 +13,7 @@ from pipeline.models.text_generation.model import prefill_feeds
 from pipeline.quant.autocast import cast_rest, qdq_gemms, to_bf16
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
-from pipeline.runtime import ort_session
+from pipeline.ort_sessions import ort_session
 from tiny import make_tiny_llama, tiny_recipe
 
 

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from conftest import ROOT
-from pipeline import data
+from pipeline import text_data
 from pipeline.models.text_generation import metrics as tg_metrics
 
 WORDS = "the cat sat on a mat and dog ran to red big house".split()
@@ -32,7 +32,7 @@ def saved(request, tmp_path):
     """
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.data import load_tokenizer
+    from pipeline.text_data import load_tokenizer
 
     tk = _word_tokenizer("<s> $A" if request.param else None)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -50,34 +50,34 @@ def _stream(tok) -> list[int]:
 
 def test_special_prefix_is_the_bos_the_template_adds(saved):
     tok, served, bos = saved
-    assert data.special_prefix(tok) == ([1] if bos else [])
-    assert served.encode("cat").ids == data.special_prefix(tok) + [4]
+    assert text_data.special_prefix(tok) == ([1] if bos else [])
+    assert served.encode("cat").ids == text_data.special_prefix(tok) + [4]
 
 
 def test_windows_start_with_bos_and_cover_the_stream_without_overlap(saved):
     tok, _, bos = saved
-    windows = data.token_windows(tok, DOCS, seq_len=8, max_windows=5)
+    windows = text_data.token_windows(tok, DOCS, seq_len=8, max_windows=5)
     stride = 7 if bos else 8
     assert windows.shape == (5, 8) and windows.dtype == np.int64
     body = windows[:, 1:] if bos else windows
     assert body.reshape(-1).tolist() == _stream(tok)[: 5 * stride]
     if bos:
         assert (windows[:, 0] == 1).all() and not (windows[:, 1:] == 1).any()
-    assert data.window_convention(tok, 8) == {"window_tokens": 8, "stride_tokens": stride, "bos": bos,
+    assert text_data.window_convention(tok, 8) == {"window_tokens": 8, "stride_tokens": stride, "bos": bos,
                                               "scored_per_window": 7}
 
 
 def test_windows_refuse_a_length_with_no_room_after_bos(saved):
     tok, _, bos = saved
     if bos:
-        with pytest.raises(data.DataError, match="seq_len=1 leaves no text token after the 1 BOS"):
-            data.token_windows(tok, DOCS, seq_len=1, max_windows=2)
+        with pytest.raises(text_data.DataError, match="seq_len=1 leaves no text token after the 1 BOS"):
+            text_data.token_windows(tok, DOCS, seq_len=1, max_windows=2)
 
 
 def test_prompts_are_encoded_as_the_served_model_encodes_them(saved):
     tok, served, bos = saved
-    texts = data.prompt_texts(tok, DOCS, count=3, prompt_len=5)
-    ids = data.prompts(tok, DOCS, count=3, prompt_len=5)
+    texts = text_data.prompt_texts(tok, DOCS, count=3, prompt_len=5)
+    ids = text_data.prompts(tok, DOCS, count=3, prompt_len=5)
     assert texts == [" ".join(d.split()[:5]) for d in DOCS[:3]]
     assert ids.tolist() == [served.encode(t).ids for t in texts]
     assert ids.shape == (3, 6 if bos else 5) and (ids[:, 0] == 1).all() == bos
@@ -102,7 +102,7 @@ def test_bos_is_context_only_never_a_scored_token():
 
 def test_convention_names_window_stride_and_bos(saved):
     tok, _, bos = saved
-    text = tg_metrics.convention_text(data.window_convention(tok, 256))
+    text = tg_metrics.convention_text(text_data.window_convention(tok, 256))
     assert "windows of 256 tokens" in text
     assert f"stride {255 if bos else 256} text tokens" in text and "255 scored tokens per window" in text
     assert ("BOS: yes" if bos else "BOS: no") in text
@@ -122,17 +122,17 @@ def test_smollm2_adds_no_prefix_so_its_windows_and_prompts_are_unchanged(smollm2
 
     tok = smollm2_tokenizer
     v = load_recipe(ROOT / "recipes" / "fp8-llm.yaml").validate_
-    assert data.special_prefix(tok) == [] and not data.window_convention(tok, v.seq_len)["bos"]
-    docs = data.documents(v.data)
+    assert text_data.special_prefix(tok) == [] and not text_data.window_convention(tok, v.seq_len)["bos"]
+    docs = text_data.documents(v.data)
     stream: list[int] = []
     for doc in docs:
         stream += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    windows = data.token_windows(tok, docs, v.seq_len, v.max_windows)
+    windows = text_data.token_windows(tok, docs, v.seq_len, v.max_windows)
     n = min(v.max_windows, len(stream) // v.seq_len)  # fp8-llm asks for more windows than its split holds
     assert windows.shape == (n, v.seq_len)
     assert windows.reshape(-1).tolist() == stream[: n * v.seq_len]
     firsts = [ids[:16] for ids in (tok(d, add_special_tokens=False)["input_ids"] for d in docs) if len(ids) >= 16]
-    assert data.prompts(tok, docs, v.generation.prompts).tolist() == firsts[: v.generation.prompts]
+    assert text_data.prompts(tok, docs, v.generation.prompts).tolist() == firsts[: v.generation.prompts]
 
 
 class _FakeLM:
@@ -163,9 +163,9 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     tok, served, bos = saved
     vocab = len(tok)
     sessions = {"fp32.onnx": _FakeLM(vocab), "fp8.onnx": _FakeLM(vocab)}
-    monkeypatch.setattr("pipeline.runtime.ort_session", lambda path: sessions[path])
-    monkeypatch.setattr(data, "documents", lambda source: DOCS)
-    monkeypatch.setattr("pipeline.data.load_tokenizer", lambda folder: tok)
+    monkeypatch.setattr("pipeline.ort_sessions.ort_session", lambda path: sessions[path])
+    monkeypatch.setattr(text_data, "documents", lambda source: DOCS)
+    monkeypatch.setattr("pipeline.text_data.load_tokenizer", lambda folder: tok)
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {
         "validate.seq_len": 8, "validate.max_windows": 4, "validate.batch_size": 2,
         "validate.generation": {"prompts": 2, "new_tokens": 3}})
@@ -179,7 +179,7 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     assert windows.shape == (4, 8) and (windows[:, 0] == 1).all() == bos
     assert metrics["eval_windows"] == 4 and metrics["eval_tokens"] == 4 * 7
     assert ("BOS: yes" if bos else "BOS: no") in metrics["perplexity_convention"]
-    texts = data.prompt_texts(tok, DOCS, 2)
+    texts = text_data.prompt_texts(tok, DOCS, 2)
     assert tokens["prompt_ids"] == [served.encode(t).ids for t in texts]
     # the first greedy feed of each prompt is exactly the served token ids
     assert [f.tolist()[0] for f in sessions["fp32.onnx"].fed[2:] if f.shape[1] > 1] == tokens["prompt_ids"]

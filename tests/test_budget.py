@@ -16,7 +16,7 @@ from pipeline.quant import budget, calibrate, qdq, sensitivity as S
 from pipeline.recipe import Gate
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
-from pipeline.runtime import ort_session
+from pipeline.ort_sessions import ort_session
 from tiny import make_tiny_llama, tiny_recipe
 
 TUNING = {"type": "corpus", "name": "lee_background", "split": {"start": 200, "stop": 215}}

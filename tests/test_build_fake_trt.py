@@ -1,5 +1,5 @@
 """The GPU path of the build stage without a GPU: a fake ``tensorrt`` module and a fake CUDA
-device are injected at the TensorRT / torch.cuda boundary, and build.run() runs its real
+device are injected at the TensorRT / torch.cuda boundary, and build.build_from_onnx() runs its real
 code: serving-runtime checks, FP8 hardware check, timing cache, stamp: what needs a GPU. The
 parser, the builder and the optimization profiles run for real with TensorRT-RTX in
 tests/test_build_rtx.py."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import serving
+from pipeline import serving_targets
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 from test_build_stage import DECODE, INPUTS, PROFILE, make_recipe, write_onnx
@@ -136,7 +136,7 @@ def recipe_with(tmp_path: Path, serving_cfg: dict | None, precision: str = "fp16
 
 
 def run(tmp_path: Path, recipe: Recipe):
-    return build.run(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")
+    return build.build_from_onnx(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")
 
 
 def test_matching_machine_builds_engine_and_stamp(tmp_path, machine):
@@ -263,4 +263,4 @@ def test_stamp_of_fake_build_passes_the_deploy_check(tmp_path, machine):
         "loads, but its kernels were timed on another GPU model (performance may differ); rebuild on the serving "
         "GPU model for best results"
     ]
-    assert serving.declared_target(recipe.triton.serving).tensorrt == "10.8.0.43"
+    assert serving_targets.declared_target(recipe.triton.serving).tensorrt == "10.8.0.43"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import engine_backends, engine_report, serving
+from pipeline import engine_backends, engine_report, serving_targets
 from pipeline.artifacts import ResolvedProfile, TensorSpec
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, RecipeError
 from pipeline.recipe import Recipe
@@ -42,7 +42,7 @@ def stamp_of(art) -> dict:
 
 def test_qdq_graph_builds_for_sm89_with_two_profiles(tmp_path):
     recipe = rtx_recipe(tmp_path, [PREFILL, DECODE])
-    art = build.run(recipe, write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS, tmp_path / "build",
+    art = build.build_from_onnx(recipe, write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS, tmp_path / "build",
                     quantized_nodes=["mm1", "mm2"])
     assert (art.status, art.backend, art.reason) == ("ok", "tensorrt-rtx", "")
     assert art.summary.startswith("TensorRT-RTX 1.7.1.116 engine for sm89: ")
@@ -68,7 +68,7 @@ def test_qdq_graph_builds_for_sm89_with_two_profiles(tmp_path):
 
 
 def test_a_gemm_left_in_fp32_by_the_network_is_a_warning_naming_it(tmp_path):
-    art = build.run(rtx_recipe(tmp_path, [PREFILL]), write_qdq_matmuls(tmp_path / "q.onnx", quantize_second=False),
+    art = build.build_from_onnx(rtx_recipe(tmp_path, [PREFILL]), write_qdq_matmuls(tmp_path / "q.onnx", quantize_second=False),
                     QDQ_INPUTS, tmp_path / "build", quantized_nodes=["mm1", "mm2"])
     assert art.status == "ok"
     assert art.reason.startswith("1 of the 2 GEMMs the quantize stage quantized have no INT8/FP8 operands")
@@ -78,13 +78,13 @@ def test_a_gemm_left_in_fp32_by_the_network_is_a_warning_naming_it(tmp_path):
 
 def test_several_targets_make_one_engine(tmp_path):
     recipe = rtx_recipe(tmp_path, [PREFILL], targets=["sm86", "sm89"])
-    art = build.run(recipe, write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS, tmp_path / "build")
+    art = build.build_from_onnx(recipe, write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS, tmp_path / "build")
     assert Path(art.engine_path).name == "model.rtx-sm86-sm89.engine"
     assert stamp_of(art)["compute_capability"] == "8.6,8.9"
 
 
 def test_hopper_target_gets_a_labelled_sm89_check(tmp_path):
-    art = build.run(rtx_recipe(tmp_path, [PREFILL], targets=["sm90"]), write_qdq_matmuls(tmp_path / "q.onnx"),
+    art = build.build_from_onnx(rtx_recipe(tmp_path, [PREFILL], targets=["sm90"]), write_qdq_matmuls(tmp_path / "q.onnx"),
                     QDQ_INPUTS, tmp_path / "build")
     assert art.status == "ok" and Path(art.engine_path).name == "check.rtx-sm89.engine"
     assert stamp_of(art)["check_only"] is True and stamp_of(art)["targets"] == ["sm89"]
@@ -94,9 +94,9 @@ def test_hopper_target_gets_a_labelled_sm89_check(tmp_path):
 
 
 def test_rtx_stamp_is_refused_for_tensorrt_plan(tmp_path):
-    art = build.run(rtx_recipe(tmp_path, [PREFILL]), write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS,
+    art = build.build_from_onnx(rtx_recipe(tmp_path, [PREFILL]), write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS,
                     tmp_path / "build")
-    h100 = serving.Target("10.8.0.43", "9.0", "H100")
+    h100 = serving_targets.Target("10.8.0.43", "9.0", "H100")
     result = build.check_stamp(stamp_of(art), h100, "whatever")
     assert len(result.errors) == 1
     assert result.errors[0].startswith("backend: engine built by TensorRT-RTX 1.7")
@@ -117,7 +117,7 @@ def test_inconsistent_profile_is_refused_by_the_real_builder():
 def test_parser_refusal_of_a_model_node_is_exit_2(tmp_path):
     recipe = rtx_recipe(tmp_path, [BATCH], targets=["sm86"])
     with pytest.raises(build.EngineBuildError) as err:
-        build.run(recipe, write_unbuildable(tmp_path / "bad.onnx"), [TensorSpec("x", "float32", ["batch", 16])],
+        build.build_from_onnx(recipe, write_unbuildable(tmp_path / "bad.onnx"), [TensorSpec("x", "float32", ["batch", 16])],
                   tmp_path / "build")
     assert err.value.exit_code == EXIT_BAD_INPUT and not isinstance(err.value, build.InsertedNodeRejected)
     msg = str(err.value)
@@ -130,7 +130,7 @@ def test_parser_refusal_of_a_model_node_is_exit_2(tmp_path):
 def test_parser_refusal_of_a_node_the_pipeline_inserted_is_exit_3(tmp_path):
     exported = write_unbuildable(tmp_path / "exported.onnx", cast_name="original")  # has no node 'to_string'
     with pytest.raises(build.InsertedNodeRejected) as err:
-        build.run(rtx_recipe(tmp_path, [BATCH]), write_unbuildable(tmp_path / "bad.onnx"),
+        build.build_from_onnx(rtx_recipe(tmp_path, [BATCH]), write_unbuildable(tmp_path / "bad.onnx"),
                   [TensorSpec("x", "float32", ["batch", 16])], tmp_path / "build", source_onnx=exported)
     assert err.value.exit_code == EXIT_INTERNAL
     assert "to_string: inserted by the pipeline (quantize stage), so this is a pipeline bug" in str(err.value)
@@ -139,7 +139,7 @@ def test_parser_refusal_of_a_node_the_pipeline_inserted_is_exit_3(tmp_path):
 def test_explicit_rtx_backend_needs_a_target(tmp_path):
     recipe = rtx_recipe(tmp_path, [PREFILL], backend="tensorrt-rtx", targets=[])
     with pytest.raises(engine_backends.BackendChoiceError, match="needs a target: set build.targets"):
-        build.run(recipe, write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS, tmp_path / "build")
+        build.build_from_onnx(recipe, write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS, tmp_path / "build")
 
 
 def test_recipe_refuses_fp8_below_sm89_and_rtx_without_a_buildable_target():
@@ -153,7 +153,7 @@ def test_recipe_refuses_fp8_below_sm89_and_rtx_without_a_buildable_target():
                          ids=lambda p: p.stem if p.stem != "recipe" else p.parent.name)
 def test_every_shipped_recipe_declares_a_target_tensorrt_rtx_builds(path):
     recipe = load_recipe(path)
-    assert recipe.build.targets and all(t in serving.RTX_TARGETS for t in recipe.build.targets)
+    assert recipe.build.targets and all(t in serving_targets.RTX_TARGETS for t in recipe.build.targets)
     if recipe.quantize.precision == "fp8":
         assert recipe.build.targets == ["sm89"]
 

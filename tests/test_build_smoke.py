@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.errors import PipelineError
-from pipeline.models.sources import EntrySource, OnnxSource, PackageSource
+from pipeline.model_source import EntrySource, OnnxSource, PackageSource
 from pipeline.smoke import hf_location, random_copy
 from tiny import tiny_recipe
 

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ProfileError
-from pipeline import serving
+from pipeline import fsutil, serving_targets
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 
@@ -90,7 +90,7 @@ def test_trtexec_script_text_single_profile(tmp_path):
     onnx_path = write_onnx(tmp_path / "model.onnx")
     if trt_and_gpu_present():
         pytest.skip("tensorrt and a CUDA GPU are present: run() would build a real engine")
-    art = build.run(recipe, onnx_path, INPUTS, tmp_path / "build")
+    art = build.build_from_onnx(recipe, onnx_path, INPUTS, tmp_path / "build")
     script = Path(art.trtexec_cmd_path)
     assert script == tmp_path / "build" / "trtexec.sh"
     expected = (
@@ -172,7 +172,7 @@ def test_run_here_skips_with_plain_reason(tmp_path):
     if trt_and_gpu_present():
         pytest.skip("tensorrt and a CUDA GPU are present: run() would build a real engine")
     recipe = make_recipe(tmp_path, [PROFILE, DECODE])
-    art = build.run(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")
+    art = build.build_from_onnx(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")
     assert art.status == "skipped"
     assert art.engine_path is None and art.stamp_path is None
     assert not (tmp_path / "build" / "model.plan").exists()
@@ -191,7 +191,7 @@ def test_run_here_skips_with_plain_reason(tmp_path):
 
 def test_reason_when_import_fails(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # makes `import tensorrt` raise ImportError
-    art = build.run(make_recipe(tmp_path, [PROFILE]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
+    art = build.build_from_onnx(make_recipe(tmp_path, [PROFILE]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
     assert art.status == "skipped"
     assert art.reason.startswith("tensorrt Python package not importable: import of tensorrt halted")
 
@@ -202,7 +202,7 @@ def test_reason_without_gpu(tmp_path, monkeypatch):
     real_looking = types.ModuleType("tensorrt")
     real_looking.Builder = object  # what the check looks for; nothing is called on it
     monkeypatch.setitem(sys.modules, "tensorrt", real_looking)
-    art = build.run(make_recipe(tmp_path, [PROFILE]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
+    art = build.build_from_onnx(make_recipe(tmp_path, [PROFILE]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
     assert art.status == "skipped"
     assert art.reason == (f"no CUDA GPU visible; no build.targets or triton.serving.gpu declared, so TensorRT-RTX "
                           "has no target to build for (add e.g. build.targets: [sm89]); equivalent build command "
@@ -212,7 +212,7 @@ def test_reason_without_gpu(tmp_path, monkeypatch):
 def test_backend_none_writes_only_the_script(tmp_path):
     data = make_recipe(tmp_path, [PROFILE]).model_dump(by_alias=True)
     data["build"].update(backend="none", targets=["sm89"])
-    art = build.run(Recipe.model_validate(data), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
+    art = build.build_from_onnx(Recipe.model_validate(data), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
     assert art.status == "skipped" and art.engine_path is None
     assert art.reason.startswith("build.backend is 'none'; equivalent build command written to")
     assert (tmp_path / "b" / "trtexec.sh").is_file()
@@ -221,7 +221,7 @@ def test_backend_none_writes_only_the_script(tmp_path):
 def test_run_rejects_profiles_that_do_not_fit(tmp_path):
     bad = {"name": "default", "dims": {"batch": {"min": 1, "opt": 1, "max": 4}}}
     with pytest.raises(ProfileError, match=r"'input_ids' \[batch, sequence\] axis 1 is dynamic \('sequence'\)"):
-        build.run(make_recipe(tmp_path, [bad]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
+        build.build_from_onnx(make_recipe(tmp_path, [bad]), write_onnx(tmp_path / "m.onnx"), INPUTS, tmp_path / "b")
     assert not (tmp_path / "b" / "trtexec.sh").exists()
 
 
@@ -240,15 +240,15 @@ def test_run_rejects_shape_tensor_inputs(tmp_path):
     specs = [TensorSpec("x", "float32", ["batch", 4]), TensorSpec("new_shape", "int64", [2])]
     prof = {"name": "default", "dims": {"batch": {"min": 1, "opt": 2, "max": 4}}}
     with pytest.raises(ProfileError, match=r"'new_shape' \[2\] is a shape tensor"):
-        build.run(make_recipe(tmp_path, [prof]), str(path), specs, tmp_path / "b")
+        build.build_from_onnx(make_recipe(tmp_path, [prof]), str(path), specs, tmp_path / "b")
 
 
 def test_run_rejects_inputs_that_differ_from_the_graph(tmp_path):
     onnx_path = write_onnx(tmp_path / "m.onnx")
     with pytest.raises(build.EngineBuildError, match=r"has inputs \['input_ids', 'mask:0', 'scale'\]"):
-        build.run(make_recipe(tmp_path, [PROFILE]), onnx_path, INPUTS[:2], tmp_path / "b")
+        build.build_from_onnx(make_recipe(tmp_path, [PROFILE]), onnx_path, INPUTS[:2], tmp_path / "b")
     with pytest.raises(build.EngineBuildError, match="not found"):
-        build.run(make_recipe(tmp_path, [PROFILE]), str(tmp_path / "nope.onnx"), INPUTS, tmp_path / "b")
+        build.build_from_onnx(make_recipe(tmp_path, [PROFILE]), str(tmp_path / "nope.onnx"), INPUTS, tmp_path / "b")
 
 
 # --- engine stamps ------------------------------------------------------------------------
@@ -263,7 +263,7 @@ STAMP = {
 }
 
 
-TARGET = serving.Target("10.13.0.35", "9.0", "H200")
+TARGET = serving_targets.Target("10.13.0.35", "9.0", "H200")
 
 
 def test_check_stamp_accepts_a_matching_engine():
@@ -282,7 +282,7 @@ def test_check_stamp_lists_every_mismatch():
 
 
 def test_check_stamp_warns_for_another_gpu_of_the_same_capability():
-    result = build.check_stamp(STAMP, serving.Target("10.13.0", "9.0", "H100"), "abc123")
+    result = build.check_stamp(STAMP, serving_targets.Target("10.13.0", "9.0", "H100"), "abc123")
     assert result.errors == []
     [warning] = result.warnings
     assert warning.startswith("gpu_name: engine has 'NVIDIA H200', the serving GPU is 'H100': same compute capability 9.0")
@@ -302,7 +302,7 @@ def test_file_sha256_matches_hashlib(tmp_path):
     path.write_bytes(b"x" * (3 << 20))
     import hashlib
 
-    assert build.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert fsutil.sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # --- real build: only where tensorrt and a CUDA GPU are present ---------------------------
@@ -312,14 +312,14 @@ def test_file_sha256_matches_hashlib(tmp_path):
 def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
     here = build.local_target()
     data = make_recipe(tmp_path, [PROFILE, DECODE]).model_dump(by_alias=True)
-    trt = ".".join(map(str, serving.tensorrt_triple(here.tensorrt)))
+    trt = ".".join(map(str, serving_targets.tensorrt_triple(here.tensorrt)))
     data["triton"]["serving"] = {"tensorrt": trt, "gpu": here.gpu_name, "compute_capability": here.compute_capability}
     recipe = Recipe.model_validate(data)
-    art = build.run(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")
+    art = build.build_from_onnx(recipe, write_onnx(tmp_path / "model.onnx"), INPUTS, tmp_path / "build")
     assert art.status == "ok", art.reason
     assert Path(art.engine_path).stat().st_size > 0
     assert (tmp_path / "cache" / "tiny.cache").stat().st_size > 0
     stamp = json.loads(Path(art.stamp_path).read_text())
     assert build.check_stamp(stamp, build.local_target(), recipe.engine_hash).errors == []
-    assert stamp["onnx_sha256"] == build.file_sha256(tmp_path / "model.onnx")
+    assert stamp["onnx_sha256"] == fsutil.sha256_file(tmp_path / "model.onnx")
     assert shlex.split(Path(art.trtexec_cmd_path).read_text().split("\n", 2)[2].replace("\\\n", " "))[0] == "trtexec"

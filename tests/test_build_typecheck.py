@@ -109,7 +109,7 @@ def test_mypy_resolves_the_generated_tensorrt_rtx_stubs(mypy_env, tmp_path):
 
 
 def test_build_stage_typechecks_against_tensorrt_stubs(mypy_env):
-    out = _mypy(mypy_env, "pipeline/stages/build.py", "pipeline/serving.py", "pipeline/stages/triton.py",
+    out = _mypy(mypy_env, "pipeline/stages/build.py", "pipeline/serving_targets.py", "pipeline/stages/triton.py",
                 "pipeline/runners.py", "pipeline/engine_backends.py", "pipeline/engine_report.py")
     assert out.returncode == 0, out.stdout + out.stderr
 

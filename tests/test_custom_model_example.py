@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from pipeline.models.sources import EntrySource, check_entry_axes
+from pipeline.model_source import EntrySource, check_entry_axes
 
 EXAMPLE = ROOT / "examples" / "custom-model"
 

@@ -13,7 +13,7 @@ from PIL import Image
 from pydantic import TypeAdapter, ValidationError
 
 from conftest import ROOT
-from pipeline import data, datasets
+from pipeline import text_data, datasets
 from pipeline.datasets import DataError, DataSource, Labeled, Pair, check_disjoint, load
 from pipeline.errors import EXIT_BAD_INPUT
 from pipeline.recipe_load import load_recipe
@@ -30,9 +30,9 @@ def src(base=DATA, **spec) -> DataSource:
 def test_corpus_gives_exactly_the_documents_of_load_documents():
     """The shipped recipes' validate split: the numbers of fp8-llm etc. cannot move."""
     docs = src(type="corpus", name="lee_background", split={"start": 220, "stop": 300}).items()
-    text = (data.test_data_dir() / "lee_background.cor").read_text(encoding="utf-8")
+    text = (text_data.test_data_dir() / "lee_background.cor").read_text(encoding="utf-8")
     expected = [line.strip() for line in text.splitlines() if line.strip()][220:300]
-    assert docs == expected == data.documents(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").validate_.data)
+    assert docs == expected == text_data.documents(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").validate_.data)
     assert len(docs) == 80 and docs[0].startswith("The armed wing of the radical Islamic movement")
 
 
@@ -42,7 +42,7 @@ def test_corpus_word_sets_are_scored_pairs():
     simlex = src(type="corpus", name="simlex999", split={"start": 1, "stop": 3})
     assert simlex.items() == [Pair("smart", "intelligent", 9.2), Pair("hard", "difficult", 8.77)]
     assert simlex.record_kind == "pairs"
-    words, scores = data.word_pairs("simlex999")
+    words, scores = text_data.word_pairs("simlex999")
     assert len(words) == 999 and words[1] == ("smart", "intelligent") and scores.dtype == np.float64
 
 
@@ -352,7 +352,7 @@ def test_manifest_hashes_each_data_use_of_a_shipped_recipe():
     from pipeline.recipe_load import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")
-    corpus = data.test_data_dir() / "lee_background.cor"
+    corpus = text_data.test_data_dir() / "lee_background.cor"
     entry = {"path": str(corpus), "sha256": sha256_file(corpus)}
     assert data_inputs(recipe, ROOT / "recipes") == {"quantize.calibration.data": entry,
                                                      "quantize.tuning.data": entry, "validate.data": entry}

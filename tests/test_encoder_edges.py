@@ -11,7 +11,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantiz
 from pipeline.export_checks import export_module
 from pipeline.models.sentence_embedding.metrics import index_arithmetic_nodes
 from pipeline.models.sentence_embedding.model import INPUTS, PooledEncoder, random_feeds
-from pipeline.runtime import ort_session
+from pipeline.ort_sessions import ort_session
 
 
 class _Reader(CalibrationDataReader):

@@ -42,8 +42,8 @@ class FakeEngine:
 
 
 def _fake_engine_build(monkeypatch, noise: float) -> list[FakeEngine]:
-    """build.run reports an engine (a placeholder plan); tensorrt_runner gives a FakeEngine."""
-    real_run, made = build.run, []
+    """build.build_from_onnx reports an engine (a placeholder plan); tensorrt_runner gives a FakeEngine."""
+    real_run, made = build.build_from_onnx, []
 
     def fake_build(recipe, quantized_onnx, inputs, out_dir, **kwargs):
         # skipped here, or a TensorRT-RTX engine that validate does not run: no GPU
@@ -56,7 +56,7 @@ def _fake_engine_build(monkeypatch, noise: float) -> list[FakeEngine]:
         made.append(FakeEngine(str(Path(engine_path).parents[1] / "quantize" / "model.onnx"), noise))
         return made[-1]
 
-    monkeypatch.setattr(build, "run", fake_build)
+    monkeypatch.setattr(build, "build_from_onnx", fake_build)
     monkeypatch.setattr(runners, "tensorrt_runner", fake_runner)
     return made
 

@@ -153,7 +153,7 @@ def test_symbolic_input_with_baked_reshape_fails_at_another_batch(tmp_path):
     with pytest.raises(ExportError, match=r"input 'x' axis 0 \(batch\): Reshape node 'flatten'"):
         ec.check_symbolic(model, AXES)
     onnx.save(model, tmp_path / "r.onnx")
-    from pipeline.runtime import ort_session
+    from pipeline.ort_sessions import ort_session
 
     sess = ort_session(str(tmp_path / "r.onnx"))
     with pytest.raises(ExportError) as e:

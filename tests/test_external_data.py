@@ -15,7 +15,7 @@ from pipeline import onnx_io
 from pipeline.errors import EnvironmentFault, PipelineError
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
-from pipeline.runtime import ort_session
+from pipeline.ort_sessions import ort_session
 from tiny import tiny_recipe
 
 

@@ -173,7 +173,7 @@ def test_exported_graph_has_no_kv_expand_and_matches_torch(tiny, which, tmp_path
     """The adapter's export of a grouped model: no Expand on the KV path, K transposed un-expanded,
     and ONNX Runtime equals torch (left padding, non-empty past) within 1e-4."""
     from pipeline.models.text_generation.adapter import TextGenerationAdapter
-    from pipeline.runtime import ort_session
+    from pipeline.ort_sessions import ort_session
 
     recipe = tiny[0]
     model = tiny[1] if which == "tiny" else small_llama(*which)[0]

@@ -49,7 +49,7 @@ def images(folder: Path):
 def session(path) -> ort.InferenceSession:
     """The pipeline's own session: Q/DQ graphs run with basic optimizations only (Q/DQ
     emulated in float, as validate measures them; ORT's fused int8 kernels differ)."""
-    from pipeline.runtime import ort_session
+    from pipeline.ort_sessions import ort_session
 
     return ort_session(str(path))
 
@@ -271,7 +271,7 @@ def test_ensemble_maps_image_through_preprocess_to_compute(tmp_path):
 
 
 def onnx_source(path: Path):
-    from pipeline.models.sources import OnnxSource
+    from pipeline.model_source import OnnxSource
 
     return OnnxSource(onnx=str(path))
 

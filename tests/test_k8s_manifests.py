@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -42,11 +43,31 @@ def no_endpoint_env(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-def generate(name: str, tmp_path: Path) -> dict[str, str]:
+@functools.cache
+def exported_inputs(name: str) -> list[dict]:
+    """The graph inputs the export of ``name``'s model gives (as ``manifest.json`` records them):
+    for an LLM, the KV layout the loaded model itself returns (:func:`kv_layout`), no build."""
+    from pipeline.models.text_generation.model import kv_layout, load_causal_lm
+
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    if recipe.model.kind != "text-generation":
+        return [{"name": n, "dtype": "int64", "shape": ["batch", "sequence"]} for n in recipe.export.dynamic_axes]
+    layout = kv_layout(load_causal_lm(recipe.model)[0])
+    return [{"name": n, "dtype": "int64", "shape": ["batch", "sequence"]} for n in ("input_ids", "attention_mask")] + [
+        {"name": n, "dtype": "float32", "shape": ["batch", layout.kv_heads, "past_sequence", layout.head_dim]}
+        for n in layout.past_names()]
+
+
+def generate(name: str, tmp_path: Path) -> dict[str, str]:
+    """The manifests of recipe ``name`` after a build (a manifest.json with its export's inputs)."""
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", {"work_dir": str(tmp_path / "work")})
+    run_dir = tmp_path / "work" / recipe.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "manifest.json").write_text(json.dumps({"artifacts": {"export": {"inputs": exported_inputs(name)}}}))
     target = k8s.resolve_target(recipe, None, CASES[name])
-    k8s.write_manifests(recipe, tmp_path, storage_uri=f"s3://models/trt-pipeline/{name}", target=target)
-    return {p.relative_to(tmp_path).as_posix(): p.read_text() for p in sorted(tmp_path.rglob("*.yaml"))}
+    out = tmp_path / "deploy"
+    k8s.write_manifests(recipe, out, storage_uri=f"s3://models/trt-pipeline/{name}", target=target)
+    return {p.relative_to(out).as_posix(): p.read_text() for p in sorted(out.rglob("*.yaml"))}
 
 
 def validate_isvc(isvc: dict) -> None:
@@ -155,6 +176,29 @@ def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch):
     isvc = yaml.safe_load((run_dir / "deploy" / "kserve" / "inferenceservice.yaml").read_text())
     assert isvc["spec"]["predictor"]["model"]["storageUri"] == "s3://models/p"
     assert "target python-onnxruntime (CPU)" in (run_dir / "deploy" / "plain" / "deployment.yaml").read_text()
+
+
+def test_without_a_build_the_shm_is_the_base_size(tmp_path):
+    """The KV geometry is the exported graph's (never config.json's): before a build there is none."""
+    recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"work_dir": str(tmp_path)})
+    assert k8s.kv_geometry(recipe) is None
+    assert k8s.shm_mib(recipe) == (k8s.BASE_SHM_MIB, f"{k8s.BASE_SHM_MIB} MiB base (no KV cache geometry)")
+
+
+@pytest.mark.parametrize("name, models", [
+    ("fp8-llm", ["smollm2_fp8", "smollm2_generate"]),
+    ("int8-encoder", ["minilm_int8", "minilm_int8_tokenizer", "minilm_int8_ensemble"]),
+    ("int8-textline-orientation", ["textline_cls_int8", "textline_cls_int8_preprocess", "textline_cls_int8_ensemble"]),
+])
+def test_each_kind_loads_the_models_its_adapter_serves(name, models):
+    """Issue 19: an image classifier was given a _tokenizer/_ensemble pair it does not have."""
+    assert k8s.model_names(load_recipe(ROOT / "recipes" / f"{name}.yaml")) == models
+
+
+def test_a_generic_model_is_served_by_its_compute_model_alone():
+    recipe = load_recipe(ROOT / "examples" / "custom-model" / "recipe.yaml")
+    assert recipe.model.kind == "generic"
+    assert k8s.model_names(recipe) == [recipe.triton.model_name]
 
 
 def test_long_and_colliding_recipe_names_fit_kserve_child_names_and_stay_distinct():

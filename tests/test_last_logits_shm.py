@@ -39,7 +39,7 @@ def test_tiny_llama_exports_last_logits(tmp_path):
     path = tiny_recipe(tmp_path, make_tiny_llama(tmp_path / "model"))
     recipe = load_recipe(path)
     from pipeline.models.text_generation.adapter import TextGenerationAdapter as CausalLMAdapter
-    from pipeline.runtime import ort_session
+    from pipeline.ort_sessions import ort_session
 
     adapter = CausalLMAdapter(recipe.model)
     model, _ = load_causal_lm(recipe.model)

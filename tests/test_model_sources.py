@@ -18,7 +18,7 @@ from pipeline.datasets import DataError
 from pipeline.errors import ExportError
 from pipeline.models.generic import feeds as F
 from pipeline.models.generic.metrics import agreement, cosines, looks_like_class_scores
-from pipeline.models.sources import (EntrySource, ModelFileError, ModelSourceSpec, OnnxSource, PackageSource,
+from pipeline.model_source import (EntrySource, ModelFileError, ModelSourceSpec, OnnxSource, PackageSource,
                                      PathSource, check_entry_axes, legacy_problem)
 
 SPEC = TypeAdapter(ModelSourceSpec)
@@ -294,7 +294,7 @@ def test_agreement_metrics_per_output_and_worst_output():
 def test_manifest_input_hashes_what_the_source_reads(entry_dir, tmp_path):
     from types import SimpleNamespace
 
-    from pipeline.models.sources import manifest_input
+    from pipeline.model_source import manifest_input
 
     src = EntrySource(entry="user/my_model.py:make_model").bind(tmp_path)
     got = manifest_input(SimpleNamespace(source=src))
@@ -307,7 +307,7 @@ def test_entry_examples_follow_forward_order_whatever_the_dict_order():
     """A dict in another order than forward() would feed the mask into the ids: reordered by name."""
     import torch
 
-    from pipeline.models.sources import forward_order
+    from pipeline.model_source import forward_order
 
     class Two(torch.nn.Module):
         def forward(self, byte_ids, attention_mask, extra=None):

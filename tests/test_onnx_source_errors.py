@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import ROOT
 from pipeline import cli
 from pipeline.errors import ExportError
-from pipeline.models.sources import ModelFileError, external_data_files
+from pipeline.model_source import ModelFileError, external_data_files
 
 EXAMPLE = ROOT / "examples" / "custom-model"
 EMBED_BYTES = 256 * 64 * 4  # float32 [256, 64] embedding, kept in model.onnx.data

@@ -1,4 +1,4 @@
-"""ONNX Runtime optimization level per graph (pipeline.runtime.optimization_level):
+"""ONNX Runtime optimization level per graph (pipeline.ort_sessions.optimization_level):
 FP8 Q/DQ graphs and INT8 graphs with full-range weights at ``basic``, INT8 with
 7-bit weights and FP32 at ``all``; the served config asks for the same level.
 Why: at ``all`` ORT's integer kernels saturate int16 with full-range INT8 weights on
@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.quant import qdq
 from pipeline.recipe import TritonConfig
-from pipeline.runtime import ORT_LEVELS, optimization_level, ort_session
+from pipeline.ort_sessions import ORT_LEVELS, optimization_level, ort_session
 from pipeline.triton.config import compute_config
 
 HIDDEN, FF = 64, 128

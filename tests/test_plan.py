@@ -15,7 +15,7 @@ from pipeline import plan as P
 from pipeline.artifacts import to_jsonable
 from pipeline.context import Progress, StageContext
 from pipeline.errors import PipelineError
-from pipeline.plan_gpus import GPUS
+from pipeline.plan.gpus import GPUS
 from pipeline.recipe_load import load_recipe
 from tiny import make_tiny_llama, tiny_recipe
 
@@ -125,7 +125,7 @@ BANDWIDTH = {"median_gbs": 10.0, "runs_gbs": [10.0], "bytes_per_run": 1, "size_m
 
 
 def test_kv_formula_matches_present_bytes_of_the_tiny_llama(tiny_built):
-    from pipeline.plan_measure import present_kv_bytes
+    from pipeline.plan.measure import present_kv_bytes
 
     _, recipe = tiny_built
     facts = P.model_facts(recipe)

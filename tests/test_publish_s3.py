@@ -115,6 +115,19 @@ def test_s3_urls_in_boto3_and_triton_forms(monkeypatch):
             S3Location.parse(bad)
 
 
+@pytest.mark.parametrize("recipe, front", [
+    ("recipes/fp8-llm.yaml", ["smollm2_generate"]),
+    ("recipes/int8-encoder.yaml", ["minilm_int8_ensemble"]),
+    ("recipes/int8-textline-orientation.yaml", ["textline_cls_int8_ensemble"]),
+    ("examples/custom-model/recipe.yaml", []),  # generic: clients call the compute model, no ensemble
+])
+def test_front_models_are_the_adapters(recipe, front):
+    """Issue 19: a generic recipe was given an ``_ensemble`` it does not have."""
+    from pipeline.recipe_load import load_recipe
+
+    assert s3.front_models(load_recipe(ROOT / recipe)) == front
+
+
 def test_gate_refuses_a_failed_verdict_a_missing_run_and_a_tampered_copy(built, client, tmp_path):
     recipe, _, served = built
     loc = loc_for(tmp_path)

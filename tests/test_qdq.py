@@ -9,7 +9,7 @@ import torch
 from pipeline.errors import QuantizationError
 from pipeline.quant import calibrate, qdq
 from pipeline.recipe import ExcludeConfig
-from pipeline.runtime import ort_session
+from pipeline.ort_sessions import ort_session
 
 
 class MLP(torch.nn.Module):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from pipeline import data
+from pipeline import text_data
 from pipeline.cli import main
 from pipeline.datasets import DataError, load
 from pipeline.errors import RecipeError
@@ -30,7 +30,7 @@ def _write(folder: Path, mutate, source: Path = LLM) -> str:
 
 
 def _lee(start: int, stop: int) -> list[str]:
-    return data.documents(load_recipe(LLM, {"validate.data.split": {"start": start, "stop": stop}}).validate_.data)
+    return text_data.documents(load_recipe(LLM, {"validate.data.split": {"start": start, "stop": stop}}).validate_.data)
 
 
 # --- the older shape is refused with the new form -----------------------------------------------
@@ -76,13 +76,13 @@ def test_documents_of_each_text_source(tmp_path):
         path = _write(tmp_path, lambda d: d["validate"].update(data=spec))
         return load_recipe(path).validate_.data
 
-    assert data.documents(validate_data({"type": "text", "path": "news.txt", "split": {"start": 1}})) == [
+    assert text_data.documents(validate_data({"type": "text", "path": "news.txt", "split": {"start": 1}})) == [
         "second doc", "third"]
-    assert data.documents(validate_data({"type": "jsonl", "path": "rev.jsonl", "field": "text"})) == ["good", "bad"]
-    assert data.documents(validate_data({"type": "jsonl", "path": "rev.jsonl", "field": "text",
+    assert text_data.documents(validate_data({"type": "jsonl", "path": "rev.jsonl", "field": "text"})) == ["good", "bad"]
+    assert text_data.documents(validate_data({"type": "jsonl", "path": "rev.jsonl", "field": "text",
                                          "label_field": "stars"})) == ["good", "bad"]
     with pytest.raises(DataError, match=r"^validate.data.path: file .*missing.txt not found"):
-        data.documents(validate_data({"type": "text", "path": "missing.txt"}))
+        text_data.documents(validate_data({"type": "text", "path": "missing.txt"}))
     with pytest.raises(RecipeError, match=r"validate.data.type: sentence pairs sts.csv .*, rows \[0, end\) gives pairs; a text-generation "
                                         r"model reads texts here"):
         validate_data({"type": "pairs", "path": "sts.csv"})
@@ -90,12 +90,12 @@ def test_documents_of_each_text_source(tmp_path):
 
 def test_shipped_recipes_read_the_same_documents_as_before():
     """Same documents, same order: the shipped recipes' numbers cannot move."""
-    text = (data.test_data_dir() / "lee_background.cor").read_text(encoding="utf-8")
+    text = (text_data.test_data_dir() / "lee_background.cor").read_text(encoding="utf-8")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for name in ("fp8-llm", "int8-encoder", "fp8-encoder"):
         r = load_recipe(ROOT / "recipes" / f"{name}.yaml")
-        assert data.documents(r.quantize.calibration.data) == lines[0:200]
-        assert data.documents(r.validate_.data) == lines[220:300]
+        assert text_data.documents(r.quantize.calibration.data) == lines[0:200]
+        assert text_data.documents(r.validate_.data) == lines[220:300]
 
 
 # --- overlap at check time --------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_check_refuses_overlapping_corpus_ranges_naming_both_uses(tmp_path, caps
     path = _write(tmp_path, lambda d: d["validate"]["data"].update(split={"start": 150, "stop": 300}))
     assert main(["check", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    corpus = data.test_data_dir() / "lee_background.cor"
+    corpus = text_data.test_data_dir() / "lee_background.cor"
     assert err == [f"error: quantize.calibration.data and validate.data overlap: both read {corpus}, documents "
                    "[0, 200) and documents [150, 300); valid: disjoint document ranges"]
 

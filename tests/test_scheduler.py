@@ -513,7 +513,7 @@ def test_the_repository_copies_the_chat_template_and_refuses_messages_without_on
 def test_chat_rendering_matches_transformers_apply_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from pipeline.models.sources import package_file
+    from pipeline.model_source import package_file
     from pipeline.recipe_load import load_recipe
 
     gguf = package_file(load_recipe(Path(__file__).parents[1] / "recipes" / "fp8-llm.yaml").model)

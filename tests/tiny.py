@@ -52,7 +52,7 @@ def smollm2_tokenizer(folder: Path):
     """The real SmolLM2 tokenizer (from its GGUF, without loading the weights), saved in ``folder``."""
     from transformers import AutoTokenizer
 
-    from pipeline.models.sources import package_file
+    from pipeline.model_source import package_file
     from pipeline.recipe_load import load_recipe
 
     if not (folder / "tokenizer_config.json").exists():

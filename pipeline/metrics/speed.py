@@ -1,5 +1,5 @@
 """Timing of the FP32 reference against the candidate graph, as ONNX Runtime runs them
-at the level each is served at (:func:`pipeline.runtime.optimization_level`).
+at the level each is served at (:func:`pipeline.ort_sessions.optimization_level`).
 
 Metrics (``validate/metrics.json``): ``speedup_vs_fp32`` = median FP32 latency /
 median candidate latency at one shape (> 1: the candidate is faster);
@@ -86,7 +86,7 @@ def session_level(runner) -> tuple[str, list[str]] | None:
     ``onnxruntime.InferenceSession`` (:class:`pipeline.runners.OrtRunner`); None otherwise."""
     import onnxruntime as ort
 
-    from pipeline.runtime import ORT_LEVELS
+    from pipeline.ort_sessions import ORT_LEVELS
 
     session = getattr(runner, "session", None)
     if not isinstance(session, ort.InferenceSession):

@@ -46,7 +46,7 @@ def text_batches(exp, data, cal, feeds_for_ids: Callable[[object, np.ndarray], d
     """Calibration batches of token windows for text kinds.
 
     Up to ``cal.samples`` windows of ``cal.seq_len`` tokens from the documents of
-    ``data`` (:func:`pipeline.data.token_windows` with the exported tokenizer), in
+    ``data`` (:func:`pipeline.text_data.token_windows` with the exported tokenizer), in
     batches of ``cal.batch_size`` rows, each turned into graph feeds by
     ``feeds_for_ids(exp, ids)`` (ids int64 ``[rows, cal.seq_len]``).
 

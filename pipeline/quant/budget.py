@@ -323,7 +323,7 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         GateFailed: the budget is unreachable within the floor and limits, or the search stopped
             at a limit (the message then says whether what it reached meets the budget).
     """
-    from pipeline.runtime import ort_session
+    from pipeline.ort_sessions import ort_session
 
     q = ctx.recipe.quantize
     check_data(ctx.recipe)

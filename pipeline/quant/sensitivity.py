@@ -341,7 +341,7 @@ def thread_noise(runner: TrialRunner, metric: str, batches: int = 1) -> float:
 
 def _session(model: onnx.ModelProto, threads: int = 0, level=None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of an in-memory graph, at the level validate uses for FP8 Q/DQ
-    (basic: exact simulated quantization; :mod:`pipeline.runtime`) unless ``level`` says another;
+    (basic: exact simulated quantization; :mod:`pipeline.ort_sessions`) unless ``level`` says another;
     ``threads`` intra-op threads (0: ONNX Runtime's default, one per core)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads

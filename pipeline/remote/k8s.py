@@ -40,7 +40,8 @@ Inputs, in order of precedence:
   decode step of a request moves its KV cache through the python backend's
   shared memory, in and out: ``max_batch_size`` x 2 x KV bytes per sequence at
   the context limit (2 x layers x KV heads x head dim x 4 bytes x tokens; FP32
-  as exported) + 256 MiB; 256 MiB for encoders, or when the geometry is unreadable.
+  as exported; the geometry is the last build's exported graph's, from its
+  ``manifest.json``) + 256 MiB; 256 MiB for a graph without a KV cache, or before a build.
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ from typing import Any
 import yaml
 
 from pipeline.errors import PipelineError
-from pipeline.recipe_checks import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
-from pipeline.serving import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
+from pipeline.recipe_kinds import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
+from pipeline.serving_targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
 BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
@@ -99,16 +100,16 @@ def resource_name(recipe_name: str) -> str:
 
 def resolve_image(recipe, image: str | None = None) -> str:
     """The Triton image for ``recipe`` (see the module docstring)."""
-    from pipeline import serving
+    from pipeline import serving_targets
 
     if image:
         return image
     declared = recipe.triton.serving
     if declared is not None and declared.container:
-        return serving.container_image(declared.container)
-    if declared is not None and declared.tensorrt and serving.containers_with(declared.tensorrt):
-        return serving.container_image(serving.containers_with(declared.tensorrt)[0])
-    return serving.container_image(DEFAULT_RELEASE)
+        return serving_targets.container_image(declared.container)
+    if declared is not None and declared.tensorrt and serving_targets.containers_with(declared.tensorrt):
+        return serving_targets.container_image(serving_targets.containers_with(declared.tensorrt)[0])
+    return serving_targets.container_image(DEFAULT_RELEASE)
 
 
 def resolve_target(recipe, published: dict | None, target: str | None = None) -> str:
@@ -132,32 +133,22 @@ def last_published(run_dir: Path) -> dict | None:
 
 
 def kv_geometry(recipe) -> tuple[int, int, int] | None:
-    """(layers, KV heads, head dim) of a causal LM from its HF ``config.json`` or GGUF
-    metadata; None for encoders or when the weights cannot be read."""
-    from pipeline.models.sources import package_file
+    """(layers, KV heads, head dim) of the graph the last build exported: its
+    ``past_key_values.N.key/value`` inputs in ``<work_dir>/<recipe>/manifest.json``
+    (:func:`pipeline.models.text_generation.kv.kv_layout`, what the exported model itself
+    returns). None for a graph without a KV cache, or before a build."""
+    from pipeline.artifacts import TensorSpec
+    from pipeline.models.text_generation import kv
 
-    if recipe.model.kind != "text-generation":
-        return None
     try:
-        path = package_file(recipe.model)
-        if path.is_dir():
-            cfg = json.loads((path / "config.json").read_text())
-            heads = cfg["num_attention_heads"]
-            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-            return cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim
-        from gguf import GGUFReader
-
-        fields = GGUFReader(str(path)).fields
-        arch = bytes(fields["general.architecture"].parts[-1]).decode()
-
-        def value(key: str) -> int:
-            return int(fields[f"{arch}.{key}"].parts[-1][0])
-
-        heads = value("attention.head_count")
-        kv_heads = value("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in fields else heads
-        return value("block_count"), kv_heads, value("embedding_length") // heads
-    except Exception:  # any unreadable weights: fall back to the base size, said in the manifest comment
+        man = json.loads((Path(recipe.work_dir) / recipe.name / "manifest.json").read_text())
+        inputs = [TensorSpec(**spec) for spec in man["artifacts"]["export"]["inputs"]]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
         return None
+    if not any(kv.PAST_RE.match(spec.name) for spec in inputs):
+        return None
+    layout = kv.kv_layout(inputs, error=PipelineError)
+    return layout.num_layers, layout.kv_heads, layout.head_dim
 
 
 def max_context(recipe) -> int | None:
@@ -169,7 +160,7 @@ def max_context(recipe) -> int | None:
     if mask in dims:
         limits.append(dims[mask].max)
     past = next((a.get(2) for n, a in axes.items() if n.startswith("past_key_values")), PAST_DIM)
-    if recipe.model.kind == "text-generation" and past in dims:
+    if past in dims:
         limits.append(dims[past].max + 1)
     return min(limits) if limits else None
 
@@ -190,20 +181,20 @@ def shm_mib(recipe) -> tuple[int, str]:
 
 
 def model_names(recipe) -> list[str]:
-    """The recipe's Triton models, the front model (generation / ensemble) last."""
-    from pipeline.triton.repository import ensemble_model_name, tokenizer_model_name
+    """The recipe's Triton models, the front model (generation / ensemble) last: the compute
+    model, then those its kind's adapter serves (:meth:`ModelAdapter.served_models`)."""
+    from pipeline.models import registry
 
-    name = recipe.triton.model_name
-    if recipe.model.kind == "text-generation":
-        return [name, *([recipe.triton.generate_model_name] if recipe.triton.generate_model_name else [])]
-    return [name, tokenizer_model_name(name), ensemble_model_name(name)]
+    return [recipe.triton.model_name, *registry.adapter(recipe.model).served_models(recipe)]
 
 
 def queue_target_us(recipe) -> int:
     """HPA target: average queue time per request, 10 % of the recipe's latency SLO
     (LLM: TTFT), in microseconds."""
     slo = recipe.serve.slo
-    budget_ms = slo.ttft_ms if recipe.model.kind == "text-generation" else slo.latency_ms
+    from pipeline.models import registry
+
+    budget_ms = slo.ttft_ms if registry.adapter_class(recipe.model.kind).generates else slo.latency_ms
     return int(budget_ms * 1000 * 0.1)
 
 

@@ -451,12 +451,12 @@ def passing_manifest(run_dir: Path) -> dict:
 
 
 def front_models(recipe) -> list[str]:
-    """The models clients call first: the LLM's generation model, the encoder's ensemble."""
-    from pipeline.triton.repository import ensemble_model_name
+    """The models clients call first (:meth:`ModelAdapter.front_model`): the LLM's generation
+    model, an encoder's or image classifier's ensemble; none for a generic model."""
+    from pipeline.models import registry
 
-    if recipe.model.kind == "text-generation":
-        return [recipe.triton.generate_model_name] if recipe.triton.generate_model_name else []
-    return [ensemble_model_name(recipe.triton.model_name)]
+    front = registry.adapter(recipe.model).front_model(recipe)
+    return [front] if front else []
 
 
 def publish_recipe(recipe, loc: S3Location, *, serve_copy: bool = False, rollback: bool = False,

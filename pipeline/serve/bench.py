@@ -213,7 +213,7 @@ def graph_decode_ms(graph: Path, prompt: list[int], steps: int) -> list[float]:
     """Greedy batch-1 decoding of ``prompt`` with the graph alone, as the python-onnxruntime model
     runs it (weight Q/DQ dequantized once, its ONNX Runtime level): a prefill, then ``steps``
     one-token steps fed with the returned KV cache; each step's ms."""
-    from pipeline.plan_measure import _served_weights, _session
+    from pipeline.plan.measure import _served_weights, _session
 
     weights, model = _served_weights(graph)
     session = _session(model, weights)

@@ -12,7 +12,7 @@ follow another near-tie token. That is why validate decodes at
 batch 1. A prompt passes only when the streamed tokens equal the validate
 stage's exactly; when they differ, the prompt is decoded again offline at
 batch 1 with the validate stage's own ONNX Runtime session and greedy loop
-(:func:`pipeline.runtime.ort_session`, :func:`pipeline.models.text_generation.model.greedy_generate`)
+(:func:`pipeline.ort_sessions.ort_session`, :func:`pipeline.models.text_generation.model.greedy_generate`)
 so the verdict can say whether the server or the recorded tokens are off.
 
 Under in-flight batching (``concurrency`` > 1: the prompts stream at once, so the
@@ -176,7 +176,7 @@ class _BatchOneReference:
     def __call__(self, prompt_ids: Sequence[int], new_tokens: int) -> tuple[list[int], list[float]]:
         """(greedy tokens, top-2 logit gap at each position)."""
         from pipeline.models.text_generation.model import greedy_generate, layout_from_specs
-        from pipeline.runtime import ort_session
+        from pipeline.ort_sessions import ort_session
 
         export = self.artifacts["export"]
         if self.session is None:

@@ -13,7 +13,7 @@ checks nothing about the serving runtime (its reason says so).
 
 Where an engine would be built, the recipe must declare ``triton.serving``
 (the Triton container / TensorRT version and GPU model that will load the
-plan, see pipeline.serving): the build refuses a local TensorRT or compute
+plan, see pipeline.serving_targets): the build refuses a local TensorRT or compute
 capability that differs from it, and FP8 on a GPU below compute capability
 8.9. The stamp records what the engine was built with; :func:`check_stamp`
 compares it with the declared target at deploy time.
@@ -23,8 +23,6 @@ against ``tensorrt-stubs`` (tests/test_build_typecheck.py).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib
 import json
 import logging
 import os
@@ -37,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from pipeline import engine_backends, engine_report, profiles, serving
-from pipeline.artifacts import BuildArtifact, ResolvedProfile, TensorSpec
+from pipeline import engine_backends, engine_report, profiles, serving_targets
+from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
+from pipeline.context import StageContext
 from pipeline.engine_backends import TENSORRT, Backend
 from pipeline.errors import EXIT_INTERNAL, PipelineError
 from pipeline.fsutil import sha256_file, write_bytes_atomic, write_text_atomic
@@ -74,7 +73,23 @@ class ServingRuntimeError(EngineBuildError):
     """This machine cannot build an engine the declared serving runtime loads (or none is declared)."""
 
 
-def run(
+NAME = "build"
+NEEDS = ("export", "quantize")
+ARTIFACT = BuildArtifact
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe the build reads: its section and the serving target it must match."""
+    return [r.build.model_dump(mode="json"), r.triton.serving and r.triton.serving.model_dump(mode="json")]
+
+
+def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> BuildArtifact:
+    """The stage: :func:`build_from_onnx` on the quantized graph, into the stage folder."""
+    return build_from_onnx(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
+                           quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
+
+
+def build_from_onnx(
     recipe: Recipe,
     quantized_onnx: str,
     inputs: list[TensorSpec],
@@ -147,7 +162,7 @@ def run(
     engine_path = out_dir / engine_name(plan)
     context = FailureContext(resolved, dynamic, inserted_nodes(model, source_onnx), _node_ops(model))
     built = build_engine(plan.backend, plan.targets, onnx_path, recipe.build, cache_path, notes, context)
-    _write_atomic(engine_path, built.plan)
+    write_bytes_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
     stamp["onnx_qdq_nodes"] = sum(n.op_type in _INSERTED_OPS for n in model.graph.node)
     notes = _gemm_warnings(built.network, quantized_nodes) + notes
@@ -167,7 +182,7 @@ def _gemm_warnings(network: engine_report.NetworkSummary, quantized_nodes: list[
 def _write_records(out_dir: Path, stamp: dict[str, Any], quantized_nodes: list[str] | None, notes: list[str]) -> Path:
     """Write ``engine_stamp.json`` and the report section ``engine.md``; returns the stamp's path."""
     stamp_path = out_dir / STAMP_NAME
-    _write_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
+    write_bytes_atomic(stamp_path, json.dumps(stamp, indent=2).encode())
     count = None if quantized_nodes is None else len(quantized_nodes)
     write_text_atomic(out_dir / engine_report.SECTION_FILE, engine_report.section_markdown(stamp, count, notes))
     return stamp_path
@@ -183,13 +198,13 @@ def engine_name(plan: engine_backends.BuildPlan) -> str:
 # --- serving runtime: checked before building ---------------------------------------------
 
 
-def local_target() -> serving.Target:
+def local_target() -> serving_targets.Target:
     """This machine as a build target: tensorrt package version and CUDA device 0."""
     capability, name = gpu_info()
-    return serving.Target(tensorrt_version(), capability, name)
+    return serving_targets.Target(tensorrt_version(), capability, name)
 
 
-def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
+def preflight(recipe: Recipe, local: serving_targets.Target, script: Path) -> list[str]:
     """Refuse a build whose engine the declared serving runtime could not load.
 
     Args:
@@ -206,7 +221,7 @@ def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
             major.minor.patch or compute capability than declared.
     """
     fp8 = recipe.quantize.precision == "fp8"
-    problem = serving.fp8_problem(local.compute_capability, f"this GPU ({local.gpu_name})") if fp8 else None
+    problem = serving_targets.fp8_problem(local.compute_capability, f"this GPU ({local.gpu_name})") if fp8 else None
     if problem:
         raise ServingRuntimeError(f"build: {problem}; build on a GPU of compute capability 8.9 or later")
     cfg = recipe.triton.serving
@@ -217,11 +232,11 @@ def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
             "that will load it. Add e.g. triton: {serving: {container: '25.01-trtllm-python-py3', gpu: 'H100'}} or "
             "{tensorrt: '10.8.0', gpu: 'H100'}" + _containers_hint(local.tensorrt)
         )
-    declared = serving.declared_target(cfg)
-    problem = serving.fp8_problem(declared.compute_capability, f"the serving GPU ({declared.gpu_name})") if fp8 else None
+    declared = serving_targets.declared_target(cfg)
+    problem = serving_targets.fp8_problem(declared.compute_capability, f"the serving GPU ({declared.gpu_name})") if fp8 else None
     if problem:
         raise ServingRuntimeError(f"build: {problem} (recipe triton.serving.gpu)")
-    result = serving.compare(local, declared, "this machine")
+    result = serving_targets.compare(local, declared, "this machine")
     if result.errors:
         raise ServingRuntimeError(
             "build: refusing to build an engine the declared serving runtime cannot load:\n  "
@@ -231,25 +246,25 @@ def preflight(recipe: Recipe, local: serving.Target, script: Path) -> list[str]:
 
 
 def _containers_hint(version: str) -> str:
-    tags = serving.containers_with(version)
+    tags = serving_targets.containers_with(version)
     return f"; known containers with TensorRT {version}: {', '.join(tags)}" if tags else ""
 
 
-def _where_to_build(declared: serving.Target, script: Path) -> str:
+def _where_to_build(declared: serving_targets.Target, script: Path) -> str:
     """How to build the same engine where TensorRT and the GPU match the declaration."""
     rel = os.path.relpath(script)
     under_cwd = not rel.startswith("..")  # then mounting the working folder brings the script's inputs along
     shown = rel if under_cwd else str(script)
     image = declared.image
     if image is None:
-        tags = serving.containers_with(declared.tensorrt)
-        image = serving.container_image(tags[0]) if tags else None
+        tags = serving_targets.containers_with(declared.tensorrt)
+        image = serving_targets.container_image(tags[0]) if tags else None
     where = f"inside {image}" if image else f"where TensorRT {declared.tensorrt} is installed"
     docker = f"  (e.g. docker run --rm --gpus all -v \"$PWD\":/work -w /work {image} sh {shown})"
     return (
         f"Build on a {declared.gpu_name} (compute capability {declared.compute_capability}) {where}, with "
         f"trtexec on PATH: sh {shown}" + (docker if image and under_cwd else "")
-        + f"; or install tensorrt=={'.'.join(map(str, serving.tensorrt_triple(declared.tensorrt)))}.* here"
+        + f"; or install tensorrt=={'.'.join(map(str, serving_targets.tensorrt_triple(declared.tensorrt)))}.* here"
     )
 
 
@@ -395,10 +410,10 @@ def make_stamp(
     backend = plan.backend or TENSORRT
     if backend is TENSORRT:
         capability, gpu_name = gpu_info()
-        targets = [serving.sm_name(capability)]
+        targets = [serving_targets.sm_name(capability)]
         runs_on = f"Triton's tensorrt_plan backend with TensorRT {backend.version()} on a {gpu_name}"
     else:
-        capability, gpu_name, targets = ",".join(serving.sm_capability(t) for t in plan.targets), None, plan.targets
+        capability, gpu_name, targets = ",".join(serving_targets.sm_capability(t) for t in plan.targets), None, plan.targets
         runs_on = rtx_runs_on(plan.targets)
     return {
         "backend": backend.name,
@@ -409,7 +424,7 @@ def make_stamp(
         "targets": targets,
         "check_only": plan.check_only,
         "recipe_hash": recipe.engine_hash,
-        "onnx_sha256": file_sha256(onnx_path),
+        "onnx_sha256": sha256_file(onnx_path),  # the .onnx file only, not external data
         "profiles": [asdict(p) for p in resolved],
         "engine_file": engine_path.name,
         "engine_bytes": len(built.plan),
@@ -423,18 +438,13 @@ def make_stamp(
 
 def rtx_runs_on(targets: Sequence[str]) -> str:
     """Where a TensorRT-RTX engine for ``targets`` runs, and how to load it."""
-    gpus = [f"{t} ({', '.join(g.upper() for g, c in serving.GPU_CAPABILITY.items() if c == serving.sm_capability(t))})"
+    gpus = [f"{t} ({', '.join(g.upper() for g, c in serving_targets.GPU_CAPABILITY.items() if c == serving_targets.sm_capability(t))})"
             for t in targets]
     return ("the TensorRT-RTX runtime (tensorrt_rtx_bindings.Runtime(logger).deserialize_cuda_engine(bytes)) on a "
             f"GPU of {', '.join(gpus)}; not Triton's tensorrt_plan backend, which links datacenter TensorRT")
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file's bytes (the .onnx file only, not external data)."""
-    return sha256_file(path)
-
-
-def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str) -> serving.Comparison:
+def check_stamp(stamp: dict[str, Any], target: serving_targets.Target, recipe_hash: str) -> serving_targets.Comparison:
     """Compare an engine's stamp with the DECLARED serving target (not this machine).
 
     A plan loads only in the TensorRT major.minor.patch that built it and on
@@ -448,7 +458,7 @@ def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str)
         GPU model with the same compute capability.
     """
     if stamp.get("backend", TENSORRT.name) != TENSORRT.name:
-        return serving.Comparison([
+        return serving_targets.Comparison([
             f"backend: engine built by {stamp.get('backend_label', stamp['backend'])} "
             f"{stamp.get('tensorrt_version', '?')}, which Triton's tensorrt_plan backend (datacenter TensorRT "
             f"{target.tensorrt}) cannot load; serve the ONNX graph, or build with datacenter TensorRT on the "
@@ -461,14 +471,10 @@ def check_stamp(stamp: dict[str, Any], target: serving.Target, recipe_hash: str)
         errors.append(f"recipe_hash: engine has {stamp['recipe_hash']!r}, the recipe {recipe_hash!r} "
                       "(the recipe changed since the engine was built); rebuild the engine")
     if errors:
-        return serving.Comparison(errors, [])
-    built = serving.Target(str(stamp["tensorrt_version"]), str(stamp["compute_capability"]), str(stamp["gpu_name"]))
-    result = serving.compare(built, target, "engine")
-    return serving.Comparison([f"{e}; rebuild the engine" for e in result.errors], result.warnings)
-
-
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-    write_bytes_atomic(path, data)
+        return serving_targets.Comparison(errors, [])
+    built = serving_targets.Target(str(stamp["tensorrt_version"]), str(stamp["compute_capability"]), str(stamp["gpu_name"]))
+    result = serving_targets.compare(built, target, "engine")
+    return serving_targets.Comparison([f"{e}; rebuild the engine" for e in result.errors], result.warnings)
 
 
 # --- failures: which node, which shapes, whose fault ---------------------------------------
@@ -669,7 +675,7 @@ def attach_timing_cache(config: trt.IBuilderConfig, path: Path, notes: list[str]
 def save_timing_cache(cache: trt.ITimingCache, path: Path) -> None:
     """Serialize the (updated) timing cache to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, memoryview(cache.serialize()))
+    write_bytes_atomic(path, memoryview(cache.serialize()))
 
 
 def add_profile(

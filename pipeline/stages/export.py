@@ -13,9 +13,20 @@ from pipeline.artifacts import ExportArtifact, TensorSpec
 from pipeline.context import StageContext
 from pipeline.errors import ExportError
 from pipeline.models import registry
-from pipeline.runtime import load_session
+from pipeline.recipe import Recipe
+from pipeline.ort_sessions import load_session
 
 log = logging.getLogger(__name__)
+
+NAME = "export"
+NEEDS: tuple[str, ...] = ()
+ARTIFACT = ExportArtifact
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe the export reads: the model, the export section and its check points."""
+    points = r.export.check_points or r.build.profiles[0].model_dump(mode="json")
+    return [r.model.model_dump(mode="json"), r.export.model_dump(mode="json"), points]
 
 
 #: The one graph I/O reader (pipeline.onnx_io): kept under this name for callers.
@@ -147,7 +158,7 @@ def check_tolerance_patterns(patterns, outputs: list[str]) -> None:
 
 def onnx_source(adapter) -> Path | None:
     """The graph file of an ``onnx:`` model source (verified, not exported), else None."""
-    from pipeline.models.sources import OnnxSource
+    from pipeline.model_source import OnnxSource
 
     source = getattr(adapter, "source", None)
     return source.location() if isinstance(source, OnnxSource) else None

@@ -14,8 +14,22 @@ from pipeline.context import StageContext
 from pipeline.errors import QuantizationError
 from pipeline.feeds import save_batches
 from pipeline.models import registry
-from pipeline.recipe import ExcludeConfig
+from pipeline.recipe import ExcludeConfig, Recipe
 from pipeline.quant import autocast, budget, calibrate, pin, qdq, smoothquant
+
+NAME = "quantize"
+NEEDS = ("export",)
+ARTIFACT = QuantizedArtifact
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe quantize reads: its section and the eval data (kept out of calibration)."""
+    return [r.quantize.model_dump(mode="json"), r.validate_.data.model_dump(mode="json")]
+
+
+def key_extra(ctx: StageContext) -> dict:
+    """The pinned tuning result the stage applies (:mod:`pipeline.quant.pin`), by its key."""
+    return {"pin": ctx.pin.key()}
 
 
 def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:

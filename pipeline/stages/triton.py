@@ -13,9 +13,30 @@ from pipeline.errors import TritonConfigError
 from pipeline.recipe import Recipe
 
 if TYPE_CHECKING:
-    from pipeline.serving import Target
+    from pipeline.serving_targets import Target
 
 log = logging.getLogger(__name__)
+
+NAME = "triton"
+NEEDS = ("export", "quantize", "build")
+ARTIFACT = TritonArtifact
+#: runs only when every earlier verdict passed: a failed accuracy gate publishes nothing
+GATED = True
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe the repository reads: the triton section, the kind, where it goes,
+    and the generation settings the served model uses."""
+    return [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
+            r.validate_.generation and r.validate_.generation.model_dump()]
+
+
+def cached_problems(art: TritonArtifact, recipe_name: str) -> list[str]:
+    """Why a cached repository no longer counts (empty: it does): its models must still be
+    assigned to this recipe in repository.json and byte-identical to what it published."""
+    from pipeline.triton import publish
+
+    return publish.verify_repository(Path(art.repository), art.models, recipe=recipe_name)
 
 
 def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildArtifact) -> TritonArtifact:
@@ -122,7 +143,7 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
         TritonConfigError: no stamp, no declared serving runtime, or one line
             per mismatch.
     """
-    from pipeline import serving
+    from pipeline import serving_targets
     from pipeline.stages import build
 
     if b.stamp_path is None or not Path(b.stamp_path).is_file():
@@ -133,7 +154,7 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
                 f"engine {b.engine_path}: recipe triton.serving is not declared, so there is no serving runtime to "
                 "check the engine stamp against; declare the Triton container (or TensorRT version) and GPU model"
             )
-        target = serving.declared_target(recipe.triton.serving)
+        target = serving_targets.declared_target(recipe.triton.serving)
     stamp = json.loads(Path(b.stamp_path).read_text())
     result = build.check_stamp(stamp, target, recipe.engine_hash)
     if result.errors:

@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline import data, runners
+from pipeline import text_data, runners
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import RecipeError
@@ -21,9 +21,19 @@ from pipeline.fsutil import sha256_file, strict_jsonable, write_json_atomic, wri
 from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX
 from pipeline.provenance import code_hash
+from pipeline.recipe import Recipe
 from pipeline.gates import evaluate
 
+NAME = "validate"
+# validate measures the engine when one was built: the gate is on what ships
+NEEDS = ("export", "quantize", "build")
+ARTIFACT = ValidationArtifact
 ENGINE = ENGINE_PREFIX  # prefix of the engine's metrics
+
+
+def key_sections(r: Recipe) -> list:
+    """What of the recipe validate reads: its section (data, gates) and the precision."""
+    return [r.validate_.model_dump(mode="json"), r.quantize.precision]
 COMPARISON_FILE = "engine_vs_onnxruntime.md"
 
 
@@ -143,5 +153,5 @@ def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, e
     cfg = {"validate": ctx.recipe.validate_.model_dump(mode="json", exclude={"gates"}),
            "quantize": ctx.recipe.quantize.model_dump(mode="json")}  # naive baselines: its feeds
     parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision,
-             code_hash(__name__), sha256_file(engine) if engine else "no engine", data.recipe_data_sha256(ctx.recipe)]
+             code_hash(__name__), sha256_file(engine) if engine else "no engine", text_data.recipe_data_sha256(ctx.recipe)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -38,7 +38,7 @@ from pipeline.artifacts import TensorSpec
 from pipeline.errors import TritonConfigError
 from pipeline.onnx_io import graph_specs
 from pipeline.recipe import TritonConfig
-from pipeline.runtime import optimization_level
+from pipeline.ort_sessions import optimization_level
 
 if TYPE_CHECKING:  # the generated protobuf module ships no type stubs
     ModelConfig = Any
@@ -166,7 +166,7 @@ def compute_config(
             Triton picks one per request by its shapes.
         graph: the served ONNX graph: its path (preferred: INT8 weights are read
             from its folder), or a ModelProto with its weights. Its ONNX Runtime
-            optimization level is :func:`pipeline.runtime.optimization_level`, the
+            optimization level is :func:`pipeline.ort_sessions.optimization_level`, the
             one validate ran it at: ``basic`` for FP8 Q/DQ graphs (ORT's level-2+
             QDQ fusions build an invalid MatMulIntegerToFloat for FP8 on CPU,
             onnxruntime 1.31) and for INT8 Q/DQ graphs whose weights exceed +-64

@@ -32,7 +32,7 @@ from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 import pipeline.models.generic.feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
-from pipeline.models.sources import EntrySource, OnnxSource, check_entry_axes, external_data_files
+from pipeline.model_source import EntrySource, OnnxSource, check_entry_axes, external_data_files
 
 NO_TORCH = ("model.source is an ONNX graph exported elsewhere: ONNX Runtime FP32 is the reference and no torch "
             "comparison was made; the export checks only prove the graph runs at every check point")
@@ -236,7 +236,7 @@ def _source_session(path: Path):
     Raises:
         ExportError: ONNX Runtime cannot load it (names the file and ONNX Runtime's message).
     """
-    from pipeline.runtime import load_session
+    from pipeline.ort_sessions import load_session
 
     return load_session(path, path)
 

@@ -14,7 +14,7 @@ from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
-from pipeline.models.sources import package_file
+from pipeline.model_source import package_file
 from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, PooledEncoder, load_encoder, random_feeds, read_pooling
 from pipeline.recipe import ModelSource
 

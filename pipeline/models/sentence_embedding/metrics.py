@@ -107,9 +107,9 @@ def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, ma
     Raises:
         AccuracyError: the reference embeddings hold NaN or Inf.
     """
-    from pipeline import data
+    from pipeline import text_data
 
-    sets = {name: data.word_pairs(name) for name in WORD_SETS}
+    sets = {name: text_data.word_pairs(name) for name in WORD_SETS}
     out: dict[str, dict] = {}
     ref = None
     for label, sess in sessions.items():
@@ -278,9 +278,9 @@ def validate_sentences(validate_cfg, limit: int | None = None) -> list[str]:
         AccuracyError: the documents give no sentence.
         DataError: the split reaches past the corpus.
     """
-    from pipeline import data
+    from pipeline import text_data
 
-    docs = data.documents(validate_cfg.data)
+    docs = text_data.documents(validate_cfg.data)
     return held_out_sentences(docs, validate_cfg.max_windows if limit is None else limit)
 
 
@@ -304,10 +304,10 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
         AccuracyError: NaN/Inf in the FP32 reference, or no held-out sentence.
         DataError: the split reaches past the corpus.
     """
-    from pipeline import data
+    from pipeline import text_data
 
     v = ctx.recipe.validate_
-    tok = data.load_tokenizer(exp.tokenizer_dir)
+    tok = text_data.load_tokenizer(exp.tokenizer_dir)
     sentences = validate_sentences(v)
     reference = reference or runners.OrtRunner(exp.onnx_path)
     candidate = candidate or runners.OrtRunner(q.onnx_path)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import ExportError
-from pipeline.models.sources import package_file
+from pipeline.model_source import package_file
 from pipeline.recipe import ModelSource
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")

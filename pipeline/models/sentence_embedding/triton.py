@@ -63,7 +63,7 @@ def truncation_length(recipe: Recipe, profiles) -> int:
     and the model folder's ``sentence_bert_config.json`` ``max_seq_length``, whichever are given
     (:data:`DEFAULT_MAX_LENGTH` when neither is; a source folder no longer there gives none)."""
     from pipeline.models.sentence_embedding.model import max_seq_length
-    from pipeline.models.sources import ModelFileError, package_file
+    from pipeline.model_source import ModelFileError, package_file
 
     try:
         folder = package_file(recipe.model)

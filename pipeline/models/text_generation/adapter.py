@@ -137,7 +137,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
 
     def calibration_feeds(self, exp, data, cal) -> list[dict[str, np.ndarray]]:
         """Prefill batches of real text: ``cal.samples`` windows int64 ``[<=cal.batch_size,
-        cal.seq_len]`` of the documents of ``data`` (:func:`pipeline.data.token_windows`),
+        cal.seq_len]`` of the documents of ``data`` (:func:`pipeline.text_data.token_windows`),
         each with an all-ones mask and an empty past."""
         return _text_batches(exp, data, cal, prefill_feeds)
 
@@ -212,8 +212,8 @@ def validate_prompts(validate_cfg, tokenizer_dir: str) -> list[list[int]]:
     Raises:
         DataError: the split reaches past the corpus.
     """
-    from pipeline import data
+    from pipeline import text_data
 
     count = validate_cfg.generation.prompts if validate_cfg.generation else BENCH_PROMPTS
-    docs = data.documents(validate_cfg.data)
-    return data.prompts(data.load_tokenizer(tokenizer_dir), docs, count).tolist()
+    docs = text_data.documents(validate_cfg.data)
+    return text_data.prompts(text_data.load_tokenizer(tokenizer_dir), docs, count).tolist()

@@ -21,7 +21,7 @@ import math
 import numpy as np
 from scipy.special import logsumexp
 
-from pipeline import data, runners
+from pipeline import text_data, runners
 from pipeline.errors import AccuracyError
 from pipeline.metrics import llm_quality, speed, uncertainty
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
@@ -89,9 +89,9 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
         AccuracyError: no window of ``seq_len`` tokens, or NaN logits from the reference.
     """
     v = ctx.recipe.validate_
-    tok = data.load_tokenizer(exp.tokenizer_dir)
-    docs = data.documents(v.data)
-    windows = data.token_windows(tok, docs, v.seq_len, v.max_windows)
+    tok = text_data.load_tokenizer(exp.tokenizer_dir)
+    docs = text_data.documents(v.data)
+    windows = text_data.token_windows(tok, docs, v.seq_len, v.max_windows)
     if len(windows) == 0:
         raise AccuracyError(f"validate.split gives no window of {v.seq_len} tokens; nothing would be compared")
     layout = layout_from_specs(exp.inputs, exp.outputs)
@@ -101,7 +101,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     sessions: dict = {"fp32": runners.SessionView(reference), q.precision: runners.SessionView(candidate)}
     if engine is not None:
         sessions[ENGINE] = runners.SessionView(engine)
-    conv = data.window_convention(tok, v.seq_len)
+    conv = text_data.window_convention(tok, v.seq_len)
     context = v.seq_len - conv["scored_per_window"]
     metrics: dict = {"eval_windows": len(windows), "eval_tokens": len(windows) * conv["scored_per_window"],
                      "perplexity_convention": convention_text(conv)}
@@ -154,7 +154,7 @@ def _engine_stderr(acc, engine_rows: list[float], basis: dict) -> dict:
 
 
 def convention_text(conv: dict) -> str:
-    """One line naming the perplexity convention of :func:`pipeline.data.window_convention`."""
+    """One line naming the perplexity convention of :func:`pipeline.text_data.window_convention`."""
     bos = "yes (prepended to each window, context only)" if conv["bos"] else "no (the tokenizer adds none)"
     return (f"token-level exp(mean next-token NLL); non-overlapping windows of {conv['window_tokens']} tokens, "
             f"stride {conv['stride_tokens']} text tokens, documents joined by EOS; "
@@ -165,7 +165,7 @@ def _greedy(ctx, tok, docs, layout, sessions: dict, tokens: dict, prefix: str = 
     """Greedy tokens of each runner into ``tokens``; agreement of the last one with
     ``tokens["fp32"]`` (measured here when "fp32" is among ``sessions``)."""
     gen = ctx.recipe.validate_.generation
-    prompt_ids = data.prompts(tok, docs, gen.prompts)
+    prompt_ids = text_data.prompts(tok, docs, gen.prompts)
     tokens["prompt_ids"] = prompt_ids.tolist()
     for label, sess in sessions.items():
         with ctx.progress.step(f"validate: greedy generation ({label}, {gen.prompts} x {gen.new_tokens} tokens)"):

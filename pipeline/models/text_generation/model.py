@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import ExportError
-from pipeline.models.sources import ModelFileError, package_file
+from pipeline.model_source import ModelFileError, package_file
 from pipeline.models.text_generation.attention import GROUPED, use_grouped_attention
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs
 from pipeline.recipe import ModelSource

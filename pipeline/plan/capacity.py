@@ -35,7 +35,7 @@ Formulas (units: bytes, seconds, FLOP; sources in :data:`FORMULAS`):
 
 Everything GPU-side is an estimate from published peak figures (roofline upper
 bounds on speed, so lower bounds on replicas). This machine's row is measured:
-its copy bandwidth (:func:`pipeline.plan_measure.copy_bandwidth`), the KV bytes
+its copy bandwidth (:func:`pipeline.plan.measure.copy_bandwidth`), the KV bytes
 of one ONNX Runtime run, and decode tokens/s (``bench/bench.json`` or ``--measure``).
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ import numpy as np
 import onnx
 
 from pipeline.errors import PipelineError
-from pipeline.plan_gpus import GPU, GPUS
+from pipeline.plan.gpus import GPU, GPUS
 from pipeline.recipe import Recipe
 
 DEFAULT_RATE = 10.0  # req/s, when --rate is not given: the recipe's serve section has no request rate
@@ -227,9 +227,10 @@ def model_facts(recipe: Recipe, workspace_bytes: int | None = None) -> ModelFact
     from pipeline.profiles import resolve_profiles, shape_tensor_inputs
     from pipeline.onnx_io import graph_specs
     from pipeline.models.text_generation.triton import kv_layout
+    from pipeline.recipe_kinds import facts
     from pipeline.triton.repository import context_limits, profile_batch
 
-    if recipe.model.kind != "text-generation":
+    if not facts(recipe.model.kind).kv_cache:
         raise PipelineError(f"model.kind: plan sizes the KV cache of causal LMs; recipe {recipe.name!r} is "
                             f"{recipe.model.kind!r}")
     run_dir = Path(recipe.work_dir) / recipe.name
@@ -376,7 +377,7 @@ def cpu_row(f: ModelFacts, bandwidth: dict, measured: list[dict], memory_bytes: 
 
 def kv_check(f: ModelFacts, batch: int = 2, sequence: int = 3, past: int = 5) -> dict:
     """The KV-per-token formula against the bytes of ``present.*`` from one ONNX Runtime run of the export."""
-    from pipeline.plan_measure import present_kv_bytes
+    from pipeline.plan.measure import present_kv_bytes
 
     got = present_kv_bytes(f.export_onnx, batch, sequence, past)
     export_width = int(np.dtype(kv_dtype_of(f.export_onnx)).itemsize)
@@ -399,7 +400,7 @@ def build_plan(recipe: Recipe, *, rate: float | None = None, prompt: int | None 
 
     ``rate`` req/s (default :data:`DEFAULT_RATE`), ``prompt`` / ``output`` tokens
     per request (default ``serve.bucket_tokens`` / ``serve.max_tokens``);
-    ``bandwidth``: a :func:`~pipeline.plan_measure.copy_bandwidth` result
+    ``bandwidth``: a :func:`~pipeline.plan.measure.copy_bandwidth` result
     (measured here when None); ``measure``: also time decode steps of the served graph.
 
     Raises:
@@ -407,7 +408,7 @@ def build_plan(recipe: Recipe, *, rate: float | None = None, prompt: int | None 
     """
     import psutil
 
-    from pipeline.plan_measure import copy_bandwidth, decode_tokens_per_s
+    from pipeline.plan.measure import copy_bandwidth, decode_tokens_per_s
 
     f = model_facts(recipe, workspace_bytes)
     serve = recipe.serve

@@ -144,7 +144,7 @@ def _template(name: str) -> Iterator[types.ModuleType]:
 
 
 def _session(model: str | onnx.ModelProto, weights: dict) -> ort.InferenceSession:
-    """CPU session; Q/DQ graphs at ONNX Runtime's basic level (as pipeline.runtime and the served model)."""
+    """CPU session; Q/DQ graphs at ONNX Runtime's basic level (as pipeline.ort_sessions and the served model)."""
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

@@ -1,0 +1,52 @@
+"""The per-kind facts the recipe checks need, without torch: one row per ``model.kind``.
+
+Everything else about a kind lives in its adapter (``pipeline/models/<kind>/``); this table
+holds only what is decided by the recipe alone, so the ground floor (the recipe checks,
+:mod:`pipeline.recipe_checks`) never tests the kind itself. The gate metrics of each kind are
+:data:`pipeline.gates.METRICS`; ``tests/test_kind_facts.py`` checks each row against its adapter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the adapter's dim name for axis 2 of every past input (``past_key_values.N.key/value``)
+PAST_DIM = "past_sequence"
+
+
+@dataclass(frozen=True)
+class KindFacts:
+    """What the recipe checks may assume about a model kind's graph and data."""
+
+    #: the graph's inputs besides the KV cache, each rank 2 ``[batch, sequence]``; None: the
+    #: model's own inputs (read from the graph at export, nothing to check beforehand)
+    graph_inputs: tuple[str, ...] | None
+    #: the graph also takes ``past_key_values.N.key/value`` ``[batch, H, past_sequence, D]``
+    kv_cache: bool
+    #: calibration and validate data are texts (documents), tokenized by the model's tokenizer
+    text_data: bool
+    #: served behind a tokenizer model and an ensemble that batch requests (max_batch_size >= 1)
+    batching_front: bool
+
+
+#: model.kind -> its facts; the keys are :data:`pipeline.recipe.ModelKind`'s values.
+KINDS: dict[str, KindFacts] = {
+    "text-generation": KindFacts(("input_ids", "attention_mask"), kv_cache=True, text_data=True,
+                                 batching_front=False),
+    "sentence-embedding": KindFacts(("input_ids", "attention_mask", "token_type_ids"), kv_cache=False,
+                                    text_data=True, batching_front=True),
+    "image-classification": KindFacts(None, kv_cache=False, text_data=False, batching_front=False),
+    "generic": KindFacts(None, kv_cache=False, text_data=False, batching_front=False),
+}
+
+
+def facts(kind: str) -> KindFacts:
+    """The facts of ``kind``.
+
+    Raises:
+        KeyError: ``kind`` has no row (the message lists the kinds); the schema refuses such a
+            kind first, so this is a pipeline bug.
+    """
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise KeyError(f"model kind {kind!r} has no row in pipeline.recipe_kinds.KINDS; rows: {sorted(KINDS)}") from None
