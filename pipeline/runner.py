@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from pydantic import TypeAdapter
 
@@ -42,17 +42,32 @@ class StageDef:
         return _SECTIONS[self.name](recipe)
 
 
+def _portable(section: Any) -> Any:
+    """A model or data section with each absolute path cut to its last part: where a file
+    lies is no part of a stage key (its content is: the manifest's input sha256s, which
+    :func:`_key_versions` adds), so two folders, or two machines, get the same keys."""
+    if isinstance(section, dict):
+        return {k: _portable(v) for k, v in section.items()}
+    if isinstance(section, list):
+        return [_portable(v) for v in section]
+    if isinstance(section, str) and os.path.isabs(section.split(":", 1)[0]):
+        return Path(section).name  # entry: "/abs/model.py:make_model" -> "model.py:make_model"
+    return section
+
+
 def _export_sections(r: Recipe) -> Any:
     points = r.export.check_points or r.build.profiles[0].model_dump(mode="json")
-    return [r.model.model_dump(mode="json"), r.export.model_dump(mode="json"), points]
+    return [_portable(r.model.model_dump(mode="json")), r.export.model_dump(mode="json"), points]
 
 
+# output_dir is no key part: a cached triton stage counts only where it published into
+# the recipe's output_dir (_publish_problems), so a new output_dir republishes.
 _SECTIONS: dict[str, Callable[[Recipe], Any]] = {
     "export": _export_sections,
-    "quantize": lambda r: [r.quantize.model_dump(mode="json"), r.validate_.data.model_dump(mode="json")],
-    "build": lambda r: [r.build.model_dump(mode="json"), r.triton.serving and r.triton.serving.model_dump(mode="json")],
-    "validate": lambda r: [r.validate_.model_dump(mode="json"), r.quantize.precision],
-    "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
+    "quantize": lambda r: _portable([r.quantize.model_dump(mode="json"), r.validate_.data.model_dump(mode="json")]),
+    "build": lambda r: [_portable(r.build.model_dump(mode="json")), r.triton.serving and r.triton.serving.model_dump(mode="json")],
+    "validate": lambda r: _portable([r.validate_.model_dump(mode="json"), r.quantize.precision]),
+    "triton": lambda r: [r.triton.model_dump(mode="json"), r.model.kind,
                          r.validate_.generation and r.validate_.generation.model_dump()],
 }
 
@@ -75,6 +90,22 @@ def _build(ctx: StageContext, exp: A.ExportArtifact, q: A.QuantizedArtifact) -> 
 
     return build.run(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
                      quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
+
+
+class SharedCache(Protocol):
+    """A stage cache shared by runners (:class:`pipeline.remote.cache.RemoteCache`), handed
+    in by the CLI: this layer does not import the remote one."""
+
+    url: str
+
+    def pull(self, ctx: StageContext, key: str) -> dict | None:
+        """Place the stage's files for ``key``; its ``{"artifact", "record"}``, or None (a miss)."""
+
+    def push(self, ctx: StageContext, key: str, stage_json: dict) -> str:
+        """Share a stage that ran (``stage.json``'s content); "pushed", "present" or "failed"."""
+
+    def summary(self) -> dict:
+        """The manifest's ``remote_cache`` entry."""
 
 
 @dataclass
@@ -136,13 +167,16 @@ def run_lock(run_dir: Path):
 
 
 def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only: list[str] | None = None,
-                 locked: bool = False) -> RunResult:
+                 locked: bool = False, remote: SharedCache | None = None) -> RunResult:
     """Run every stage and write the manifest (with ``only``: the stages through the last one
     named, no manifest written, no gate; for tests and tools).
 
     Args:
         locked: refuse (exit 2) a recipe whose quantize stage would run the accuracy-budget
             search because its pinned tuning result is missing or stale (:mod:`pipeline.quant.pin`).
+        remote: a shared stage cache: a local miss is pulled from it when its key is there
+            (verified; the manifest's stage record says ``cache_source: remote``), and every
+            stage that ran is pushed to it. None: the local cache alone.
 
     Returns a RunResult; ``passed`` is False when an accuracy gate failed.
 
@@ -155,9 +189,9 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
     with run_lock(run_dir):
         if only:
             last = max((s.name for s in _stages() if s.name in only), key=[s.name for s in _stages()].index)
-            arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last)[0]
+            arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last, remote=remote)[0]
             return RunResult(man, run_dir / "manifest.json", True, arts)
-        return _run(recipe, recipe_path, run_dir, progress, locked=locked)
+        return _run(recipe, recipe_path, run_dir, progress, locked=locked, remote=remote)
 
 
 def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple[A.QuantizedArtifact, Path]:
@@ -183,19 +217,40 @@ def _key_versions(versions: dict, inputs: dict) -> dict:
     return {**kept, "inputs": {k: v.get("sha256") for k, v in inputs.items()}}
 
 
+#: tool versions no stage before build depends on: a CPU runner without TensorRT and a GPU
+#: runner with it share export and quantize (pipeline.remote.cache)
+_ENGINE_TOOLS = ("tensorrt", "tensorrt-rtx")
+
+
+def _stage_extra(stage: str, found: Any, versions: dict) -> dict:
+    """The stage's own share of its key besides its code: the pin for quantize, this
+    machine's builder for build; export and quantize drop the TensorRT versions."""
+    if stage in ("export", "quantize"):
+        versions = {k: v for k, v in versions.items() if k not in _ENGINE_TOOLS}
+    if stage == "quantize":
+        return {**versions, "pin": found.key()}
+    if stage == "build":
+        from pipeline.stages.build import builder_key
+
+        return {**versions, "builder": builder_key()}
+    return versions
+
+
 #: stage -> the module whose import closure is its code (default ``pipeline.stages.<name>``)
 _STAGE_MODULES: dict[str, str] = {}
 
 
-def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False) -> RunResult:
+def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False,
+         remote: SharedCache | None = None) -> RunResult:
     _repair_published(recipe, progress)
     man: dict = {}
-    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked)
+    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote)
     return _finish(man, arts, run_dir, recipe)
 
 
 def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, man: dict, *,
-          locked: bool = False, pin_ignore: bool = False, upto: str | None = None) -> tuple[dict, dict]:
+          locked: bool = False, pin_ignore: bool = False, upto: str | None = None,
+          remote: SharedCache | None = None) -> tuple[dict, dict]:
     """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys)."""
     from pipeline.quant import pin
 
@@ -212,14 +267,16 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
     for stage in _stages():
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
         ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found)
-        extra = {"pin": found.key()} if stage.name == "quantize" else {}
         code = {"code": code_hash(_STAGE_MODULES.get(stage.name, f"pipeline.stages.{stage.name}"))}
-        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps], {**versions, **code, **extra})
+        keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps],
+                                     {**_stage_extra(stage.name, found, versions), **code})
         gate_failed = "validate" in arts and not arts["validate"].passed
         if stage.name == "triton" and gate_failed:
             man["stages"]["triton"] = M.stage_record("skipped", "accuracy gate failed: nothing is published")
             continue
-        arts[stage.name] = _run_stage(stage, ctx, keys[stage.name], arts, man)
+        arts[stage.name] = _run_stage(stage, ctx, keys[stage.name], arts, man, remote)
+        if remote is not None:
+            man["remote_cache"] = remote.summary()
         if stage.name == upto:
             break
     return arts, keys
@@ -235,28 +292,68 @@ def _repair_published(recipe: Recipe, progress: Progress) -> None:
     publish.remove_leftovers(Path(recipe.output_dir), recipe.name)
 
 
-def _publish_problems(stage: StageDef, art: Any, recipe_name: str) -> list[str]:
+def _publish_problems(stage: StageDef, art: Any, recipe_name: str, output_dir: str) -> list[str]:
     """Why a cached triton stage no longer counts (empty: it does): its models must still be
     assigned to this recipe in repository.json and byte-identical to what it published."""
     if stage.name != "triton":
         return []
     from pipeline.triton import publish
 
+    if Path(art.repository).resolve() != Path(output_dir).resolve():
+        return [f"published into {art.repository}, but output_dir is now {output_dir}"]
     return publish.verify_repository(Path(art.repository), art.models, recipe=recipe_name)
 
 
-def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
-    cached = _load_cached(stage, ctx.run_dir / stage.name, key)
-    problems = _publish_problems(stage, cached, ctx.recipe.name) if cached is not None else []
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: {problems[0]}{more}; republishing")
-        cached = None
+def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict,
+               remote: SharedCache | None = None) -> Any:
+    cached = _usable(stage, ctx, key, "local")
+    source = "local"
+    if cached is None and remote is not None:
+        cached, source = _pull(stage, ctx, key, remote), "remote"
     if cached is not None:
         prev = json.loads((ctx.run_dir / stage.name / "stage.json").read_text())["record"]
-        man["stages"][stage.name] = {**prev, "cache_hit": True, "wall_s": 0.0}
-        ctx.progress.print(f"[bold]{stage.name}[/bold]: cached ({prev['status']})")
+        man["stages"][stage.name] = {**prev, "cache_hit": True, "cache_source": source, "wall_s": 0.0}
+        ctx.progress.print(f"[bold]{stage.name}[/bold]: cached{' (remote)' if source == 'remote' else ''} "
+                           f"({prev['status']})")
         return cached
+    art = _execute(stage, ctx, key, arts, man)
+    if remote is not None:
+        remote.push(ctx, key, json.loads((ctx.run_dir / stage.name / "stage.json").read_text()))
+    return art
+
+
+def _usable(stage: StageDef, ctx: StageContext, key: str, where: str) -> Any | None:
+    """The stage's committed artifact for ``key`` if it still counts (files there; for
+    triton, published and intact), else None (with a line when a published one no longer counts)."""
+    cached = _load_cached(stage, ctx.run_dir / stage.name, key)
+    problems = _publish_problems(stage, cached, ctx.recipe.name, ctx.recipe.output_dir) if cached is not None else []
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        what = "republishing" if where == "local" else "the stage runs here"
+        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: {problems[0]}{more}; {what}")
+        return None
+    return cached
+
+
+def _pull(stage: StageDef, ctx: StageContext, key: str, remote: SharedCache) -> Any | None:
+    """The stage from the shared cache, committed locally, when it is there and checks out."""
+    data = remote.pull(ctx, key)
+    if data is None:
+        return None
+    try:
+        art = TypeAdapter(stage.artifact).validate_python(data["artifact"])
+    except ValueError as e:
+        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: remote entry does not read as "
+                           f"{stage.artifact.__name__} ({e}); the stage runs here")
+        return None
+    _commit(ctx.run_dir / stage.name, key, art, data["record"])
+    cached = _usable(stage, ctx, key, "remote")
+    if cached is None:
+        (ctx.run_dir / stage.name / "stage.json").unlink(missing_ok=True)
+    return cached
+
+
+def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
     ctx.progress.print(f"[bold]{stage.name}[/bold] ...")
     # The old record goes first: a crash while the stage rewrites its files must not leave a
     # record that a later run with the old key would trust.

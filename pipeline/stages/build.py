@@ -360,6 +360,16 @@ def unavailable_reason() -> str | None:
     return None if gpu else "no CUDA GPU visible"
 
 
+def builder_key() -> str:
+    """What of this machine decides the engine, for the build stage's cache key: the local
+    GPU where datacenter TensorRT builds for it, else that it cannot (TensorRT-RTX builds for
+    declared targets, or the stage skips). The tool versions are in the key already."""
+    if unavailable_reason() is not None:
+        return "no datacenter TensorRT build here"
+    capability, name = gpu_info()
+    return f"datacenter TensorRT on a {name} (compute capability {capability})"
+
+
 def gpu_info() -> tuple[str, str]:
     """(compute capability as "major.minor", GPU name) of CUDA device 0."""
     import torch
