@@ -341,7 +341,7 @@ def _pull(stage: StageDef, ctx: StageContext, key: str, remote: SharedCache) -> 
     if data is None:
         return None
     try:
-        art = TypeAdapter(stage.artifact).validate_python(data["artifact"])
+        art: Any = TypeAdapter(stage.artifact).validate_python(data["artifact"])
     except ValueError as e:
         ctx.progress.print(f"[yellow]{stage.name}[/yellow]: remote entry does not read as "
                            f"{stage.artifact.__name__} ({e}); the stage runs here")

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.context import StageContext
+from pipeline.errors import EnvironmentFault
 from pipeline.remote.s3 import S3Location, s3_client, upload_object
 
 FORMAT = 1
@@ -106,6 +107,7 @@ class RemoteCache:
         bad one: warned). Never raises for storage, network or content problems."""
         from botocore.exceptions import BotoCoreError, ClientError
 
+        entry: dict | None = None
         try:
             entry = self._entry(ctx.stage, key)
             if entry is None:
@@ -113,9 +115,9 @@ class RemoteCache:
             problem = _entry_problem(entry, ctx.stage, key)
             if problem is None:
                 problem = self._place(ctx, entry)
-        except (BotoCoreError, ClientError, OSError, ValueError, KeyError, TypeError) as e:
+        except (BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError, KeyError, TypeError) as e:
             problem = f"pull failed ({type(e).__name__}: {e})"
-        if problem:
+        if problem or entry is None:
             self._warn(ctx, f"{problem}; treated as a miss, the stage runs here")
             return None
         self.pulled.append(ctx.stage)
@@ -209,7 +211,7 @@ class RemoteCache:
             for sha256, path in blobs.items():
                 self._upload_blob(path, sha256)
             won = self._put_entry(ctx.stage, key, entry)
-        except (BotoCoreError, ClientError, OSError, ValueError) as e:
+        except (BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError) as e:
             self._warn(ctx, f"push failed ({type(e).__name__}: {e}); the stage stays in the local cache only")
             return "failed"
         (self.pushed if won else self.present).append(ctx.stage)
@@ -321,6 +323,8 @@ def _entry_problem(entry: dict, stage: str, key: str) -> str | None:
         return f"entry of format {entry.get('format') if isinstance(entry, dict) else '?'}, not {FORMAT}"
     if entry.get("stage") != stage or entry.get("key") != key:
         return f"entry names stage {entry.get('stage')!r} key {str(entry.get('key'))[:12]}, not {stage!r} {key[:12]}"
+    if not isinstance(entry.get("record"), dict) or "status" not in entry["record"] or "artifact" not in entry:
+        return "entry has no artifact or no stage record"
     for part in ("files", "models"):
         if not isinstance(entry.get(part), dict) or not all("sha256" in m for m in entry[part].values()):
             return f"entry's {part!r} is not a list of files with their sha256"
