@@ -78,14 +78,17 @@ def preflight(args):
 
 
 def cmd_build(args) -> int:
+    from pipeline.remote.cache import RemoteCache
     from pipeline.runner import run_pipeline
 
+    remote = RemoteCache.from_url(getattr(args, "cache", None))  # a bad URL fails before any work (exit 2)
     recipe, _ = preflight(args)
     if getattr(args, "test", False):  # random 2-layer copy, gates not enforced (pipeline.smoke)
         from pipeline.smoke import run_test
 
         return run_test(Path(args.recipe), recipe, parse_set(args.set), quiet=args.quiet)
-    result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet, locked=getattr(args, "locked", False))
+    result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet, locked=getattr(args, "locked", False),
+                          remote=remote)
     run_dir = result.manifest_path.parent
     for g in result.manifest["gates"]:
         print(g["message"])
@@ -241,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--locked", action="store_true",
                             help="CI: never run the accuracy-budget search; exit 2 when the recipe's pinned tuning "
                                  "result (recipes/tuned/<name>.json) is missing or stale, naming what changed")
+            sp.add_argument("--cache", metavar="s3://BUCKET/PREFIX",
+                            help="stage cache shared by runners (default: $PIPELINE_CACHE; none: local only): "
+                                 "pull verified stages whose key is there, push the ones run here")
             sp.add_argument("--test", action="store_true",
                             help="smoke test: run on a randomly initialised 2-layer copy of the model (HF folder "
                                  "or GGUF sources only); gates reported, not enforced; nothing published")

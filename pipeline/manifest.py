@@ -95,8 +95,13 @@ def report_markdown(man: dict) -> str:
     lines += ["", "## Stages", "",
               "| stage | status | cache | wall (s) | peak RSS (MiB) | notes |", "|---|---|---|---|---|---|"]
     for st, r in man["stages"].items():
-        cache = "hit" if r.get("cache_hit") else "miss"
+        cache = ("hit (remote)" if r.get("cache_source") == "remote" else "hit") if r.get("cache_hit") else "miss"
         lines.append(f"| {st} | {r['status']} | {cache} | {r['wall_s']} | {r.get('peak_rss_mib')} | {r['reason']} |")
+    if man.get("remote_cache"):
+        rc = man["remote_cache"]
+        lines += ["", f"Remote stage cache {rc['url']}: pulled {', '.join(rc['pulled']) or 'none'}; pushed "
+                      f"{', '.join(rc['pushed']) or 'none'}; already there {', '.join(rc['present']) or 'none'}."]
+        lines += [f"- warning: {w}" for w in rc["warnings"]]
     lines += tuning_lines(man.get("tuning"), man["recipe"].get("quantize", {}))
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]

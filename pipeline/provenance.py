@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 _TOOLS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnxruntime-gpu", "transformers": "transformers",
           "numpy": "numpy", "ml_dtypes": "ml_dtypes"}
@@ -91,3 +93,17 @@ def code_hash(module: str | None = None) -> str:
     for f in files:
         h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
     return h.hexdigest()
+
+
+def portable(section: Any) -> Any:
+    """A recipe section (JSON-like) with each absolute path cut to its last part, for stage keys:
+    where a file lies is no part of a key (its content is, through the recipe's input sha256s), so
+    two folders, or two machines, get the same keys. ``"/abs/model.py:make_model"`` (an entry)
+    becomes ``"model.py:make_model"``; relative paths and other values are kept."""
+    if isinstance(section, dict):
+        return {k: portable(v) for k, v in section.items()}
+    if isinstance(section, (list, tuple)):
+        return [portable(v) for v in section]
+    if isinstance(section, str) and os.path.isabs(section.split(":", 1)[0]):
+        return Path(section).name
+    return section

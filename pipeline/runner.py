@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from pydantic import TypeAdapter
 
@@ -36,7 +36,7 @@ from pipeline.context import Progress, StageContext
 from pipeline.errors import InternalError, LockHeld
 from pipeline.faults import fault_point
 from pipeline.memory import PeakRSS
-from pipeline.provenance import code_hash
+from pipeline.provenance import code_hash, portable
 from pipeline.recipe import Recipe
 
 
@@ -77,9 +77,15 @@ class StageDef:
         extra = getattr(self.module, "key_extra", None)
         return extra(ctx) if extra else {}
 
-    def cached_problems(self, art: Any, recipe_name: str) -> list[str]:
+    def cached_problems(self, art: Any, recipe: Recipe) -> list[str]:
         check = getattr(self.module, "cached_problems", None)
-        return check(art, recipe_name) if check else []
+        return check(art, recipe) if check else []
+
+    @property
+    def engine_free(self) -> bool:
+        """Whether no TensorRT version enters the key (``ENGINE_FREE``): a CPU runner without
+        TensorRT and a GPU runner with it share the stage (:mod:`pipeline.remote.cache`)."""
+        return bool(getattr(self.module, "ENGINE_FREE", False))
 
 
 def _stages() -> list[StageDef]:
@@ -98,6 +104,22 @@ def _stages() -> list[StageDef]:
     return stages
 
 
+class SharedCache(Protocol):
+    """A stage cache shared by runners (:class:`pipeline.remote.cache.RemoteCache`), handed
+    in by the CLI: this layer does not import the remote one."""
+
+    url: str
+
+    def pull(self, ctx: StageContext, key: str) -> dict | None:
+        """Place the stage's files for ``key``; its ``{"artifact", "record"}``, or None (a miss)."""
+
+    def push(self, ctx: StageContext, key: str, stage_json: dict) -> str:
+        """Share a stage that ran (``stage.json``'s content); "pushed", "present" or "failed"."""
+
+    def summary(self) -> dict:
+        """The manifest's ``remote_cache`` entry."""
+
+
 @dataclass
 class RunResult:
     manifest: dict
@@ -107,7 +129,8 @@ class RunResult:
 
 
 def stage_key(stage: StageDef, recipe: Recipe, dep_keys: list[str], versions: dict) -> str:
-    payload = {"stage": stage.name, "sections": stage.key_sections(recipe), "deps": dep_keys, "versions": versions}
+    payload = {"stage": stage.name, "sections": portable(stage.key_sections(recipe)), "deps": dep_keys,
+               "versions": versions}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -157,13 +180,16 @@ def run_lock(run_dir: Path):
 
 
 def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only: list[str] | None = None,
-                 locked: bool = False) -> RunResult:
+                 locked: bool = False, remote: SharedCache | None = None) -> RunResult:
     """Run every stage and write the manifest (with ``only``: the stages through the last one
     named, no manifest written, no gate; for tests and tools).
 
     Args:
         locked: refuse (exit 2) a recipe whose quantize stage would run the accuracy-budget
             search because its pinned tuning result is missing or stale (:mod:`pipeline.quant.pin`).
+        remote: a shared stage cache: a local miss is pulled from it when its key is there
+            (verified; the manifest's stage record says ``cache_source: remote``), and every
+            stage that ran is pushed to it. None: the local cache alone.
 
     Returns a RunResult; ``passed`` is False when an accuracy gate failed.
 
@@ -176,9 +202,9 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
     with run_lock(run_dir):
         if only:
             last = max((s.name for s in _stages() if s.name in only), key=[s.name for s in _stages()].index)
-            arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last)[0]
+            arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last, remote=remote)[0]
             return RunResult(man, run_dir / "manifest.json", True, arts)
-        return _run(recipe, recipe_path, run_dir, progress, locked=locked)
+        return _run(recipe, recipe_path, run_dir, progress, locked=locked, remote=remote)
 
 
 def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple[A.QuantizedArtifact, Path]:
@@ -204,15 +230,21 @@ def _key_versions(versions: dict, inputs: dict) -> dict:
     return {**kept, "inputs": {k: v.get("sha256") for k, v in inputs.items()}}
 
 
-def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False) -> RunResult:
+#: tool versions that enter only the keys of stages that are not ENGINE_FREE
+_ENGINE_TOOLS = ("tensorrt", "tensorrt-rtx")
+
+
+def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False,
+         remote: SharedCache | None = None) -> RunResult:
     _repair_published(recipe, progress)
     man: dict = {}
-    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked)
+    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote)
     return _finish(man, arts, run_dir, recipe)
 
 
 def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, man: dict, *,
-          locked: bool = False, pin_ignore: bool = False, upto: str | None = None) -> tuple[dict, dict]:
+          locked: bool = False, pin_ignore: bool = False, upto: str | None = None,
+          remote: SharedCache | None = None) -> tuple[dict, dict]:
     """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys)."""
     from pipeline.quant import pin
 
@@ -230,12 +262,15 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
         ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found)
         code = {"code": code_hash(stage.module.__name__)}
+        tools = {k: v for k, v in versions.items() if not (stage.engine_free and k in _ENGINE_TOOLS)}
         keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps],
-                                     {**versions, **code, **stage.key_extra(ctx)})
+                                     {**tools, **code, **stage.key_extra(ctx)})
         if stage.gated and not all(getattr(a, "passed", True) for a in arts.values()):
             man["stages"][stage.name] = M.stage_record("skipped", "accuracy gate failed: nothing is published")
             continue
-        arts[stage.name] = _run_stage(stage, ctx, keys[stage.name], arts, man)
+        arts[stage.name] = _run_stage(stage, ctx, keys[stage.name], arts, man, remote)
+        if remote is not None:
+            man["remote_cache"] = remote.summary()
         if stage.name == upto:
             break
     return arts, keys
@@ -251,18 +286,56 @@ def _repair_published(recipe: Recipe, progress: Progress) -> None:
     publish.remove_leftovers(Path(recipe.output_dir), recipe.name)
 
 
-def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
-    cached = _load_cached(stage, ctx.run_dir / stage.name, key)
-    problems = stage.cached_problems(cached, ctx.recipe.name) if cached is not None else []
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: {problems[0]}{more}; republishing")
-        cached = None
+def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict,
+               remote: SharedCache | None = None) -> Any:
+    cached = _usable(stage, ctx, key, "local")
+    source = "local"
+    if cached is None and remote is not None:
+        cached, source = _pull(stage, ctx, key, remote), "remote"
     if cached is not None:
         prev = json.loads((ctx.run_dir / stage.name / "stage.json").read_text())["record"]
-        man["stages"][stage.name] = {**prev, "cache_hit": True, "wall_s": 0.0}
-        ctx.progress.print(f"[bold]{stage.name}[/bold]: cached ({prev['status']})")
+        man["stages"][stage.name] = {**prev, "cache_hit": True, "cache_source": source, "wall_s": 0.0}
+        ctx.progress.print(f"[bold]{stage.name}[/bold]: cached{' (remote)' if source == 'remote' else ''} "
+                           f"({prev['status']})")
         return cached
+    art = _execute(stage, ctx, key, arts, man)
+    if remote is not None:
+        remote.push(ctx, key, json.loads((ctx.run_dir / stage.name / "stage.json").read_text()))
+    return art
+
+
+def _usable(stage: StageDef, ctx: StageContext, key: str, where: str) -> Any | None:
+    """The stage's committed artifact for ``key`` if it still counts (files there; for
+    triton, published and intact), else None (with a line when a published one no longer counts)."""
+    cached = _load_cached(stage, ctx.run_dir / stage.name, key)
+    problems = stage.cached_problems(cached, ctx.recipe) if cached is not None else []
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        what = "republishing" if where == "local" else "the stage runs here"
+        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: {problems[0]}{more}; {what}")
+        return None
+    return cached
+
+
+def _pull(stage: StageDef, ctx: StageContext, key: str, remote: SharedCache) -> Any | None:
+    """The stage from the shared cache, committed locally, when it is there and checks out."""
+    data = remote.pull(ctx, key)
+    if data is None:
+        return None
+    try:
+        art: Any = TypeAdapter(stage.artifact).validate_python(data["artifact"])
+    except ValueError as e:
+        ctx.progress.print(f"[yellow]{stage.name}[/yellow]: remote entry does not read as "
+                           f"{stage.artifact.__name__} ({e}); the stage runs here")
+        return None
+    _commit(ctx.run_dir / stage.name, key, art, data["record"])
+    cached = _usable(stage, ctx, key, "remote")
+    if cached is None:
+        (ctx.run_dir / stage.name / "stage.json").unlink(missing_ok=True)
+    return cached
+
+
+def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict) -> Any:
     ctx.progress.print(f"[bold]{stage.name}[/bold] ...")
     # The old record goes first: a crash while the stage rewrites its files must not leave a
     # record that a later run with the old key would trust.

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MOTO_BUCKET = "models"  # the bucket moto_s3 creates
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,3 +40,30 @@ def tiny_model(tmp_path_factory) -> Path:
     from tiny import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    """moto's S3 server on 127.0.0.1 (a free port) with test credentials in the environment,
+    ``AWS_ENDPOINT_URL`` pointing at it and one bucket; stopped afterwards. Yields the endpoint."""
+    from moto.server import ThreadedMotoServer
+
+    from pipeline.triton.server import free_ports
+
+    port = free_ports(1)[0]
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            mp.delenv(key, raising=False)
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+                           "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}.items():
+            mp.setenv(key, value)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            import boto3
+
+            boto3.client("s3").create_bucket(Bucket=MOTO_BUCKET)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.stop()

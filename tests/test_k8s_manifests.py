@@ -9,6 +9,8 @@
   JSON Schema written by hand for the fields we use (the CRD could not be downloaded here), and
   its PodSpec / Container parts (volumes, resources, probes, mounts) with kubernetes-validate
   as a Pod.
+* LocalModelCache (``--local-model-cache``): tests/data/kserve-localmodelcache-v1alpha1.schema.json,
+  written by hand from the CRD's openAPIV3Schema (its ``$comment`` says which).
 * Golden files under tests/golden/deploy/ for fp8-llm (target tensorrt: GPU) and int8-encoder
   (target resolved from the recipe: onnxruntime, CPU). Regenerate: UPDATE_GOLDEN=1.
 """
@@ -33,6 +35,7 @@ from pipeline.remote import k8s
 K8S_VERSION = "1.33.0"
 GOLDEN = ROOT / "tests" / "golden" / "deploy"
 ISVC_SCHEMA = json.loads((ROOT / "tests" / "data" / "kserve-inferenceservice-v1beta1.schema.json").read_text())
+CACHE_SCHEMA = json.loads((ROOT / "tests" / "data" / "kserve-localmodelcache-v1alpha1.schema.json").read_text())
 KSERVE_MODEL_FIELDS = {"modelFormat", "runtime", "runtimeVersion", "protocolVersion", "storageUri"}
 CASES = {"fp8-llm": "tensorrt", "int8-encoder": None}
 
@@ -212,3 +215,70 @@ def test_long_and_colliding_recipe_names_fit_kserve_child_names_and_stay_distinc
     assert all(re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", n) for n in names)
     assert k8s.resource_name("fp8-llm") == "triton-fp8-llm"  # a name that fits is kept as it is
     assert k8s.resource_name(long) == name  # deterministic: re-applying replaces the same objects
+
+
+def validate_any(obj: dict) -> None:
+    if obj["kind"] == "InferenceService":
+        validate_isvc(obj)
+    elif obj["kind"] == "LocalModelCache":
+        jsonschema.validate(obj, CACHE_SCHEMA)
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_local_model_cache_variant_caches_the_same_uri_on_a_node_group_and_validates(tmp_path):
+    recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")
+    plain = k8s.manifests(recipe, storage_uri="s3://models/p", target="tensorrt")
+    files = k8s.manifests(recipe, storage_uri="s3://models/p", target="tensorrt", node_group="gpu-nodes",
+                          size_bytes=3_000_000_000)
+    assert sorted(set(files) - set(plain)) == ["kserve-localmodelcache/inferenceservice.yaml",
+                                               "kserve-localmodelcache/localmodelcache.yaml",
+                                               "kserve-localmodelcache/s3-credentials.yaml"]
+    for _, objects in files.values():
+        for obj in yaml.safe_load_all(k8s.render("", objects)):
+            validate_any(obj)
+    secret, account, cache = files["kserve-localmodelcache/localmodelcache.yaml"][1]
+    isvc, = files["kserve-localmodelcache/inferenceservice.yaml"][1]
+    assert cache["spec"] == {"sourceModelUri": "s3://models/p", "modelSize": "3148Mi",  # 3e9 B + 10 %, in MiB
+                             "nodeGroups": ["gpu-nodes"], "serviceAccountName": account["metadata"]["name"]}
+    assert isvc["spec"]["predictor"]["model"]["storageUri"] == cache["spec"]["sourceModelUri"]  # KServe matches on it
+    assert secret["metadata"]["namespace"] == account["metadata"]["namespace"] == k8s.KSERVE_JOB_NAMESPACE
+    assert [s["name"] for s in account["secrets"]] == [secret["metadata"]["name"]]
+    with pytest.raises(PipelineError, match="--local-model-cache: the size of fp8-llm's models is unknown"):
+        k8s.manifests(recipe, storage_uri="s3://models/p", target="tensorrt", node_group="gpu-nodes")
+
+
+def test_the_local_model_cache_schema_refuses_what_the_crd_does():
+    cache = k8s.local_model_cache("enc", load_recipe(ROOT / "recipes" / "int8-encoder.yaml"), storage_uri="s3://m/p",
+                                  node_group="g", size_bytes=10)
+    assert cache["spec"]["modelSize"] == "1Mi"
+    jsonschema.validate(cache, CACHE_SCHEMA)
+    for path, value, why in ((("nodeGroups",), [], "should be non-empty|is too short"),
+                             (("modelSize",), "ten gigs", "'ten gigs' does not match"),
+                             (("nodeGroup",), "g", "Additional properties are not allowed")):
+        bad = json.loads(json.dumps(cache))
+        bad["spec"][path[0]] = value
+        with pytest.raises(jsonschema.ValidationError, match=why):
+            jsonschema.validate(bad, CACHE_SCHEMA)
+
+
+def test_deploy_sizes_the_cache_from_the_published_entry(tmp_path):
+    import argparse
+
+    recipe_path = tmp_path / "enc.yaml"
+    data = yaml.safe_load((ROOT / "recipes" / "int8-encoder.yaml").read_text())
+    data["work_dir"], data["output_dir"] = str(tmp_path / "artifacts"), str(tmp_path / "repo")
+    recipe_path.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "artifacts" / "int8-encoder"
+    run_dir.mkdir(parents=True)
+    parser = argparse.ArgumentParser()
+    k8s.add_deploy_arguments(parser)
+    published = {"to": "s3://models/p", "triton_url": "s3://models/p", "target": "onnxruntime"}
+    (run_dir / "manifest.json").write_text(json.dumps({"verdict": "pass", "published": [published]}))
+    args = parser.parse_args(["k8s", str(recipe_path), "--local-model-cache", "workers"])
+    with pytest.raises(PipelineError, match="size of int8-encoder's models is unknown"):
+        k8s.cmd_deploy(args)
+    (run_dir / "manifest.json").write_text(json.dumps({"verdict": "pass", "published": [{**published, "bytes": 2**30}]}))
+    assert k8s.cmd_deploy(args) == 0
+    *_, cache = yaml.safe_load_all((run_dir / "deploy" / "kserve-localmodelcache" / "localmodelcache.yaml").read_text())
+    assert cache["spec"]["modelSize"] == "1127Mi" and cache["spec"]["sourceModelUri"] == "s3://models/p"

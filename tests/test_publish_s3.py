@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import MOTO_BUCKET, ROOT
 from pipeline.errors import EXIT_ENVIRONMENT, EXIT_GATE_FAILED, EnvironmentFault, GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.fsutil import file_sha256
 from pipeline.recipe import DynamicBatching
@@ -27,37 +27,11 @@ from pipeline.remote import s3
 from pipeline.remote.s3 import RECORD, S3Location, publish_recipe
 from pipeline.serve.prepare import prepare, with_triton
 from pipeline.triton.config import parse_config
-from pipeline.triton.server import free_ports
 from serve_tiny import llm_artifacts, llm_recipe
 from test_triton_repository import reference_generate
 
-BUCKET = "models"
+BUCKET = MOTO_BUCKET
 PROMPTS = [[1, 2, 3], [4, 5, 6]]
-
-
-@pytest.fixture(scope="module")
-def moto_s3():
-    """moto's S3 server on 127.0.0.1 (a free port) with test credentials in the environment,
-    ``AWS_ENDPOINT_URL`` pointing at it and one bucket; stopped afterwards. Yields the endpoint."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_ports(1)[0]
-    with pytest.MonkeyPatch.context() as mp:
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            mp.delenv(key, raising=False)
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-                           "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}.items():
-            mp.setenv(key, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            import boto3
-
-            boto3.client("s3").create_bucket(Bucket=BUCKET)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.stop()
 
 
 @pytest.fixture

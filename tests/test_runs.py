@@ -38,6 +38,9 @@ def test_cache_reruns_only_what_changed(tmp_path, tiny_model):
     assert gate.manifest["metrics"] == cold.manifest["metrics"]
     calib = _run(path, **{"quantize.calibration.method": "percentile"})
     assert _hits(calib.manifest) == {"export": True, "quantize": False, "build": False, "validate": False, "triton": False}
+    moved = _run(path, **{"quantize.calibration.method": "percentile", "output_dir": str(tmp_path / "elsewhere")})
+    assert _hits(moved.manifest) == {"export": True, "quantize": True, "build": True, "validate": True, "triton": False}
+    assert moved.artifacts["triton"].repository == str(tmp_path / "elsewhere")  # no key part: republished there
 
 
 def test_interrupted_stage_keeps_earlier_work_and_resumes(tmp_path, tiny_model, monkeypatch):

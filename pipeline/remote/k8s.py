@@ -1,8 +1,10 @@
 """Kubernetes manifests that serve a recipe's published models with Triton.
 
     python -m pipeline deploy k8s RECIPE [--storage-uri s3://bucket/prefix] [--target T] [--image IMG]
+                                         [--local-model-cache NODE_GROUP]
 
-Writes two alternatives into ``<work_dir>/<recipe>/deploy/`` (apply one of them):
+Writes two alternatives into ``<work_dir>/<recipe>/deploy/`` (apply one of them), and with
+``--local-model-cache NODE_GROUP`` a third:
 
 * ``kserve/``: ``s3-credentials.yaml`` (Secret + ServiceAccount) and
   ``inferenceservice.yaml``, a KServe ``InferenceService`` with the Triton
@@ -15,10 +17,20 @@ Writes two alternatives into ``<work_dir>/<recipe>/deploy/`` (apply one of them)
   Kubernetes; prometheus-adapter makes it from Triton's
   ``nv_inference_queue_duration_us`` and ``nv_inference_request_success``
   counters, with the rule in that file (merge it into the adapter's rules).
+* ``kserve-localmodelcache/``: the ``kserve/`` InferenceService plus a KServe
+  ``LocalModelCache`` (serving.kserve.io/v1alpha1, cluster-scoped) whose
+  ``sourceModelUri`` is the same ``storageUri``: KServe downloads the repository once
+  onto the nodes of ``NODE_GROUP`` (a ``LocalModelNodeGroup`` the cluster admin made) and
+  InferenceServices with that exact URI start from the node-local copy instead of S3.
+  ``modelSize`` is the published bytes (or the local repository's) + 10 %. The download
+  job reads the S3 credentials through ``serviceAccountName``, which must live in KServe's
+  download job namespace (``localModel.jobNamespace``, default
+  :data:`KSERVE_JOB_NAMESPACE`): ``localmodelcache.yaml`` carries a Secret and
+  ServiceAccount there.
 
 No cluster is needed to write them (and there is none here): the tests
 validate the plain objects against the Kubernetes schemas (kubernetes-validate)
-and the InferenceService against a minimal schema of its CRD.
+and the InferenceService and LocalModelCache against minimal schemas of their CRDs.
 
 Inputs, in order of precedence:
 
@@ -62,6 +74,8 @@ BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
 KSERVE_HTTP = 8080  # KServe's Triton runtime starts tritonserver with --http-port=8080
 QUEUE_METRIC = "triton_queue_time_us_per_request"
+KSERVE_JOB_NAMESPACE = "kserve-localmodel-jobs"  # KServe's default localModel.jobNamespace
+CACHE_HEADROOM = 1.10  # modelSize over the repository's bytes
 
 
 #: KServe names an InferenceService's predictor ``<name>-predictor`` (kserve/kserve PR #4208,
@@ -238,9 +252,10 @@ def _s3_env(secret: str) -> list[dict]:
             for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")]
 
 
-def credentials(name: str, recipe, endpoint: str | None) -> list[dict]:
+def credentials(name: str, recipe, endpoint: str | None, namespace: str | None = None) -> list[dict]:
     """Secret (placeholders: fill in before applying) + ServiceAccount KServe's storage
-    initializer reads it through (endpoint annotations when the store is not AWS)."""
+    initializer reads it through (endpoint annotations when the store is not AWS); in
+    ``namespace`` where given, else the one they are applied to."""
     annotations = {}
     if endpoint:
         scheme, _, host = endpoint.partition("://")
@@ -251,7 +266,33 @@ def credentials(name: str, recipe, endpoint: str | None) -> list[dict]:
                              "AWS_DEFAULT_REGION": "us-east-1"}}
     account = {"apiVersion": "v1", "kind": "ServiceAccount",
                "metadata": {"name": f"{name}-s3", "labels": _labels(name, recipe)}, "secrets": [{"name": f"{name}-s3"}]}
+    if namespace:
+        for obj in (secret, account):
+            obj["metadata"]["namespace"] = namespace
     return [secret, account]
+
+
+def local_model_cache(name: str, recipe, *, storage_uri: str, node_group: str, size_bytes: int) -> dict:
+    """KServe ``LocalModelCache`` (serving.kserve.io/v1alpha1): ``storage_uri`` cached on the
+    nodes of ``node_group``, ``modelSize`` = ``size_bytes`` + 10 % in MiB (at least 1Mi)."""
+    mib = max(1, math.ceil(size_bytes * CACHE_HEADROOM / 2**20))
+    return {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelCache",
+            "metadata": {"name": name, "labels": _labels(name, recipe)},
+            "spec": {"sourceModelUri": storage_uri, "modelSize": f"{mib}Mi", "nodeGroups": [node_group],
+                     "serviceAccountName": f"{name}-s3"}}
+
+
+def repository_bytes(recipe, published: dict | None) -> int | None:
+    """Bytes of the recipe's models: the published entry's ``bytes``, else the local
+    repository's (``output_dir``, this recipe's models in ``repository.json``); None if neither."""
+    if published and published.get("bytes"):
+        return int(published["bytes"])
+    from pipeline.triton.publish import published_models
+
+    repo = Path(recipe.output_dir)
+    models = published_models(repo, recipe.name) if repo.is_dir() else []
+    files = [p for m in models for p in (repo / m).rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files) if files else None
 
 
 def inference_service(name: str, recipe, *, storage_uri: str, image: str, gpu: bool, shm: int,
@@ -326,12 +367,13 @@ def adapter_rules(name: str, recipe) -> dict:
 # --- files -------------------------------------------------------------------------------------------
 
 
-def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None,
-              max_replicas: int = 4) -> dict[str, tuple[str, list[dict]]]:
-    """relative file name -> (header comment, objects) for both alternatives.
+def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None, max_replicas: int = 4,
+              node_group: str | None = None, size_bytes: int | None = None) -> dict[str, tuple[str, list[dict]]]:
+    """relative file name -> (header comment, objects) for both alternatives, and with
+    ``node_group`` the LocalModelCache one (``size_bytes``: the repository's bytes).
 
     Raises:
-        PipelineError: ``storage_uri`` is not an s3:// URL.
+        PipelineError: ``storage_uri`` is not an s3:// URL; ``node_group`` without ``size_bytes``.
     """
     from pipeline.remote.s3 import S3Location
 
@@ -348,10 +390,10 @@ def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None
     adapter_note = (f"The HPA in hpa.yaml scales on {QUEUE_METRIC}, a custom metric Kubernetes does not have:\n"
                     "prometheus-adapter must serve it. Merge this rule into the adapter's configuration\n"
                     "(helm chart value rules.custom, or its config.yaml) and restart the adapter.")
-    return {
+    isvc = inference_service(name, recipe, storage_uri=loc.url, image=img, gpu=gpu, shm=shm, max_replicas=max_replicas)
+    files = {
         "kserve/s3-credentials.yaml": (creds_note, creds),
-        "kserve/inferenceservice.yaml": (about, [inference_service(
-            name, recipe, storage_uri=loc.url, image=img, gpu=gpu, shm=shm, max_replicas=max_replicas)]),
+        "kserve/inferenceservice.yaml": (about, [isvc]),
         "plain/s3-credentials.yaml": (creds_note, creds),
         "plain/deployment.yaml": (about, [deployment(name, recipe, repository=loc.triton_url if loc.endpoint else loc.url,
                                                      image=img, gpu=gpu, shm=shm)]),
@@ -362,6 +404,28 @@ def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None
                            [hpa(name, recipe, max_replicas=max_replicas)]),
         "plain/prometheus-adapter-rules.yaml": (adapter_note, [adapter_rules(name, recipe)]),
     }
+    if node_group is not None:
+        files.update(_cached_variant(name, recipe, loc, node_group, size_bytes, about, isvc, creds))
+    return files
+
+
+def _cached_variant(name: str, recipe, loc, node_group: str, size_bytes: int | None, about: str, isvc: dict,
+                    creds: list[dict]) -> dict[str, tuple[str, list[dict]]]:
+    """``kserve-localmodelcache/``: the InferenceService, its credentials, and the
+    LocalModelCache with the download job's credentials in :data:`KSERVE_JOB_NAMESPACE`."""
+    if not size_bytes:
+        raise PipelineError(f"--local-model-cache: the size of {recipe.name}'s models is unknown (no `bytes` in the "
+                            f"published entry and no local repository in {recipe.output_dir}); publish first")
+    cache = local_model_cache(name, recipe, storage_uri=loc.url, node_group=node_group, size_bytes=size_bytes)
+    note = (f"KServe LocalModelCache: {loc.url} cached on the nodes of LocalModelNodeGroup {node_group!r}; the\n"
+            f"InferenceService (same storageUri) starts from that copy. The download job reads S3 through\n"
+            f"ServiceAccount {name}-s3 in namespace {KSERVE_JOB_NAMESPACE} (KServe's localModel.jobNamespace):\n"
+            "replace the REPLACE-ME values. Needs localModel.enabled in KServe's inferenceservice-config.")
+    job_creds = credentials(name, recipe, loc.endpoint, namespace=KSERVE_JOB_NAMESPACE)
+    return {"kserve-localmodelcache/s3-credentials.yaml": ("S3 credentials of the InferenceService: replace the "
+                                                           "REPLACE-ME values before applying", creds),
+            "kserve-localmodelcache/localmodelcache.yaml": (note, [*job_creds, cache]),
+            "kserve-localmodelcache/inferenceservice.yaml": (about, [isvc])}
 
 
 class _Dumper(yaml.SafeDumper):
@@ -392,7 +456,8 @@ def write_manifests(recipe, out_dir: Path, **kwargs: Any) -> list[Path]:
 
 
 def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
-    """``k8s RECIPE [--storage-uri URI] [--target T] [--image IMG] [--out DIR] [--max-replicas N]``."""
+    """``k8s RECIPE [--storage-uri URI] [--target T] [--image IMG] [--out DIR] [--max-replicas N]
+    [--local-model-cache NODE_GROUP]``."""
     parser.add_argument("platform", choices=["k8s"], help="k8s: Kubernetes manifests (KServe and plain)")
     parser.add_argument("recipe", help="path to a recipe YAML, e.g. recipes/fp8-llm.yaml")
     parser.add_argument("--storage-uri", metavar="s3://BUCKET/PREFIX",
@@ -402,6 +467,9 @@ def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", help="Triton image (default: from triton.serving, else tritonserver:24.10-py3)")
     parser.add_argument("--out", help="output folder (default: <work_dir>/<recipe>/deploy)")
     parser.add_argument("--max-replicas", type=int, default=4, help="HPA / KServe maxReplicas (default 4)")
+    parser.add_argument("--local-model-cache", metavar="NODE_GROUP",
+                        help="also write kserve-localmodelcache/: a KServe LocalModelCache of the repository on the "
+                             "nodes of this LocalModelNodeGroup, and its InferenceService")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override, as for build")
 
 
@@ -424,7 +492,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise PipelineError(f"--max-replicas {args.max_replicas}: must be >= 1")
     out = Path(args.out) if args.out else run_dir / "deploy"
     target = resolve_target(recipe, published if not args.storage_uri else None, args.target)
-    files = write_manifests(recipe, out, storage_uri=uri, target=target, image=args.image, max_replicas=args.max_replicas)
+    group = getattr(args, "local_model_cache", None)
+    size = repository_bytes(recipe, published if not args.storage_uri else None) if group else None
+    files = write_manifests(recipe, out, storage_uri=uri, target=target, image=args.image, max_replicas=args.max_replicas,
+                            node_group=group, size_bytes=size)
     print("\n".join(str(f) for f in files))
     print(f"KServe:  kubectl apply -f {out / 'kserve'}/\nplain:   kubectl apply -f {out / 'plain'}/")
+    if group:
+        print(f"KServe with a node-local copy: kubectl apply -f {out / 'kserve-localmodelcache'}/")
     return 0

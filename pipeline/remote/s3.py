@@ -114,15 +114,16 @@ class S3Location:
     endpoint: str | None = None
 
     @classmethod
-    def parse(cls, url: str) -> "S3Location":
+    def parse(cls, url: str, option: str = "--to") -> "S3Location":
         """Parse ``s3://bucket/prefix``, ``s3://host:port/bucket/prefix`` or
-        ``s3://https://host:port/bucket/prefix`` (Triton's forms).
+        ``s3://https://host:port/bucket/prefix`` (Triton's forms); ``option`` names the
+        command-line option in errors.
 
         Raises:
             PipelineError: not an s3:// URL, no bucket, or an invalid bucket name.
         """
         if not url.startswith("s3://"):
-            raise PipelineError(f"--to {url!r}: expected s3://bucket/prefix (or Triton's s3://host:port/bucket/prefix)")
+            raise PipelineError(f"{option} {url!r}: expected s3://bucket/prefix (or Triton's s3://host:port/bucket/prefix)")
         rest, scheme = url[len("s3://"):], None
         for s in ("http", "https"):
             if rest.startswith(f"{s}://"):
@@ -132,9 +133,9 @@ class S3Location:
         if parts and (scheme or ":" in parts[0]):
             endpoint = f"{scheme or 'http'}://{parts.pop(0)}"
         if not parts:
-            raise PipelineError(f"--to {url!r}: no bucket; expected s3://bucket/prefix")
+            raise PipelineError(f"{option} {url!r}: no bucket; expected s3://bucket/prefix")
         if not _BUCKET.match(parts[0]):
-            raise PipelineError(f"--to {url!r}: {parts[0]!r} is not a valid S3 bucket name "
+            raise PipelineError(f"{option} {url!r}: {parts[0]!r} is not a valid S3 bucket name "
                                 "(3-63 characters: lower-case letters, digits, '.', '-')")
         return cls(parts[0], "/".join(parts[1:]), endpoint)
 

@@ -83,6 +83,11 @@ def key_sections(r: Recipe) -> list:
     return [r.build.model_dump(mode="json"), r.triton.serving and r.triton.serving.model_dump(mode="json")]
 
 
+def key_extra(ctx: StageContext) -> dict:
+    """What of this machine decides the engine (:func:`builder_key`)."""
+    return {"builder": builder_key()}
+
+
 def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> BuildArtifact:
     """The stage: :func:`build_from_onnx` on the quantized graph, into the stage folder."""
     return build_from_onnx(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
@@ -373,6 +378,16 @@ def unavailable_reason() -> str | None:
     if problem:
         return problem + ("" if gpu else "; no CUDA GPU visible either")
     return None if gpu else "no CUDA GPU visible"
+
+
+def builder_key() -> str:
+    """What of this machine decides the engine, for the build stage's cache key: the local
+    GPU where datacenter TensorRT builds for it, else that it cannot (TensorRT-RTX builds for
+    declared targets, or the stage skips). The tool versions are in the key already."""
+    if unavailable_reason() is not None:
+        return "no datacenter TensorRT build here"
+    capability, name = gpu_info()
+    return f"datacenter TensorRT on a {name} (compute capability {capability})"
 
 
 def gpu_info() -> tuple[str, str]:

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 NAME = "export"
 NEEDS: tuple[str, ...] = ()
 ARTIFACT = ExportArtifact
+#: no TensorRT version in the key: CPU and GPU runners share this stage (remote cache)
+ENGINE_FREE = True
 
 
 def key_sections(r: Recipe) -> list:

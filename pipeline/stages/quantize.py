@@ -20,6 +20,8 @@ from pipeline.quant import autocast, budget, calibrate, pin, qdq, smoothquant
 NAME = "quantize"
 NEEDS = ("export",)
 ARTIFACT = QuantizedArtifact
+#: no TensorRT version in the key: CPU and GPU runners share this stage (remote cache)
+ENGINE_FREE = True
 
 
 def key_sections(r: Recipe) -> list:

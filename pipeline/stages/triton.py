@@ -25,18 +25,22 @@ GATED = True
 
 
 def key_sections(r: Recipe) -> list:
-    """What of the recipe the repository reads: the triton section, the kind, where it goes,
-    and the generation settings the served model uses."""
-    return [r.triton.model_dump(mode="json"), r.model.kind, r.output_dir,
+    """What of the recipe the repository reads: the triton section, the kind and the generation
+    settings the served model uses. ``output_dir`` is no key part: a cached stage counts only
+    where it published into the recipe's output_dir (:func:`cached_problems`)."""
+    return [r.triton.model_dump(mode="json"), r.model.kind,
             r.validate_.generation and r.validate_.generation.model_dump()]
 
 
-def cached_problems(art: TritonArtifact, recipe_name: str) -> list[str]:
-    """Why a cached repository no longer counts (empty: it does): its models must still be
-    assigned to this recipe in repository.json and byte-identical to what it published."""
+def cached_problems(art: TritonArtifact, recipe: Recipe) -> list[str]:
+    """Why a cached repository no longer counts (empty: it does): it must be the recipe's
+    output_dir, and its models still assigned to this recipe in repository.json and
+    byte-identical to what it published."""
     from pipeline.triton import publish
 
-    return publish.verify_repository(Path(art.repository), art.models, recipe=recipe_name)
+    if Path(art.repository).resolve() != Path(recipe.output_dir).resolve():
+        return [f"published into {art.repository}, but output_dir is now {recipe.output_dir}"]
+    return publish.verify_repository(Path(art.repository), art.models, recipe=recipe.name)
 
 
 def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildArtifact) -> TritonArtifact:
