@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -122,7 +123,7 @@ class RemoteCache:
             return None
         self.pulled.append(ctx.stage)
         places = _places(ctx)
-        return {"artifact": _expand(entry["artifact"], places), "record": entry["record"]}
+        return {"artifact": _expand(entry["artifact"], places), "record": _expand(entry["record"], places)}
 
     def _entry(self, stage: str, key: str) -> dict | None:
         from pipeline.remote.s3 import read_object
@@ -231,9 +232,10 @@ class RemoteCache:
             whole = publish.read_index(repo)
             index = {m: {k: v for k, v in whole[m].items() if k != "recipe"} for m in art["models"]}
             models = _described({f"{m}/{rel}": repo / m / rel for m in art["models"] for rel in whole[m]["files"]})
-        return {"format": FORMAT, "stage": ctx.stage, "key": key, "artifact": _relocate(art, _places(ctx)),
-                "record": stage_json["record"], "files": files, "models": models, "index": index,
-                "pushed_by": socket.gethostname()}
+        places = _places(ctx)
+        return {"format": FORMAT, "stage": ctx.stage, "key": key, "artifact": _relocate(art, places),
+                "record": _relocate(stage_json["record"], places), "files": files, "models": models,
+                "index": index, "pushed_by": socket.gethostname()}
 
     def _blobs(self, ctx: StageContext, entry: dict) -> dict[str, Path]:
         """sha256 -> a local file with those bytes, for every file of ``entry``."""
@@ -291,29 +293,26 @@ def _places(ctx: StageContext) -> dict[str, str]:
 
 
 def _relocate(obj: Any, places: dict[str, str]) -> Any:
-    """``obj`` (JSON) with every string under a folder of ``places`` written with its placeholder."""
-    if isinstance(obj, dict):
-        return {k: _relocate(v, places) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_relocate(v, places) for v in obj]
-    if isinstance(obj, str):
-        for mark, folder in places.items():
-            for base in dict.fromkeys((folder, str(Path(folder).resolve()))):
-                if obj == base or obj.startswith(base.rstrip("/") + "/"):
-                    return mark + obj[len(base.rstrip("/")):]
-    return obj
+    """``obj`` (JSON) with this runner's folders of ``places``, wherever a string names them
+    (a path, or a note such as "ONNX graph <path> in ONNX Runtime"), written as their placeholders."""
+    pairs = [(re.compile(re.escape(base) + r"(?![\w.-])"), mark) for mark, folder in places.items()
+             for base in dict.fromkeys((folder, str(Path(folder).resolve())))]
+    return _map_strings(obj, sorted(pairs, key=lambda p: -len(p[0].pattern)))
 
 
 def _expand(obj: Any, places: dict[str, str]) -> Any:
-    """The inverse of :func:`_relocate`."""
+    """The inverse of :func:`_relocate`: placeholders -> this runner's folders."""
+    return _map_strings(obj, [(re.compile(re.escape(mark)), folder) for mark, folder in places.items()])
+
+
+def _map_strings(obj: Any, pairs: list[tuple[re.Pattern, str]]) -> Any:
     if isinstance(obj, dict):
-        return {k: _expand(v, places) for k, v in obj.items()}
+        return {k: _map_strings(v, pairs) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_expand(v, places) for v in obj]
+        return [_map_strings(v, pairs) for v in obj]
     if isinstance(obj, str):
-        for mark, folder in places.items():
-            if obj == mark or obj.startswith(mark + "/"):
-                return folder.rstrip("/") + obj[len(mark):]
+        for pattern, text in pairs:
+            obj = pattern.sub(lambda _m, text=text: text, obj)
     return obj
 
 
