@@ -578,7 +578,10 @@ class Shutdown:
     def end_streams(self, timeout_s: float) -> int:
         """Signal every open stream to end; wait up to ``timeout_s`` for them. Returns how many were open."""
         was_open = self.open
-        self.loop.call_soon_threadsafe(self.event.set)
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop has already closed: no stream is open
+            return 0
         deadline = time.monotonic() + timeout_s
         while self.open and time.monotonic() < deadline:
             time.sleep(0.02)
