@@ -192,3 +192,17 @@ def test_a_refused_run_keeps_the_published_record_and_serve_names_the_gate(tmp_p
 
     assert cli.main(["build", str(path), "--quiet"]) == 0  # passing again: the stale failed/ record goes
     assert not (run_dir / "failed").exists() and passing_manifest(run_dir)["verdict"] == "pass"
+
+
+def test_describe_publish_reads_the_record_and_says_when_files_no_longer_verify(tmp_path):
+    staging, repo = tmp_path / "staging", tmp_path / "repo"
+    (staging / "m" / "1").mkdir(parents=True)
+    (staging / "m" / "1" / "model.onnx").write_bytes(b"weights")
+    publish.publish(staging, repo, {"m": {"recipe": "r", "recipe_hash": "ab" * 32,
+                                          "files": publish.tree_hashes(staging / "m")}}, "r")
+    when = publish.read_index(repo)["m"]["published_at"]
+    assert publish.describe_publish(repo, "r") == (
+        f"{repo}/ still holds recipe r's last verified publish: m (recipe hash {'ab' * 6}, published {when})")
+    (repo / "m" / "1" / "model.onnx").write_bytes(b"changed")
+    assert "recipe r's last publish, which FAILS verification (" in publish.describe_publish(repo, "r")
+    assert publish.describe_publish(repo, "other") == f"{repo}/ holds no model of recipe other"
