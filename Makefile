@@ -61,12 +61,14 @@ typecheck: $(DEV_STAMP)
 # Serve the recipe's Triton repository on the pytriton wheel's tritonserver (127.0.0.1, free
 # ports) until Ctrl-C; `bench` starts it, measures (recipe serve: section) and stops it.
 # Both build what is missing first (finished stages are cached). `bench` also installs the dev
-# extras: it drives the OpenAI endpoint with the aiperf CLI.
+# extras: it drives the OpenAI endpoint with the aiperf CLI and the openai client.
+# ARGS goes to the command as it is: make serve ARGS='--check --set serve.concurrency=[1,8]'.
+ARGS ?=
 serve: $(STAMP) $(DATA_$(RECIPE))
-	$(PY) -m pipeline serve recipes/$(RECIPE).yaml
+	$(PY) -m pipeline serve recipes/$(RECIPE).yaml $(ARGS)
 
 bench: $(DEV_STAMP) $(DATA_$(RECIPE))
-	$(PY) -m pipeline bench recipes/$(RECIPE).yaml
+	$(PY) -m pipeline bench recipes/$(RECIPE).yaml $(ARGS)
 
 bench-build: $(STAMP)
 	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml

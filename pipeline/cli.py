@@ -155,12 +155,16 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from pipeline.serve.run import bench
+    from pipeline.serve.run import bench, failures
 
     served = _served(args)
-    result = bench(served, aiperf=not args.no_aiperf)
+    result = bench(served, aiperf=not args.no_aiperf, greedy=not args.no_greedy)
     print(result["markdown"])
     print(f"bench: {served.run_dir / 'bench' / 'bench.json'}\n       {served.run_dir / 'bench' / 'bench.md'}")
+    bad = failures(result)
+    if bad:  # served tokens left validate's beyond a near tie: what is served is not what was validated
+        print("served greedy tokens differ from the validate stage's:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -252,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "or GGUF sources only); gates reported, not enforced; nothing published")
         if name == "bench":
             sp.add_argument("--no-aiperf", action="store_true", help="skip the AIPerf run against the OpenAI endpoint")
+            sp.add_argument("--no-greedy", action="store_true",
+                            help="skip the openai-client comparison of served and validate greedy tokens")
     return p
 
 

@@ -74,6 +74,31 @@ def write_outputs(man: dict, run_dir: Path) -> Path:
     return run_dir / "manifest.json"
 
 
+#: Folder (in the run dir) of the last run that did not pass, where the run dir keeps a passing run's outputs.
+FAILED_DIR = "failed"
+
+
+def write_run_outputs(man: dict, run_dir: Path) -> Path:
+    """:func:`write_outputs` for a run, into the folder that keeps the published run's record: a
+    passing run writes into ``run_dir`` (and removes ``run_dir/failed/``, now stale); a run that did
+    not pass (a failed gate, a failed or interrupted stage) writes into ``run_dir/failed/`` when
+    ``run_dir/manifest.json`` records a passing run, so the manifest and report of the run whose
+    models ``output_dir`` still holds are never rewritten; else into ``run_dir``. Returns the
+    manifest's path."""
+    import shutil
+
+    if man.get("verdict") == "pass":
+        shutil.rmtree(run_dir / FAILED_DIR, ignore_errors=True)
+        return write_outputs(man, run_dir)
+    try:
+        kept = json.loads((run_dir / "manifest.json").read_text()).get("verdict") == "pass"
+    except (OSError, ValueError, AttributeError):
+        kept = False
+    out = run_dir / FAILED_DIR if kept else run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    return write_outputs(man, out)
+
+
 #: console and report line of a build whose recipe has no gates.
 NO_GATES = "no gates: validate.gates is empty, so nothing was enforced"
 

@@ -348,7 +348,7 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
             fault_point(f"stage:{stage.name}:end")
     except (Exception, KeyboardInterrupt) as e:
         man["stages"][stage.name] = M.stage_record("failed", f"{type(e).__name__}: {e}", time.perf_counter() - start)
-        M.write_outputs(man, ctx.run_dir)
+        M.write_run_outputs(man, ctx.run_dir)
         raise
     status = getattr(art, "status", "ok")
     note = getattr(art, "reason", "") or getattr(art, "summary", "")
@@ -365,7 +365,7 @@ def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:
     man["verdict"] = "pass" if val.passed else "fail"
     man["artifacts"] = {k: A.to_jsonable(v) for k, v in arts.items()}
     man["sections"] = _report_sections(run_dir)
-    path = M.write_outputs(man, run_dir)
+    path = M.write_run_outputs(man, run_dir)
     return RunResult(man, path, val.passed, arts)
 
 

@@ -194,3 +194,18 @@ def context_build(context: int, prompt_max: int = 16, batch_max: int = 4) -> Bui
     }
     return BuildArtifact("skipped", "tensorrt not installed", None, None, "trtexec.sh",
                          [ResolvedProfile("default", shapes)])
+
+
+def with_validate_greedy(served, new_tokens: int, change: dict[int, list[int]] | None = None):
+    """``served`` whose validate artifact holds its prompts' batch-1 greedy tokens of the quantized graph,
+    decoded as the validate stage decodes them (:class:`pipeline.serve.check._BatchOneReference`);
+    ``change``: prompt index -> tokens recorded instead (a stale or wrong record)."""
+    from dataclasses import replace
+
+    from pipeline.serve.check import _BatchOneReference
+
+    greedy = dict(served.artifacts["validate"].greedy_tokens)
+    reference = _BatchOneReference(served)
+    tokens = [reference(p, new_tokens)[0] for p in greedy["prompt_ids"]]
+    greedy[served.artifacts["quantize"].precision] = [(change or {}).get(i, t) for i, t in enumerate(tokens)]
+    return replace(served, artifacts={**served.artifacts, "validate": ValidationArtifact({}, [], greedy)})

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeline.serve.prepare import prepare
-from serve_tiny import llm_artifacts, llm_recipe
+from serve_tiny import llm_artifacts, llm_recipe, with_validate_greedy
 
 pytestmark = pytest.mark.server
 
@@ -22,7 +22,7 @@ def test_bench_measures_batching_on_and_off_plots_and_runs_aiperf(tmp_path):
     from pipeline.serve.run import bench
 
     recipe = llm_recipe(tmp_path, serve=SERVE)
-    served = prepare(recipe, llm_artifacts(tmp_path), backends=["python"])
+    served = with_validate_greedy(prepare(recipe, llm_artifacts(tmp_path), backends=["python"]), 6)
     lines: list[str] = []
     result = bench(served, log=lines.append, aiperf=True)
 
@@ -53,10 +53,17 @@ def test_bench_measures_batching_on_and_off_plots_and_runs_aiperf(tmp_path):
     assert "![latency vs throughput](latency_throughput.png)" in markdown
     assert "Continuous batching off" in markdown
 
+    agree = llm["client_agreement"]  # the openai client at temperature 0 against validate's greedy tokens
+    assert [lv["concurrency"] for lv in agree["levels"]] == [1, 2] and agree["failures"] == []
+    assert agree["levels"][0]["agreement"] == 1.0 and agree["levels"][0]["equal"] == 2
+    assert "echo" in agree["perplexity"].get("skipped", "echo") or agree["perplexity"]["windows"] > 0
+    assert "| 1 | 2 | 100.0% | 2 | none | none |" in markdown
+
     aiperf = llm["aiperf"]
     if "skipped" in aiperf and not aiperf.get("levels"):
         pytest.skip(f"aiperf: {aiperf['skipped']}")
     assert [a["concurrency"] for a in aiperf["levels"]] == [1, 2]
     for a in aiperf["levels"]:
         assert a["time_to_first_token"]["p50"] > 0 and a["inter_token_latency"]["p50"] > 0
+        assert a["client_cpu"]["cpu_s"] > 0 and a["client_cpu"]["cores"] > 0  # AIPerf's own CPU, reported
     assert "TTFT p50 AIPerf" in markdown

@@ -129,3 +129,17 @@ def test_verify_repo(capsys, tmp_path):
     code, out, err = run(capsys, "verify-repo", str(repo))
     assert code == 4 and "2 problem(s)" in err
     assert f"{repo / 'm' / '1' / 'model.onnx'}: sha256" in err and "extra.txt: not part of the published model" in err
+
+
+@pytest.mark.parametrize("target", ["serve", "bench"])
+def test_make_serve_and_bench_pass_args_through(target):
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    args = "--set serve.concurrency=[1,8] --no-aiperf" if target == "bench" else "--check --openai-port 0"
+    done = subprocess.run(["make", "-n", target, "RECIPE=int8-llm", f"ARGS={args}", f"VENV={sys.prefix}"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == f"{sys.prefix}/bin/python -m pipeline {target} recipes/int8-llm.yaml {args}"

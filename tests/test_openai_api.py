@@ -379,3 +379,84 @@ def test_seeded_sampling_is_reproducible(stack):
 
     first, again = sample(11), sample(11)
     assert first.choices[0].token_ids == again.choices[0].token_ids and len(first.choices[0].token_ids) == 8
+
+
+@pytest.mark.server
+def test_bench_client_agreement_fails_naming_the_prompt_that_differs(stack):
+    """The openai client through the endpoint against recorded validate tokens: prompt 0's record is
+    the graph's greedy decode, prompt 1's is not. At concurrency 1 that fails, naming prompt 1; batched,
+    a prompt equal to a fresh batch-1 decode passes (check_greedy's rule), so it counts only in agreement."""
+    from dataclasses import replace
+
+    from pipeline.recipe import ServeConfig
+    from pipeline.serve.bench import bench_client_agreement
+    from pipeline.serve.run import failures
+    from serve_tiny import with_validate_greedy
+
+    served = replace(stack.served, recipe=stack.served.recipe.model_copy(
+        update={"serve": ServeConfig.model_validate({"concurrency": [1, 2]})}))
+    true = with_validate_greedy(served, 4).artifacts["validate"].greedy_tokens["fp8"][1]
+    served = with_validate_greedy(served, 4, change={1: [3 if true[0] == 2 else 2, *true[1:]]})
+    result = bench_client_agreement(served, stack.open.url, log=lambda line: None)
+    [one, two] = result["levels"]
+    assert one["equal"] == 1 and [m["prompt"] for m in one["mismatches"]] == [1] and one["agreement"] < 1
+    assert two["agreement"] < 1 and two["mismatches"] == []  # batched: a batch-1 rerun decides
+    lines = failures({"llm": {"client_agreement": result}})
+    assert lines[0].startswith("concurrency 1: prompt 1: MISMATCH with the validate tokens from position 0")
+    assert "skipped" in result["perplexity"]  # no prompt logprobs on this branch (issue 22 section 1)
+
+
+#: ``python -m pipeline serve`` on the tiny LM: the CLI with its recipe run replaced by serve_tiny's artifacts.
+_SERVE_TINY = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from pipeline import cli
+from pipeline.serve.prepare import prepare
+from serve_tiny import context_build, llm_artifacts, llm_recipe
+ws = Path(sys.argv[1])
+served = prepare(llm_recipe(ws), llm_artifacts(ws, [[4]], build=context_build(4096)), backends=["python"])
+cli._served = lambda args: served
+sys.exit(cli.main(["serve", "tiny.yaml", "--openai-port", "0"]))
+"""
+
+
+@pytest.mark.server
+def test_sigterm_ends_open_streams_with_an_error_event_and_exits_cleanly(tmp_path):
+    pytest.importorskip("pytriton")
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    tests = Path(__file__).parent
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_TINY, str(tmp_path), str(tests)], cwd=tests.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tests.parent)})
+    try:
+        url, lines = None, []
+        while not (lines and lines[-1].startswith("serving; Ctrl-C")):
+            line = proc.stdout.readline()
+            assert line, "serve exited early:\n" + "".join(lines) + proc.stderr.read()
+            lines.append(line)
+            url = url or (m.group(1) if (m := re.search(r"endpoint: (http://\S+/v1)", line)) else None)
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:  # streaming for sure: now stop the server
+                        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutdown", events[-3:]
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])  # ended by the signal
+    assert proc.returncode == 0 and "tritonserver stopped (exit status 0)" in out, out + err
+    assert "Traceback" not in err, err

@@ -1,6 +1,7 @@
 """The same build in two folders writes the same ONNX bytes, free of machine paths (issue 18 §4)."""
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -32,7 +33,12 @@ def _build(ws: Path, model_src: Path) -> dict[str, bytes]:
     files = [p for stage in ("export", "quantize") for p in (run_dir / stage).iterdir()
              if p.name.endswith((".onnx", ".onnx.data"))]
     files += [p for p in (ws / "model_repository").rglob("*") if p.is_file()]
-    return {str(p.relative_to(ws)): p.read_bytes() for p in files}
+    out = {str(p.relative_to(ws)): p.read_bytes() for p in files}
+    index = json.loads(out["model_repository/repository.json"])
+    for entry in index["models"].values():  # the publish record: this build's recipe (paths included) and time
+        assert entry.pop("recipe_hash") and entry.pop("published_at")
+    out["model_repository/repository.json"] = json.dumps(index).encode()
+    return out
 
 
 def test_two_folders_build_identical_onnx_without_machine_paths(tmp_path, monkeypatch):

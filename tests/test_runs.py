@@ -58,8 +58,9 @@ def test_interrupted_stage_keeps_earlier_work_and_resumes(tmp_path, tiny_model, 
     with pytest.raises(KeyboardInterrupt):
         _run(path, **{"quantize.calibration.samples": 12})
     run_dir = tmp_path / "artifacts" / "tiny-llm"
-    man = json.loads((run_dir / "manifest.json").read_text())
+    man = json.loads((run_dir / "failed" / "manifest.json").read_text())  # the passing run's record stays
     assert man["stages"]["quantize"]["status"] == "failed"
+    assert json.loads((run_dir / "manifest.json").read_text())["verdict"] == "pass"
     assert (run_dir / "export" / "stage.json").is_file()
     assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == published
     monkeypatch.undo()
@@ -114,3 +115,4 @@ def test_fp16_recipe_casts_the_graph_and_validates(tmp_path, tiny_model):
     types = {i.data_type for i in model.graph.initializer}
     assert onnx.TensorProto.FLOAT16 in types
     assert {i.type.tensor_type.elem_type for i in model.graph.input if i.name == "input_ids"} == {onnx.TensorProto.INT64}
+

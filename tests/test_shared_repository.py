@@ -19,7 +19,8 @@ import yaml
 
 from conftest import ROOT
 from pipeline import cli
-from pipeline.errors import STORAGE_ERRNOS, StorageFault, storage_fault
+from pipeline.errors import STORAGE_ERRNOS, GateFailed, StorageFault, storage_fault
+from pipeline.remote.s3 import passing_manifest
 from pipeline.triton import publish
 from pipeline.triton.publish import INDEX_FILE, JOURNAL_FILE, verify_repository
 from test_onnx_source_errors import byte_graph, onnx_workspace
@@ -161,3 +162,47 @@ def test_full_disk_during_export_exits_4(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 4 and "no space left on the device" in err and "[Errno 28]" in err, err
     assert "internal error" not in err
+
+
+def test_a_refused_run_keeps_the_published_record_and_serve_names_the_gate(tmp_path, capsys):
+    """A passing build, then ``serve`` of the recipe with a gate it cannot pass: exit 1 with the
+    failed gate's row and what model_repository/ still holds (repository.json's recipe hash and
+    time); manifest.json and report.md stay the passing run's, the refused run's go to failed/."""
+    path = onnx_workspace(tmp_path, byte_graph())
+    assert cli.main(["build", str(path), "--quiet"]) == 0
+    run_dir, repo = tmp_path / "artifacts" / "onnx-source", tmp_path / "model_repository"
+    passed = json.loads((run_dir / "manifest.json").read_text())
+    kept = {n: (run_dir / n).read_bytes() for n in ("manifest.json", "report.md", "junit.xml")}
+    index = publish.read_index(repo)
+    entry = index[sorted(index)[0]]
+    assert entry["recipe_hash"] == passed["recipe_hash"] and entry["published_at"].endswith("+00:00")
+    capsys.readouterr()
+
+    assert cli.main(["serve", str(path), "--quiet", "--set", "validate.gates.0.min=1.5"]) == 1
+    err = capsys.readouterr().err
+    [gate] = [g for g in json.loads((run_dir / "failed" / "manifest.json").read_text())["gates"] if not g["passed"]]
+    assert f"  {gate['message']}" in err.splitlines() and "FAILED: mean_cosine = " in gate["message"]
+    assert "bound >= 1.5" in gate["message"] and f"{run_dir / 'failed' / 'report.md'}" in err
+    assert (f"{repo}/ still holds recipe onnx-source's last verified publish: {', '.join(sorted(index))} "
+            f"(recipe hash {entry['recipe_hash'][:12]}, published {entry['published_at']})") in err
+    assert {n: (run_dir / n).read_bytes() for n in kept} == kept  # the published run's record is untouched
+    assert (run_dir / "failed" / "report.md").read_text().startswith("# onnx-source: FAIL")
+    with pytest.raises(GateFailed, match="failed/manifest.json: verdict 'fail'"):
+        passing_manifest(run_dir)  # publish to S3 still refuses: the latest run did not pass
+
+    assert cli.main(["build", str(path), "--quiet"]) == 0  # passing again: the stale failed/ record goes
+    assert not (run_dir / "failed").exists() and passing_manifest(run_dir)["verdict"] == "pass"
+
+
+def test_describe_publish_reads_the_record_and_says_when_files_no_longer_verify(tmp_path):
+    staging, repo = tmp_path / "staging", tmp_path / "repo"
+    (staging / "m" / "1").mkdir(parents=True)
+    (staging / "m" / "1" / "model.onnx").write_bytes(b"weights")
+    publish.publish(staging, repo, {"m": {"recipe": "r", "recipe_hash": "ab" * 32,
+                                          "files": publish.tree_hashes(staging / "m")}}, "r")
+    when = publish.read_index(repo)["m"]["published_at"]
+    assert publish.describe_publish(repo, "r") == (
+        f"{repo}/ still holds recipe r's last verified publish: m (recipe hash {'ab' * 6}, published {when})")
+    (repo / "m" / "1" / "model.onnx").write_bytes(b"changed")
+    assert "recipe r's last publish, which FAILS verification (" in publish.describe_publish(repo, "r")
+    assert publish.describe_publish(repo, "other") == f"{repo}/ holds no model of recipe other"

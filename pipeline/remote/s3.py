@@ -98,6 +98,7 @@ from urllib.parse import urlsplit
 
 from pipeline.errors import EnvironmentFault, GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.faults import fault_point
+from pipeline.manifest import FAILED_DIR
 
 CONFIG = "config.pbtxt"
 RECORD = "trt-pipeline-version.json"
@@ -444,7 +445,10 @@ def passing_manifest(run_dir: Path) -> dict:
         raise GateFailed(f"{path}: missing; build the recipe first (its gates must pass before it is published)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise GateFailed(f"{path}: unreadable ({e}); build the recipe again") from None
-    if man.get("verdict") != "pass":
+    later = run_dir / FAILED_DIR / "manifest.json"
+    if man.get("verdict") != "pass" or later.is_file():  # failed/: a later run did not pass (manifest.write_run_outputs)
+        if later.is_file():
+            path, man = later, json.loads(later.read_text())
         failed = [g.get("message", g.get("name", "?")) for g in man.get("gates", []) if not g.get("passed", True)]
         raise GateFailed(f"{path}: verdict {man.get('verdict')!r}, not 'pass': nothing is published"
                          + "".join(f"\n  {m}" for m in failed))

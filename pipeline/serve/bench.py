@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import threading
 import time
@@ -458,6 +459,102 @@ def environment(server: TritonServer) -> dict:
     return {"tritonserver": version, "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]}
 
 
+def openai_generate(base_url: str, model: str) -> Callable[[list[int], int], tuple[list[int], str]]:
+    """A :data:`pipeline.serve.check.Generate` through the OpenAI endpoint with the official ``openai``
+    client: ``/v1/completions`` with the prompt as token ids, ``temperature: 0``, and the endpoint's
+    ``return_token_ids`` extension for the generated ids."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+
+    def generate(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        choice = out.choices[0]
+        return [int(t) for t in (choice.model_extra or {}).get("token_ids") or []], str(choice.finish_reason)
+    return generate
+
+
+def bench_client_agreement(served: Served, base_url: str, log: Log) -> dict:
+    """The validate prompts through the OpenAI endpoint (:func:`openai_generate`) at each
+    ``serve.concurrency``, against the validate stage's greedy tokens of the quantized graph
+    (:func:`pipeline.serve.check.check_greedy`: exact at concurrency 1; batched, equal up to the
+    batch-1 reference's first near tie, top-2 logit gap < ``TIE_TOLERANCE``). Per level:
+    ``agreement`` (validate tokens matched at their position / validate tokens), ``equal``,
+    ``tie_excused`` and ``mismatches`` (prompt index and verdict); ``failures``: every mismatch.
+    ``perplexity``: :func:`echo_perplexity`."""
+    from pipeline.serve.check import TIE_TOLERANCE, check_greedy
+
+    precision = served.artifacts["quantize"].precision
+    if precision not in served.artifacts["validate"].greedy_tokens:
+        return {"skipped": f"the validate stage recorded no {precision} greedy tokens (validate.generation)"}
+    model = str(served.generate_model)
+    send = openai_generate(base_url, model)
+    levels, failures = [], []
+    for c in served.recipe.serve.concurrency:
+        log(f"openai client: validate prompts at temperature 0, concurrency {c}")
+        checks = check_greedy(served, "", concurrency=c, generate=send)
+        total = sum(len(k.expected) for k in checks)
+        same = sum(a == b for k in checks for a, b in zip(k.streamed, k.expected))
+        bad = [{"prompt": k.index, "verdict": k.verdict} for k in checks if not k.ok]
+        failures += [{"concurrency": c, **b} for b in bad]
+        levels.append({"concurrency": c, "prompts": len(checks), "agreement": same / total if total else 1.0,
+                       "equal": sum(k.streamed == k.expected for k in checks),
+                       "tie_excused": [k.index for k in checks if k.tie_excused], "mismatches": bad})
+    return {"client": f"openai {_version('openai')}", "precision": served.artifacts["quantize"].precision,
+            "tie_tolerance": TIE_TOLERANCE, "levels": levels, "failures": failures,
+            "perplexity": echo_perplexity(served, base_url, log)}
+
+
+def echo_perplexity(served: Served, base_url: str, log: Log) -> dict:
+    """Perplexity of the validate windows (:func:`pipeline.data.token_windows`, as validate cuts
+    them) from the endpoint's prompt logprobs, with the ``openai`` client in OpenAI's documented
+    shape: ``/v1/completions`` with ``echo: true, logprobs: 0, max_tokens: 1``, the window as token
+    ids; ``choices[0].logprobs.token_logprobs`` holds log p(token | earlier tokens) per prompt
+    token (None first). Scored from the position validate scores from. Returns ``{"perplexity",
+    "validate" (validate's perplexity of the same graph), "relative_difference", "windows"}``, or
+    ``{"skipped": why}`` when the endpoint returns no prompt logprobs."""
+    import math
+
+    import openai
+
+    from pipeline import data
+
+    v, precision = served.recipe.validate_, served.artifacts["quantize"].precision
+    tok = data.load_tokenizer(served.artifacts["export"].tokenizer_dir)
+    windows = data.token_windows(tok, data.documents(v.data), v.seq_len, v.max_windows)
+    context = v.seq_len - data.window_convention(tok, v.seq_len)["scored_per_window"]
+    if len(windows) == 0:
+        return {"skipped": f"validate.data gives no window of {v.seq_len} tokens"}
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    log(f"openai client: perplexity of {len(windows)} validate windows from echo logprobs")
+    total, count = 0.0, 0
+    for window in windows:
+        try:
+            out = client.completions.create(model=str(served.generate_model), prompt=[int(t) for t in window],
+                                            max_tokens=1, temperature=0, echo=True, logprobs=0)
+        except openai.APIStatusError as e:
+            return {"skipped": f"the endpoint answered {e.status_code} to echo: true, logprobs: 0 ({e.message})"}
+        lp = out.choices[0].logprobs
+        scored = (lp.token_logprobs or [])[context:len(window)] if lp is not None else []
+        if len(scored) != len(window) - context or any(x is None for x in scored):
+            return {"skipped": "the endpoint returned no prompt logprobs for echo: true, logprobs: 0 (prompt "
+                               "scoring is issue 22 section 1, not on this branch); the client side is ready"}
+        total, count = total - float(sum(scored)), count + len(scored)
+    ppl, ref = math.exp(total / count), served.artifacts["validate"].metrics.get(f"perplexity_{precision}")
+    return {"perplexity": ppl, "validate": ref, "windows": len(windows), "scored_tokens": count,
+            "relative_difference": (ppl - ref) / ref if ref else None}
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
 #: AIPerf metrics put next to ours (its profile_export_aiperf.json keys), ms.
 AIPERF_METRICS = ("time_to_first_token", "inter_token_latency", "output_token_throughput", "request_latency")
 
@@ -493,14 +590,23 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
                    "--output-artifact-dir", str(folder)]
         log(f"aiperf: concurrency {c}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+        before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+        cpu = client_cpu(before, resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start)
         export = next(iter(sorted(folder.rglob("profile_export_aiperf.json"))), None)
         if done.returncode != 0 or export is None:
             tail = (done.stdout + done.stderr)[-1500:]
             return {"skipped": f"aiperf exited with status {done.returncode} at concurrency {c}: {tail}",
                     "command": command, "levels": levels}
-        levels.append({"concurrency": c, **aiperf_metrics(json.loads(export.read_text()))})
+        levels.append({"concurrency": c, **aiperf_metrics(json.loads(export.read_text())), "client_cpu": cpu})
     return {"levels": levels, "command": command}
+
+
+def client_cpu(before, after, wall_s: float) -> dict:
+    """CPU a finished child process tree used (two ``getrusage(RUSAGE_CHILDREN)`` readings around it):
+    ``cpu_s`` (user + system, s), ``wall_s``, ``cores`` (cpu_s / wall_s) and ``cpus`` (this machine's)."""
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"cpu_s": cpu_s, "wall_s": wall_s, "cores": cpu_s / wall_s if wall_s > 0 else None, "cpus": os.cpu_count()}
 
 
 #: the snapshot hash of :func:`offline_tokenizer`'s cache entry (any 40 hex digits).
@@ -509,8 +615,10 @@ LOCAL_SNAPSHOT = "0" * 40
 
 def offline_tokenizer(folder: Path, model: str, cache: Path) -> tuple[str, Path]:
     """A Hugging Face hub cache under ``cache`` whose repo ``local/<model>`` is ``folder``'s tokenizer
-    files (symlinks); returns (that repo id, ``cache``). AIPerf in offline mode looks a tokenizer up
-    with ``snapshot_download(local_files_only=True)``, which refuses a folder path."""
+    files (symlinks); returns (that repo id, ``cache``). With ``HF_HUB_OFFLINE`` set, AIPerf 0.13 loads
+    every tokenizer through ``snapshot_download(name, local_files_only=True)``
+    (``aiperf.common.tokenizer.Tokenizer._from_pretrained_local``), which takes a hub repo id from
+    the cache, never a folder path; a folder is accepted only online, where AIPerf also tries the hub."""
     repo = cache / f"models--local--{model}"
     shutil.rmtree(repo, ignore_errors=True)
     snapshot = repo / "snapshots" / LOCAL_SNAPSHOT

@@ -25,7 +25,7 @@ a position. At concurrency 1 the streamed tokens must equal the validate stage's
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,13 +114,28 @@ def cut_at_eos(tokens: Sequence[int], eos: set[int]) -> list[int]:
     return out
 
 
+#: (prompt token ids, max new tokens) -> (generated token ids, finish reason / detail): one greedy request.
+Generate = Callable[[list[int], int], tuple[list[int], str]]
+
+
+def grpc_generate(grpc_url: str, model: str) -> Generate:
+    """:data:`Generate` streaming ``model`` over Triton's gRPC (:class:`StreamClient`, ``input_ids``)."""
+    def generate(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        with StreamClient(grpc_url) as client:
+            gen = client.generate(model, input_ids=prompt, max_tokens=max_tokens)
+        return gen.tokens, f"{gen.finish_reason}: {gen.detail}" if gen.detail else gen.finish_reason
+    return generate
+
+
 def check_greedy(served: Served, grpc_url: str, prompts: Sequence[int] | None = None, *, concurrency: int = 1,
-                 tie_tolerance: float = TIE_TOLERANCE) -> list[PromptCheck]:
+                 tie_tolerance: float = TIE_TOLERANCE, generate: Generate | None = None) -> list[PromptCheck]:
     """Stream each validate prompt (``prompts``: indices, default all) and compare.
 
     ``concurrency`` > 1 streams that many prompts at once (so the generation model
     batches them) and excuses a difference after the batch-1 reference's first near
-    tie (top-2 logit gap < ``tie_tolerance``); see the module docstring.
+    tie (top-2 logit gap < ``tie_tolerance``); see the module docstring. ``generate``:
+    how a prompt is sent (default :func:`grpc_generate` on ``grpc_url``; the bench passes
+    an OpenAI-client one).
 
     Raises:
         PipelineError: the recipe has no generation model or its run no greedy tokens,
@@ -136,21 +151,16 @@ def check_greedy(served: Served, grpc_url: str, prompts: Sequence[int] | None = 
                             "(validate.generation) to compare with")
     eos = set(eos_token_ids(Path(served.artifacts["export"].tokenizer_dir)))
     indices = range(len(greedy["prompt_ids"])) if prompts is None else prompts
-    reference, model = _BatchOneReference(served), served.generate_model
-
-    def stream(i: int):
-        with StreamClient(grpc_url) as client:
-            return client.generate(model, input_ids=greedy["prompt_ids"][i],
-                                   max_tokens=len(greedy[precision][i]))
+    reference = _BatchOneReference(served)
+    send = generate or grpc_generate(grpc_url, served.generate_model)
 
     with ThreadPoolExecutor(concurrency) as pool:
-        gens = list(pool.map(stream, indices))
+        gens = list(pool.map(lambda i: send(list(greedy["prompt_ids"][i]), len(greedy[precision][i])), indices))
     checks = []
-    for i, gen in zip(indices, gens):
+    for i, (tokens, finish) in zip(indices, gens):
         want = cut_at_eos(greedy[precision][i], eos)
-        finish = f"{gen.finish_reason}: {gen.detail}" if gen.detail else gen.finish_reason
-        check = PromptCheck(i, gen.tokens, want, finish=finish, batched=concurrency > 1, tie_tolerance=tie_tolerance)
-        if gen.tokens != want:
+        check = PromptCheck(i, tokens, want, finish=finish, batched=concurrency > 1, tie_tolerance=tie_tolerance)
+        if tokens != want:
             tokens, gaps = reference(greedy["prompt_ids"][i], len(greedy[precision][i]))
             check.reference = cut_at_eos(tokens, eos)
             check.gaps = gaps[:len(check.reference)]

@@ -387,6 +387,7 @@ def create_app(cfg: EndpointConfig):
     @asynccontextmanager
     async def lifespan(app):
         state["gen"] = TritonGenerator(cfg.grpc_url, cfg.model)
+        app.state.shutdown = Shutdown(asyncio.get_running_loop())
         yield
         await state["gen"].close()
 
@@ -561,8 +562,65 @@ class Run:
             await pieces.aclose()
 
 
+#: The event a stream open at shutdown ends with (OpenAI's error shape), before ``data: [DONE]``.
+SHUTDOWN_ERROR = ApiError(503, "the server is shutting down; this generation was stopped", type_="server_error",
+                          code="server_shutdown")
+
+
+class Shutdown:
+    """The app's streams and the signal that ends them: :meth:`EndpointServer.stop` calls
+    :meth:`end_streams` from another thread; each open stream then sends :data:`SHUTDOWN_ERROR`
+    and ``data: [DONE]`` and closes (which cancels its Triton request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.event, self.open = loop, asyncio.Event(), 0
+
+    def end_streams(self, timeout_s: float) -> int:
+        """Signal every open stream to end; wait up to ``timeout_s`` for them. Returns how many were open."""
+        was_open = self.open
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop has already closed: no stream is open
+            return 0
+        deadline = time.monotonic() + timeout_s
+        while self.open and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return was_open
+
+    async def until_set(self, body: AsyncIterator) -> AsyncIterator:
+        """``body``'s chunks until it ends or shutdown is signalled; then the error event and [DONE]."""
+        self.open += 1
+        stop, chunk = asyncio.ensure_future(self.event.wait()), None
+        try:
+            while True:
+                chunk = asyncio.ensure_future(body.__anext__())
+                await asyncio.wait({chunk, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not chunk.done():
+                    await _cancelled(chunk)  # the body's finally cancels its Triton request
+                    yield f"data: {json.dumps(SHUTDOWN_ERROR.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                try:
+                    yield chunk.result()
+                except StopAsyncIteration:
+                    return
+        finally:  # also when the response is cancelled (a client disconnect): end the body's step first
+            stop.cancel()
+            if chunk is not None and not chunk.done():
+                with anyio.CancelScope(shield=True):
+                    await _cancelled(chunk)
+            self.open -= 1
+
+
+async def _cancelled(task: asyncio.Future) -> None:
+    """Cancel ``task`` and wait until it has ended."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 class ClosingStreamingResponse(StreamingResponse):
-    """A ``StreamingResponse`` that closes its body iterator however the response ends.
+    """A ``StreamingResponse`` that closes its body iterator however the response ends, and ends
+    the stream with an error event when the endpoint shuts down (:class:`Shutdown`).
 
     Starlette stops iterating when the client disconnects but leaves the suspended generator to
     the garbage collector when the disconnect lands while a chunk is being sent; closing it here
@@ -570,13 +628,18 @@ class ClosingStreamingResponse(StreamingResponse):
     """
 
     async def __call__(self, scope, receive, send) -> None:
+        shutdown = getattr(getattr(scope.get("app"), "state", None), "shutdown", None)
+        body = self.body_iterator
+        if isinstance(shutdown, Shutdown):
+            self.body_iterator = shutdown.until_set(body)
         try:
             await super().__call__(scope, receive, send)
         finally:
-            closer = getattr(self.body_iterator, "aclose", None)
-            if closer is not None:
-                with anyio.CancelScope(shield=True):
-                    await closer()
+            for it in dict.fromkeys([self.body_iterator, body]):  # the wrapper first, then the body itself
+                closer = getattr(it, "aclose", None)
+                if closer is not None:
+                    with anyio.CancelScope(shield=True):
+                        await closer()
 
 
 async def _until_disconnect(request, pieces: AsyncIterator[str], poll_s: float = 0.5) -> AsyncIterator[str]:
@@ -643,7 +706,8 @@ class EndpointServer:
             self.socket.close()
             raise EnvironmentFault(f"--host {host} --openai-port {port}: cannot bind ({e}); pick a free port") from e
         self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), log_level=log_level, timeout_graceful_shutdown=5))
+        self.app = create_app(cfg)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        name="openai-endpoint", daemon=True)
 
@@ -670,7 +734,11 @@ class EndpointServer:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask uvicorn to exit (open streams get ``timeout_graceful_shutdown``), then join."""
+        """End open streams with :data:`SHUTDOWN_ERROR` (:class:`Shutdown`), ask uvicorn to exit
+        (other open requests get ``timeout_graceful_shutdown``), then join."""
+        shutdown = getattr(self.app.state, "shutdown", None)
+        if shutdown is not None and self.thread.is_alive():
+            shutdown.end_streams(timeout_s / 2)
         self.server.should_exit = True
         if self.thread.is_alive():
             self.thread.join(timeout_s)

@@ -84,16 +84,33 @@ def built_artifacts(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -
     """Artifacts of a finished run: :func:`run_pipeline` (finished stages are cache hits).
 
     Raises:
-        GateFailed: an accuracy gate failed, so no repository was published.
+        GateFailed: an accuracy gate failed, so this run published nothing; the message is
+            :func:`refusal`'s.
         PipelineError: a stage failed (from the runner).
     """
     from pipeline.runner import run_pipeline
 
     result = run_pipeline(recipe, recipe_path, quiet=quiet)
     if not result.passed or "triton" not in result.artifacts:
-        raise GateFailed(f"{recipe.name}: an accuracy gate failed, nothing was published to serve; "
-                         f"see {result.manifest_path.parent / 'report.md'}")
+        raise GateFailed(refusal(recipe, result.manifest, result.manifest_path))
     return result.artifacts
+
+
+def refusal(recipe: Recipe, manifest: dict, manifest_path: Path) -> str:
+    """Why ``serve`` / ``bench`` refuse a run whose gate failed: each failed gate's row (metric,
+    value ± stderr, bound, margin), where this run's report is, and what ``recipe.output_dir``
+    still holds of the recipe (:func:`pipeline.triton.publish.describe_publish`: its last
+    verified publish, recipe hash and time), with this run's recipe hash to compare."""
+    from pipeline.triton.publish import describe_publish
+
+    rows = [g.get("message", g.get("name", "?")) for g in manifest.get("gates", []) if not g.get("passed", True)]
+    return "\n".join([
+        f"{recipe.name}: an accuracy gate failed, so this run published nothing and nothing of it is served:",
+        *(f"  {r}" for r in rows),
+        f"this run's report: {manifest_path.parent / 'report.md'} (recipe hash {recipe.digest[:12]})",
+        describe_publish(Path(recipe.output_dir), recipe.name) + " (serve and bench run only a recipe whose "
+        "gates pass: serving that publish needs the recipe it was built from)",
+    ])
 
 
 def with_triton(recipe: Recipe, **changes: Any) -> Recipe:

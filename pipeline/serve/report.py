@@ -93,6 +93,7 @@ def llm_tables(llm: dict, serve: dict) -> list[str]:
                 f"| {_n(lv['scheduler_batches']['mean_batch'], 2)} |" for lv in sched]
     if llm.get("plot"):
         out += ["", f"![latency vs throughput]({llm['plot']})"]
+    out += agreement_table(llm.get("client_agreement"))
     out += aiperf_table(llm.get("aiperf"), levels)
     out += [
         "",
@@ -178,6 +179,33 @@ def batching_tables(batching: dict | None) -> list[str]:
     return out
 
 
+def agreement_table(agree: dict | None) -> list[str]:
+    """Served (OpenAI endpoint, temperature 0) vs validate greedy tokens by concurrency, and the echo perplexity."""
+    if not agree:
+        return []
+    if "skipped" in agree:
+        return ["", f"Served vs validated greedy tokens: not compared ({agree['skipped']})."]
+    out = ["", f"Served vs validated: the validate prompts through the OpenAI endpoint ({agree['client']} client, "
+               f"temperature 0) against the validate stage's {agree['precision']} greedy tokens. Concurrency 1 must "
+               "be equal; batched, a prompt may differ from the batch-1 reference's first near tie on (top-2 logit "
+               f"gap < {agree['tie_tolerance']}). Agreement: validate tokens matched at their position.", "",
+           "| concurrency | prompts | token agreement | equal | differ after a near tie | mismatches |",
+           "|---:|---:|---:|---:|---|---|"]
+    for lv in agree["levels"]:
+        bad = "; ".join(f"prompt {m['prompt']}" for m in lv["mismatches"]) or "none"
+        ties = ", ".join(str(i) for i in lv["tie_excused"]) or "none"
+        out.append(f"| {lv['concurrency']} | {lv['prompts']} | {_n(100 * lv['agreement'], 1)}% | {lv['equal']} "
+                   f"| {ties} | {bad} |")
+    ppl = agree.get("perplexity") or {}
+    if "skipped" in ppl:
+        out += ["", f"Perplexity from echo logprobs: not measured ({ppl['skipped']})."]
+    elif ppl:
+        out += ["", f"Perplexity of the {ppl['windows']} validate windows from the endpoint's echo logprobs: "
+                    f"{_n(ppl['perplexity'], 3)} vs validate's {_n(ppl['validate'], 3)} (relative difference "
+                    f"{_n(100 * (ppl['relative_difference'] or 0), 3)}%)."]
+    return out
+
+
 def aiperf_table(aiperf: dict | None, levels: list[dict]) -> list[str]:
     """AIPerf's TTFT and ITL (p50 / p99) next to ours, by concurrency."""
     if not aiperf:
@@ -186,15 +214,19 @@ def aiperf_table(aiperf: dict | None, levels: list[dict]) -> list[str]:
         return ["", f"AIPerf: not run ({aiperf.get('skipped', 'no result')})."]
     ours = {lv["concurrency"]: lv for lv in levels}
     out = ["", "AIPerf (streaming /v1/completions through the OpenAI endpoint, same prompt and output lengths) "
-               "next to ours (gRPC straight to Triton). Times in ms.", "",
+               "next to ours (gRPC straight to Triton). Times in ms. AIPerf runs on the same CPUs as the server: "
+               "its figures include its own client cost, so its CPU use (its processes' user + system CPU time "
+               "over the run's wall time, in cores) is given next to them.", "",
            "| concurrency | TTFT p50 ours | TTFT p50 AIPerf | TTFT p99 ours | TTFT p99 AIPerf | ITL p50 ours "
-           "| ITL p50 AIPerf | ITL p99 ours | ITL p99 AIPerf |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| ITL p50 AIPerf | ITL p99 ours | ITL p99 AIPerf | AIPerf CPU (cores) |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for a in aiperf["levels"]:
         o = ours.get(a["concurrency"], {})
-        t, i = a.get("time_to_first_token", {}), a.get("inter_token_latency", {})
+        t, i, cpu = a.get("time_to_first_token", {}), a.get("inter_token_latency", {}), a.get("client_cpu", {})
         out.append(f"| {a['concurrency']} | {_n(o.get('ttft_ms', {}).get('p50'))} | {_n(t.get('p50'))} "
                    f"| {_n(o.get('ttft_ms', {}).get('p99'))} | {_n(t.get('p99'))} | {_n(o.get('itl_ms', {}).get('p50'))} "
-                   f"| {_n(i.get('p50'))} | {_n(o.get('itl_ms', {}).get('p99'))} | {_n(i.get('p99'))} |")
+                   f"| {_n(i.get('p50'))} | {_n(o.get('itl_ms', {}).get('p99'))} | {_n(i.get('p99'))} "
+                   f"| {_n(cpu.get('cores'), 2)} of {cpu.get('cpus', '?')} |")
     if aiperf.get("skipped"):
         out += ["", f"AIPerf stopped early: {aiperf['skipped']}"]
     return out

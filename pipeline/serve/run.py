@@ -134,13 +134,16 @@ def _print_endpoints(served: Served, server: TritonServer, log: Log) -> None:
             f"stream {served.generate_model} with tritonclient.grpc (decoupled)")
 
 
-def bench(served: Served, *, log: Log = print, aiperf: bool = True) -> dict:
+def bench(served: Served, *, log: Log = print, aiperf: bool = True, greedy: bool = True) -> dict:
     """Start the server, run the sweeps of the recipe's model kind and the batching
     comparison, stop it; write ``bench.json``, ``bench.md`` and (LLM) the latency-vs-throughput
     plot ``latency_throughput.png`` into ``<run dir>/bench/``. LLM: the sweep runs with
     continuous batching on (``llm.levels``) and off (``llm.levels_static``) when the recipe
-    has ``triton.continuous_batching``; with ``aiperf`` (and the ``aiperf`` CLI installed)
-    AIPerf also drives the OpenAI endpoint (``llm.aiperf``).
+    has ``triton.continuous_batching``; with ``greedy`` (and validate greedy tokens) the ``openai``
+    client sends the validate prompts at temperature 0 at each concurrency (``llm.client_agreement``:
+    token agreement with validate's, echo-logprob perplexity; :func:`failures` lists mismatches);
+    with ``aiperf`` (and the ``aiperf`` CLI installed) AIPerf also drives the OpenAI endpoint
+    (``llm.aiperf``).
 
     Returns the result dict (``markdown``: the printed tables).
 
@@ -159,8 +162,10 @@ def bench(served: Served, *, log: Log = print, aiperf: bool = True) -> dict:
         result["environment"] = B.environment(server)
         if served.generate_model:
             result["llm"] = B.bench_llm(served, server, log, static)
-            if aiperf:
-                with start_endpoint(served, server, port=0) as endpoint:
+            with start_endpoint(served, server, port=0) as endpoint:
+                if greedy:
+                    result["llm"]["client_agreement"] = B.bench_client_agreement(served, endpoint.url, log)
+                if aiperf:
                     result["llm"]["aiperf"] = B.bench_aiperf(served, endpoint.url, served.run_dir / "bench" / "aiperf",
                                                              log)
         elif served.ensemble_model:
@@ -172,6 +177,13 @@ def bench(served: Served, *, log: Log = print, aiperf: bool = True) -> dict:
     result["markdown"] = render(result)
     _write(served.run_dir / "bench", result)
     return result
+
+
+def failures(result: dict) -> list[str]:
+    """One line per prompt whose tokens through the OpenAI endpoint (bench's client agreement)
+    left the validate stage's greedy tokens beyond the near-tie tolerance; empty: none."""
+    rows = result.get("llm", {}).get("client_agreement", {}).get("failures", [])
+    return [f"concurrency {f['concurrency']}: prompt {f['prompt']}: {f['verdict']}" for f in rows]
 
 
 def _write(folder: Path, result: dict) -> None:

@@ -28,6 +28,7 @@ SIGINT / SIGTERM are held back during steps 3-4, so Ctrl-C never splits them.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import json
 import os
@@ -96,6 +97,23 @@ def foreign_owners(repo: Path, recipe_name: str, names: Sequence[str]) -> dict[s
     return {n: owner for n, owner in owners.items() if owner != recipe_name}
 
 
+def describe_publish(repo: Path, recipe_name: str) -> str:
+    """One sentence on what ``repo`` holds of recipe ``recipe_name``, from its ``repository.json``:
+    the models, the recipe hash and time of their publish (``recipe_hash``, ``published_at``;
+    an older index lacks them) and whether they still re-hash to it (:func:`verify_repository`)."""
+    models = sorted(published_models(Path(repo), recipe_name))
+    if not models:
+        return f"{repo}/ holds no model of recipe {recipe_name}"
+    index = read_index(Path(repo))
+    hashes = sorted({str(index[m].get("recipe_hash", "not recorded"))[:12] for m in models})
+    times = sorted({str(index[m].get("published_at", "not recorded")) for m in models})
+    problems = verify_repository(Path(repo), models, recipe=recipe_name)
+    state = ("last verified publish" if not problems
+             else f"last publish, which FAILS verification ({problems[0]}{'; ...' if len(problems) > 1 else ''})")
+    return (f"{repo}/ still holds recipe {recipe_name}'s {state}: {', '.join(models)} (recipe hash "
+            f"{', '.join(hashes)}, published {', '.join(times)})")
+
+
 def check_ownership(repo: Path, recipe_name: str, names: Sequence[str] | dict[str, str]) -> None:
     """Refuse to publish a model name that another recipe owns in ``repo``; writes nothing.
 
@@ -147,7 +165,8 @@ def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: st
         _recover(repo)
         check_ownership(repo, recipe_name, list(entries))
         index = {k: v for k, v in read_index(repo).items() if v.get("recipe") != recipe_name}  # read under the lock
-        index.update(entries)
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        index.update({name: {**entry, "published_at": now} for name, entry in entries.items()})
         journal = {
             "recipe": recipe_name,
             "staging": str(staging.resolve()),

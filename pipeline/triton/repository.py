@@ -373,10 +373,12 @@ def _required_files(m: StagedModel) -> list[str]:
 
 
 def _index_entries(recipe: Recipe, target: str, models: Sequence[StagedModel], staging: Path) -> dict[str, dict]:
-    """repository.json entries of this recipe: per model its recipe, target, platform/backend and files' sha256."""
+    """repository.json entries of this recipe: per model its recipe, the recipe's hash (``recipe_hash``),
+    target, platform/backend and files' sha256 (:func:`publish.publish` adds ``published_at``)."""
     return {
         m.config.name: {
             "recipe": recipe.name,
+            "recipe_hash": recipe.digest,
             "target": target,
             "backend": m.config.platform or m.config.backend,
             "files": publish.tree_hashes(staging / m.config.name),
