@@ -78,10 +78,12 @@ def test_tight_gate_fails_with_reason(fp8_llm_run, llm_workspace, capsys):
                *[f"--set={k}={v}" for k, v in llm_overrides(llm_workspace).items()],
                "--set", "validate.gates.0.max=0.0001"])
     assert rc == 1
-    report = (llm_workspace / "artifacts" / "fp8-llm" / "report.md").read_text()
+    # the passing run's record stays; the refused run's goes to failed/ (issue 22)
+    report = (llm_workspace / "artifacts" / "fp8-llm" / "failed" / "report.md").read_text()
     row = next(r for r in report.splitlines() if r.startswith("| max_relative_perplexity_increase |"))
     assert "**FAIL**" in row and "<= 0.0001" in row and " ± " in row  # value ± its standard error
-    man = json.loads((llm_workspace / "artifacts" / "fp8-llm" / "manifest.json").read_text())
+    man = json.loads((llm_workspace / "artifacts" / "fp8-llm" / "failed" / "manifest.json").read_text())
+    assert json.loads((llm_workspace / "artifacts" / "fp8-llm" / "manifest.json").read_text())["verdict"] == "pass"
     assert man["stages"]["export"]["cache_hit"] and man["stages"]["quantize"]["cache_hit"]
     assert man["stages"]["triton"]["status"] == "skipped"
 
