@@ -494,3 +494,47 @@ def test_template_scoring_refusals(generate_model):
     full, = run(generate_model, ids_request([4] * CONTEXT, np.array([0], np.int32),
                                             prompt_logprobs=np.array([0], np.int32)))
     assert len(scores(full)[0]["prompt"]["logprobs"]) == CONTEXT  # the whole context can be scored
+
+
+# --- chat templates (issue 22, section 2) ----------------------------------------------------------------
+
+GENERATION_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}"
+                       "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+                       "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_template_renders_generation_blocks_as_transformers_does(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    module = template_module(monkeypatch)
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    (folder / "chat_template.jinja").write_text(GENERATION_TEMPLATE)
+    messages = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"},
+                {"role": "user", "content": "the mat"}]
+    ours = module.render_chat(module.load_chat_template(str(folder)), messages, module.special_tokens(str(folder)))
+    theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tokenize=False,
+                                                                             add_generation_prompt=True)
+    assert ours == theirs == "<user>the cat<assistant>sat on<user>the mat<assistant>"  # trim_blocks
+
+
+@pytest.mark.parametrize("template,error", [("{% for m in messages %}{{ m.content }}{% endfor %}", None),
+                                            (GENERATION_TEMPLATE, None),
+                                            ("{% for m in messages %}{% unknowntag %}{% endfor %}", "unknowntag"),
+                                            ("{{ raise_exception('no chat here') }}", "no chat here")])
+def test_triton_stage_renders_the_chat_template_once_and_refuses_one_that_cannot(tmp_path, template, error):
+    from pipeline.errors import TritonConfigError
+
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    (folder / "chat_template.jinja").write_text(template)
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=folder, build=context_build(CONTEXT))
+    recipe = llm_recipe(tmp_path)
+    build = lambda: write_repository(recipe, export=artifacts["export"], quantized=artifacts["quantize"],  # noqa: E731
+                                     build=artifacts["build"], out_dir=Path(recipe.output_dir))
+    if error is None:
+        build()
+        assert (Path(recipe.output_dir) / "tiny_generate" / "1" / "chat_template.jinja").is_file()
+        return
+    with pytest.raises(TritonConfigError, match=f"the chat template does not render a sample conversation.*{error}") \
+            as err:
+        build()
+    assert err.value.exit_code == 2

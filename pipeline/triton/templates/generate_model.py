@@ -227,7 +227,7 @@ def special_tokens(folder):
 def render_chat(template, messages, special):
     """Render ``messages`` (list of {"role", "content"}) with a jinja chat template the way
     transformers does: sandboxed, trim_blocks/lstrip_blocks, ``raise_exception``, a ``tojson``
-    that keeps non-ASCII, ``add_generation_prompt`` true.
+    that keeps non-ASCII, ``{% generation %}`` blocks, ``add_generation_prompt`` true.
 
     Raises:
         ValueError: the template raised (``raise_exception``) or failed to render.
@@ -235,12 +235,29 @@ def render_chat(template, messages, special):
     import datetime
 
     import jinja2
+    import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise ValueError(f"chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's tokens
+        with it): renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
