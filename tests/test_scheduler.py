@@ -641,3 +641,17 @@ def test_prompt_logprobs_over_prefill_chunks_of_a_last_logits_graph(tmp_path, mo
     assert tokens(plain) == reference_generate_all(path, prompt[:18], 3)
     assert "scores" not in plain.sent[0][0].outputs
     model.finalize()
+
+
+def test_a_chat_request_without_max_tokens_may_fill_the_context(masked):
+    """OpenAI's chat default: up to the room left in the context (33 tokens here); a raw prompt
+    keeps default_max_tokens (6)."""
+    model, onnx_path = masked
+    messages = [{"role": "b", "content": "c d"}]
+    chat, raw = run(model, FakeRequest(messages=np.array([json.dumps(messages).encode()], np.object_),
+                                       ignore_eos=np.array([True])),
+                    ids_request([1, 2, 3], ignore_eos=np.array([True])))
+    prompt = len(Tokenizer.from_file(str(model.tokenizer_file)).encode("b: c d <eos> j",
+                                                                       add_special_tokens=False).ids)
+    assert len(tokens(chat)) == 33 - prompt and final(chat)["finish_reason"] == "length"
+    assert len(tokens(raw)) == 6

@@ -538,3 +538,29 @@ def test_triton_stage_renders_the_chat_template_once_and_refuses_one_that_cannot
             as err:
         build()
     assert err.value.exit_code == 2
+
+
+def test_template_stop_string_that_is_a_special_token_matches(tmp_path, monkeypatch):
+    """'.' (id 8) made a special token: decoded text leaves it out, so before issue 22 a stop
+    string '.' never matched and the generation ran on to max_tokens."""
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(["."])
+    tok.save(str(folder / "tokenizer.json"))
+    assert tok.token_to_id(".") == 8 and tok.decode([10, 2, 8]) == "t the"
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=folder, build=context_build(CONTEXT, prompt_max=24))
+    recipe = llm_recipe(tmp_path)
+    write_repository(recipe, export=artifacts["export"], quantized=artifacts["quantize"], build=artifacts["build"],
+                     out_dir=Path(recipe.output_dir))
+    fake_backend(monkeypatch, ort_session(artifacts["quantize"].onnx_path))
+    model = load_template(Path(recipe.output_dir) / "tiny_generate")
+    reference = reference_generate(Path(artifacts["quantize"].onnx_path), [4], 6)  # [10, 2, 8, ...]: '.' third
+    assert reference[:3] == [10, 2, 8]
+    stop = np.array([b"."], dtype=np.object_)
+    stopped, plain = run(model, ids_request([4], np.array([6], np.int32), ignore_eos=True, stop=stop),
+                         ids_request([4], np.array([6], np.int32), ignore_eos=True))
+    assert [int(t) for t in outputs(stopped, "token_ids")] == [10, 2, 8]
+    assert outputs(stopped, "detail") == [b"stop string '.'"]
+    assert b"".join(outputs(stopped, "text_output")).decode() == "t the"  # the special token is left out
+    assert len(outputs(plain, "token_ids")) == 6  # without the stop: on to max_tokens
+    assert "." not in b"".join(outputs(plain, "text_output")).decode()

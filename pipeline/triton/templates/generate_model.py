@@ -22,10 +22,12 @@ prompt, no chat template), ``messages`` (a JSON list of ``{"role", "content"}``
 rendered with the chat template, ``add_generation_prompt`` true, tokenized
 without added special tokens, as transformers' ``apply_chat_template`` does) or
 ``input_ids`` (token ids used as they are); ``max_tokens`` (>= 1, default
-``default_max_tokens`` lowered to fit the context); ``ignore_eos``; sampling
+``default_max_tokens`` lowered to fit the context; with ``messages``, the room left in the
+context); ``ignore_eos``; sampling
 ``temperature`` (0, the default: greedy), ``top_k`` (0: off), ``top_p`` (1:
 off), ``seed`` (same seed, same logits -> same tokens), ``stop`` (stop
-strings); ``prompt_logprobs`` (INT32 [1], top count 0..20: score the prompt; the prefill
+strings; one that holds a special token is matched against the text with special tokens kept,
+which the text sent still leaves out); ``prompt_logprobs`` (INT32 [1], top count 0..20: score the prompt; the prefill
 then requests the full ``logits`` and takes log-softmax at each position, and ``max_tokens``
 may be 0 = prefill only); ``logprobs`` (INT32 [1], top count 0..20: each generated token's
 log-probability under the raw logits). ``scheduler_stats`` true alone: one response whose
@@ -317,6 +319,7 @@ class Sequence:
         self.kv = None  # per past name: [kv_heads, capacity, head_dim], allocated on admission
         self.done = False
         self.prompt_k, self.gen_k = prompt_k, gen_k
+        self.hide = []  # special-token texts cut from the text sent (the decoder keeps them)
         self.prompt_lp = [None] if prompt_k is not None else None  # the first token has no logprob
         self.prompt_top = [None] if prompt_k is not None else None
 
@@ -503,6 +506,8 @@ class TritonPythonModel:
         self.tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_template, self.special = load_chat_template(folder), special_tokens(folder)
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        self.special_texts = sorted({t.content for t in added if t.special}, key=len, reverse=True)
         self.logits_name = p.get("logits_output", "logits")  # last_logits [B, V] where the graph has it
         outputs = [self.logits_name, *self.present_names]
         self.runtime = p.get("compute_runtime", "bls")
@@ -621,14 +626,22 @@ class TritonPythonModel:
             return None
         ids = self._prompt_ids(request)
         prompt_k = self._top_count(request, "prompt_logprobs")
-        max_tokens = self._max_tokens(request, len(ids), scoring=prompt_k is not None)
+        chat = pb_utils.get_input_tensor_by_name(request, "messages") is not None
+        max_tokens = self._max_tokens(request, len(ids), scoring=prompt_k is not None, chat=chat)
         if len(ids) + max_tokens > self.budget_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs "
                              f"{(len(ids) + max_tokens) * self.token_bytes / 2**20:.2f} MiB of KV cache; the whole "
                              f"budget (triton.kv_cache_budget_mib) holds {self.budget_tokens} tokens")
         eos = set() if self._one(request, "ignore_eos", "b", "boolean (BOOL [1])") else self.eos
-        return Sequence(request, sender, ids, max_tokens, eos, self._sampling(request), self._stop_strings(request),
-                        IncrementalDecoder(self.tokenizer), prompt_k, self._top_count(request, "logprobs"))
+        stops = self._stop_strings(request)
+        # a stop string holding a special token ('<|im_end|>') is matched against the text with special
+        # tokens kept; the text sent still leaves them out
+        keep = [t for t in self.special_texts if any(t in stop for stop in stops)]
+        seq = Sequence(request, sender, ids, max_tokens, eos, self._sampling(request), stops,
+                       IncrementalDecoder(self.tokenizer, skip_special_tokens=not keep), prompt_k,
+                       self._top_count(request, "logprobs"))
+        seq.hide = self.special_texts if keep else []
+        return seq
 
     def _top_count(self, request, name):
         """``prompt_logprobs`` / ``logprobs``: the top count (0..20), or None when absent."""
@@ -678,9 +691,10 @@ class TritonPythonModel:
             raise ValueError(f"{'messages' if messages is not None else 'text_input'} tokenizes to no tokens")
         return ids
 
-    def _max_tokens(self, request, prompt, scoring=False):
+    def _max_tokens(self, request, prompt, scoring=False, chat=False):
         """``max_tokens`` (one integer >= 1; >= 0 when ``scoring`` the prompt), else
-        ``default_max_tokens`` lowered to fit the context.
+        ``default_max_tokens`` lowered to fit the context (a ``chat`` request: the room left in
+        the context, as OpenAI's chat default).
 
         Raises:
             ValueError: a bad value, or prompt + max_tokens above ``max_context``.
@@ -695,6 +709,8 @@ class TritonPythonModel:
             if limit and prompt >= limit:
                 raise ValueError(f"prompt has {prompt} tokens; the context limit is {limit} tokens "
                                  "(prompt + max_tokens)")
+            if chat and limit:
+                return limit - prompt
             return min(self.default_max_tokens, limit - prompt) if limit else self.default_max_tokens
         if value < 1:
             tensor = pb_utils.get_input_tensor_by_name(request, "max_tokens")
@@ -890,6 +906,8 @@ class TritonPythonModel:
             text += tail if hit is not None else tail + seq.stopper.flush()
         if hit is not None:
             finish = ("stop", f"stop string {hit!r}")
+        for special in seq.hide:
+            text = text.replace(special, "")
         if finish:
             seq.sender.send(self._response(text, token, finish, scores), flags=FINAL)
             self._leave(seq)
