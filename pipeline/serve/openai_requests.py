@@ -84,9 +84,10 @@ class CompletionRequest(_Request):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch (one for a single string or token-id list)."""
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]
-        return list(self.prompt)
+        prompt: Any = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
 
 class ChatMessage(BaseModel):
