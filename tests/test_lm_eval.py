@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, llm_overrides
+from test_openai_api import stack  # noqa: F401  (the tiny LM on a real tritonserver + the endpoint)
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -65,23 +66,21 @@ def write_mc_task(folder: Path, docs: list[dict]) -> Path:
     return folder
 
 
-GEN_DOCS = [{"question": "What is the capital of France?", "answer": "Paris"},
-            {"question": "What color is the sky on a clear day?", "answer": "Blue"},
-            {"question": "How many legs does a spider have?", "answer": "Eight"},
-            {"question": "What is the opposite of hot?", "answer": "Cold"}]
+#: generate_until questions in the tiny LM's vocabulary (its tokenizer has byte tokens, its graph 11 ids)
+GEN_DOCS = [{"question": "the cat sat on", "answer": "the mat"}, {"question": "the mat", "answer": "on"},
+            {"question": "on the cat", "answer": "sat"}]
 
 
-def write_gen_task(folder: Path) -> Path:
+def write_gen_task(folder: Path, docs: list[dict]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / f"{GEN_TASK}.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in GEN_DOCS))
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     (folder / f"{GEN_TASK}.yaml").write_text(
         f"task: {GEN_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\noutput_type: generate_until\n"
-        "doc_to_text: \"Answer in one word. {{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "doc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
         "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 8\n  do_sample: false\n  temperature: 0\n"
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
-        "    ignore_case: true\n    ignore_punctuation: true\n")
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
     return folder
 
 
@@ -237,27 +236,54 @@ def server_model(endpoint) -> str:
     return httpx.get(endpoint.url + "/models", timeout=60).json()["data"][0]["id"]
 
 
-@pytest.mark.e2e
+# --- the tiny LM (seconds): lm-eval's parsing of what the endpoint returns ---------------------------------
+
+TINY_DOCS = [{"context": "the cat sat on the", "choices": ["mat", "cat", "sat", "on"], "gold": 0},
+             {"context": "the cat", "choices": ["sat", "on", "the", "mat"], "gold": 1},
+             {"context": "on the mat the", "choices": ["cat", "mat", "on", "sat"], "gold": 2}]
+
+
 @pytest.mark.server
-def test_lm_eval_generate_until_through_local_chat_completions(smollm2, tmp_path):
+def test_lm_eval_loglikelihoods_equal_the_graph_on_the_tiny_lm(stack, tmp_path):
+    """lm-eval's multiple-choice log-likelihoods (token-id prompts, echo, ctxlen slicing) equal the
+    served graph's, computed here in one pass (prompts under one prefill chunk)."""
+    from test_openai_api import CONTEXT, MODEL
+    from transformers import AutoTokenizer
+
+    folder = stack.served.repository / MODEL / "1"
+    tasks = write_mc_task(tmp_path / "tasks", TINY_DOCS)
+    out = evaluate("local-completions", {"model": MODEL, "base_url": stack.open.url + "/completions",
+                                         "tokenizer": str(folder), "max_length": CONTEXT, "max_retries": 1,
+                                         "batch_size": 2}, MC_TASK, tasks)
+    samples = out["samples"][MC_TASK]
+    pairs = [tuple(a) for s in samples for a in s["arguments"]]
+    served = [float(r[0][0]) for s in samples for r in s["resps"]]
+    reference = in_process_logliks(stack.onnx_path, AutoTokenizer.from_pretrained(str(folder)), pairs)
+    assert len(served) == 12 and all(v < 0 for v in served)
+    np.testing.assert_allclose(served, reference, atol=1e-4)
+    picks = [int(np.argmax(reference[4 * i:4 * i + 4])) for i in range(3)]
+    assert out["results"][MC_TASK]["acc,none"] == pytest.approx(np.mean([p == d["gold"] for p, d in
+                                                                         zip(picks, TINY_DOCS)]))
+
+
+@pytest.mark.server
+def test_lm_eval_generate_until_through_local_chat_completions(stack, tmp_path):
+    """lm-eval's chat model on the tiny LM: what it scored is what the endpoint serves for the same
+    messages and settings."""
     import openai
 
-    server, endpoint, context, _, folder = smollm2
-    model = server_model(endpoint)
-    tasks = write_gen_task(tmp_path / "tasks")
-    args = {"model": model, "base_url": endpoint.url + "/chat/completions", "max_length": context,
-            "max_retries": 1, "timeout": 600, "tokenizer_backend": None}
+    from test_openai_api import MODEL
+
+    tasks = write_gen_task(tmp_path / "tasks", GEN_DOCS)
+    args = {"model": MODEL, "base_url": stack.open.url + "/chat/completions", "max_retries": 1,
+            "tokenizer_backend": None}
     out = evaluate("local-chat-completions", args, GEN_TASK, tasks, apply_chat_template=True)
-    result = out["results"][GEN_TASK]
-    samples = out["samples"][GEN_TASK]
+    result, samples = out["results"][GEN_TASK], out["samples"][GEN_TASK]
     assert len(samples) == len(GEN_DOCS) and 0.0 <= result["exact_match,none"] <= 1.0
-    client = openai.OpenAI(base_url=endpoint.url, api_key="unused", max_retries=0, timeout=600)
-    for sample, doc in zip(samples, GEN_DOCS):
-        messages = json.loads(sample["arguments"][0][0]) if isinstance(sample["arguments"][0][0], str) else \
-            sample["arguments"][0][0]
-        direct = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+    client = openai.OpenAI(base_url=stack.open.url, api_key="unused", max_retries=0, timeout=120)
+    for sample in samples:
+        messages = [{"role": "user", "content": sample["doc"]["question"]}]  # lm-eval's chat for a zero-shot task
+        direct = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                 stop=["\n"], seed=1234)
-        got = sample["resps"][0][0]
-        assert got == direct.choices[0].message.content, (doc, got)  # what lm-eval scored is what was served
-    print(f"\n{GEN_TASK}: exact match {result['exact_match,none']:.2f} "
-          f"({[s['resps'][0][0] for s in samples]})")
+        assert sample["resps"][0][0] == direct.choices[0].message.content
+        assert direct.choices[0].message.content  # the tiny LM says something
