@@ -202,6 +202,7 @@ def stack(tmp_path_factory):
         endpoints.append(start_endpoint(served, server, port=0, api_key="sesame"))
         server.served = served
         server.tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        server.onnx_path = artifacts["quantize"].onnx_path
         server.open = endpoints[0]
         server.locked = endpoints[1]
         server.client = openai.OpenAI(base_url=endpoints[0].url, api_key="unused", max_retries=0, timeout=120)
@@ -460,3 +461,163 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits_cleanly(tmp_pat
     assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])  # ended by the signal
     assert proc.returncode == 0 and "tritonserver stopped (exit status 0)" in out, out + err
     assert "Traceback" not in err, err
+
+
+# --- issue 22: the loglikelihood contract, refused parameters, invalid values -------------------------
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1}, "frequency_penalty"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"made_up": 1}, "made_up"),
+    ({"max_tokens": 4294967299}, "max_tokens"), ({"seed": 2**63}, "seed"), ({"seed": -1}, "seed"),
+    ({"top_k": 2**31}, "top_k"), ({"logprobs": 6}, "logprobs"), ({"prompt": "a\ud800"}, "prompt"),
+    ({"stop": ["ok", "\udfff"]}, "stop.1"), ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
+    ({"prompt": ["a", "b"], "stream": True}, "prompt"), ({"max_tokens": 0}, "max_tokens")])
+def test_unsupported_and_out_of_range_fields_are_400s_naming_them(body, param):
+    with pytest.raises(ApiError) as err:
+        parse_request(CompletionRequest, {"model": MODEL, "prompt": "a", **body})
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+    assert err.value.message.startswith(f"{param}: ")
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_what_standard_clients_send_is_accepted():
+    from pipeline.serve.openai_requests import ChatRequest
+
+    lm_eval = {"model": MODEL, "prompt": [[1, 2, 3]], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+               "seed": 1234, "echo": True}
+    req = parse_request(CompletionRequest, lm_eval)
+    assert req.prompts() == [[1, 2, 3]] and req.echo and req.logprobs == 1
+    sdk = {"model": MODEL, "prompt": "a", "n": 1, "user": "u1", "stream": True,
+           "stream_options": {"include_usage": True}, "presence_penalty": 0, "frequency_penalty": 0.0,
+           "logit_bias": {}, "best_of": 1}
+    assert parse_request(CompletionRequest, sdk).include_usage()
+    assert parse_request(CompletionRequest, {"model": MODEL, "prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert parse_request(CompletionRequest, {"model": MODEL, "prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert parse_request(CompletionRequest, {"model": MODEL, "prompt": [5, 6]}).prompts() == [[5, 6]]
+    chat = parse_request(ChatRequest, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}], "logprobs": True, "top_logprobs": 2, "seed": 2**63 - 1})
+    assert chat.messages[0].text() == "hi" and chat.top_logprobs == 2
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages.0.content.0.type"),
+    ({"role": "user", "content": "hi", "name": "bob"}, "messages.0.name"),
+    ({"role": "assistant", "content": "", "tool_calls": []}, "messages.0.tool_calls")])
+def test_chat_parts_and_fields_the_endpoint_lacks_are_refused(message, param):
+    from pipeline.serve.openai_requests import ChatRequest
+
+    with pytest.raises(ApiError) as err:
+        parse_request(ChatRequest, {"model": MODEL, "messages": [message]})
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def _post(url: str, body, *, raw: bytes | None = None):
+    import httpx
+
+    data = raw if raw is not None else json.dumps(body, ensure_ascii=True).encode()
+    return httpx.post(url, content=data, headers={"Content-Type": "application/json"}, timeout=120)
+
+
+def _graph_logprobs(stack, ids: list[int]) -> np.ndarray:
+    from test_serve_generation import reference_logprobs
+
+    return reference_logprobs(stack.onnx_path, ids)
+
+
+@pytest.mark.server
+def test_echo_logprobs_score_the_prompt_then_one_generated_token(stack):
+    prompts = [[4, 2, 3, 5, 7], [1, 2, 3]]
+    out = stack.client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, echo=True, logprobs=1,
+                                          temperature=0, seed=1234)
+    assert [c.index for c in out.choices] == [0, 1]  # a batch: one choice per prompt
+    for prompt, choice in zip(prompts, out.choices):
+        ref = _graph_logprobs(stack, prompt)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:len(prompt)], [ref[i, prompt[i + 1]] for i in
+                                                                      range(len(prompt) - 1)], atol=1e-4)
+        generated = int(np.argmax(ref[-1]))
+        assert lp.token_logprobs[-1] == pytest.approx(ref[-1, generated], abs=1e-4)
+        assert "".join(lp.tokens) == stack.tok.decode(prompt + [generated], skip_special_tokens=False)
+        assert lp.text_offset == list(np.cumsum([0] + [len(s) for s in lp.tokens[:-1]]))
+        assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+        assert choice.text.startswith(stack.tok.decode(prompt, skip_special_tokens=False))
+    assert out.usage.prompt_tokens == 8 and out.usage.completion_tokens == 2
+
+
+@pytest.mark.server
+def test_echo_with_max_tokens_0_and_1_even_at_eos(stack):
+    only = stack.client.completions.create(model=MODEL, prompt=[[4, 10, 2]], max_tokens=0, echo=True, logprobs=0)
+    lp = only.choices[0].logprobs
+    assert len(lp.tokens) == 3 and only.choices[0].finish_reason == "length" and only.usage.completion_tokens == 0
+    eos = stack.client.completions.create(model=MODEL, prompt=[[4, 10, 2]], max_tokens=1, echo=True, logprobs=1)
+    lp1 = eos.choices[0].logprobs  # [4, 10, 2] greedily continues with EOS 8: still appended
+    assert len(lp1.tokens) == 4 and lp1.tokens[-1] == "." and eos.choices[0].finish_reason == "stop"
+    assert lp1.token_logprobs[:3] == pytest.approx([None, *lp.token_logprobs[1:]], abs=1e-6)
+    text = stack.client.completions.create(model=MODEL, prompt=["the cat sat", "on the mat"], max_tokens=0,
+                                           echo=True, logprobs=2)
+    for choice, prompt in zip(text.choices, ["the cat sat", "on the mat"]):
+        ids = stack.tok.encode(prompt).ids
+        assert choice.text == prompt and len(choice.logprobs.tokens) == len(ids)
+        assert all(len(t) == 2 for t in choice.logprobs.top_logprobs[1:])
+
+
+@pytest.mark.server
+def test_generated_token_logprobs_on_completions_and_chat(stack):
+    out = stack.client.completions.create(model=MODEL, prompt=[4], max_tokens=3, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == "t the." and len(lp.token_logprobs) == 3 and lp.text_offset[0] == 0
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    ref = _graph_logprobs(stack, [4])
+    assert lp.token_logprobs[0] == pytest.approx(ref[0].max(), abs=1e-4)
+    if HAS_MESSAGES:
+        chat = stack.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the cat"}],
+                                                    max_tokens=3, logprobs=True, top_logprobs=3,
+                                                    extra_body={"ignore_eos": True})
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
+        assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)  # greedy: the top one
+        assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+@pytest.mark.server
+def test_prompt_over_the_context_is_a_400_naming_the_limit(stack):
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client.completions.create(model=MODEL, prompt=[[4] * (CONTEXT + 1)], max_tokens=0, echo=True,
+                                        logprobs=1)
+    assert f"the context limit is {CONTEXT} tokens" in err.value.body["message"]
+    assert err.value.body["param"] == "prompt"
+
+
+@pytest.mark.server
+def test_bad_values_are_openai_shaped_400s_over_http(stack):
+    url = stack.open.url
+    cases = [({"model": MODEL, "prompt": "a", "max_tokens": 4294967299}, "max_tokens"),
+             ({"model": MODEL, "prompt": "a", "seed": 2**63}, "seed"),
+             ({"model": MODEL, "prompt": "\ud800", "max_tokens": 2}, "prompt"),
+             ({"model": MODEL, "prompt": "a", "stop": ["\ud800"]}, "stop.0"),
+             ({"model": MODEL, "prompt": "a", "logit_bias": {"1": 5}}, "logit_bias")]
+    for body, param in cases:
+        response = _post(url + "/completions", body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+    chat = _post(url + "/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                             "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools"
+    broken = _post(url + "/completions", None, raw=b'{"model": "tiny_generate", "prompt": "\xff\xfe"}')
+    assert broken.status_code == 400 and "error" in broken.json()
+
+
+@pytest.mark.server
+def test_model_and_health_routes(stack):
+    import httpx
+
+    assert stack.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        stack.client.models.retrieve("gpt-4")
+    assert err.value.body["code"] == "model_not_found"
+    health = httpx.get(stack.open.url.removesuffix("/v1") + "/health", timeout=60)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}

@@ -614,3 +614,44 @@ def test_in_process_compute_with_batching_off_keeps_each_thread_s_buffers(tmp_pa
         assert tokens(request) == reference_generate_all(onnx_path, prompt, 15)
     assert model.stats()["executions_by_batch_size"] == {"1": 60}
     model.finalize()
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "python-onnxruntime"])
+def test_prompt_logprobs_over_prefill_chunks_of_a_last_logits_graph(tmp_path, monkeypatch, target):
+    """A 20-token prompt in 16-token chunks, batched with a request that does not score: every
+    position's log-softmax equals one whole-prompt pass of the graph's full logits."""
+    path = masked_llm(tmp_path / "work" / "last.onnx", last_logits=True)
+    repo = repository(tmp_path, onnx_path=path, target=target)
+    fake_backend(monkeypatch, ort_session(path))
+    model = load_template(repo / "tiny_generate")
+    prompt = [(7 * i + 3) % 10 + 1 for i in range(20)]
+    scored, plain = run(model, ids_request(prompt, 2, ignore_eos=np.array([True]),
+                                           prompt_logprobs=np.array([1], np.int32)),
+                        ids_request(prompt[:18], 3, ignore_eos=np.array([True])))
+    past = {f"past_key_values.{i}.{k}": np.zeros((1, HEADS, 0, HEAD_DIM), np.float32)
+            for i in range(LAYERS) for k in ("key", "value")}
+    logits = ort_session(path).run(["logits"], {"input_ids": np.array([prompt], np.int64),
+                                                "attention_mask": np.ones((1, 20), np.int64), **past})[0][0]
+    x = logits.astype(np.float64)
+    ref = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+    got = json.loads(scored.sent[0][0].outputs["scores"][0])["prompt"]
+    np.testing.assert_allclose(got["logprobs"][1:], [ref[i, prompt[i + 1]] for i in range(19)], rtol=1e-5, atol=1e-5)
+    assert [t[0][0] for t in got["top"][1:]] == np.argmax(ref[:-1], axis=-1).tolist()
+    assert tokens(scored) == reference_generate_all(path, prompt, 2)  # generation is unchanged
+    assert tokens(plain) == reference_generate_all(path, prompt[:18], 3)
+    assert "scores" not in plain.sent[0][0].outputs
+    model.finalize()
+
+
+def test_a_chat_request_without_max_tokens_may_fill_the_context(masked):
+    """OpenAI's chat default: up to the room left in the context (33 tokens here); a raw prompt
+    keeps default_max_tokens (6)."""
+    model, onnx_path = masked
+    messages = [{"role": "b", "content": "c d"}]
+    chat, raw = run(model, FakeRequest(messages=np.array([json.dumps(messages).encode()], np.object_),
+                                       ignore_eos=np.array([True])),
+                    ids_request([1, 2, 3], ignore_eos=np.array([True])))
+    prompt = len(Tokenizer.from_file(str(model.tokenizer_file)).encode("b: c d <eos> j",
+                                                                       add_special_tokens=False).ids)
+    assert len(tokens(chat)) == 33 - prompt and final(chat)["finish_reason"] == "length"
+    assert len(tokens(raw)) == 6

@@ -416,3 +416,151 @@ def test_check_excuses_a_batched_difference_only_after_a_near_tie():
     assert near_tie_summary([flipped, early, alone]) == (
         "1 of 3 prompts reached a near tie (top-2 logit gap < 0.25) of the batch-1 reference and differed from "
         "there: prompts [0]")
+
+
+# --- prompt and token logprobs (issue 22, section 1) -----------------------------------------------------
+
+
+def reference_logprobs(onnx_path, ids: list[int]) -> np.ndarray:
+    """log-softmax of the graph's logits [len(ids), vocab] for ``ids`` in one prefill (float64)."""
+    from test_triton_repository import HEAD_DIM, HEADS, LAYERS, ort_session
+
+    past = {f"past_key_values.{i}.{k}": np.zeros((1, HEADS, 0, HEAD_DIM), np.float32)
+            for i in range(LAYERS) for k in ("key", "value")}
+    logits = ort_session(onnx_path).run(["logits"], {"input_ids": np.array([ids], np.int64),
+                                                     "attention_mask": np.ones((1, len(ids)), np.int64), **past})[0]
+    x = logits[0].astype(np.float64)
+    return x - (x.max(-1, keepdims=True) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+
+
+def scores(request) -> list[dict]:
+    import json
+
+    return [json.loads(v) for v in outputs(request, "scores")]
+
+
+def test_template_scores_the_prompt_from_the_prefill_logits(tmp_path, monkeypatch, prompt_max=24):
+    """One prefill (test_scheduler checks chunked prefills and a last_logits graph)."""
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=tiny_metaspace(tmp_path / "tok", EOS_IDS),
+                              build=context_build(CONTEXT, prompt_max=prompt_max))
+    recipe = llm_recipe(tmp_path)
+    write_repository(recipe, export=artifacts["export"], quantized=artifacts["quantize"], build=artifacts["build"],
+                     out_dir=Path(recipe.output_dir))
+    fake_backend(monkeypatch, ort_session(artifacts["quantize"].onnx_path))
+    model = load_template(Path(recipe.output_dir) / "tiny_generate")
+    prompt = [4, 2, 3, 5, 7, 9, 10, 2, 6]
+    only, plus_one = run(model, ids_request(prompt, np.array([0], np.int32), prompt_logprobs=np.array([2], np.int32)),
+                         ids_request(prompt, np.array([1], np.int32), prompt_logprobs=np.array([3], np.int32),
+                                     logprobs=np.array([1], np.int32)))
+    ref = reference_logprobs(artifacts["quantize"].onnx_path, prompt)
+    expected = [None] + [ref[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
+    (response, flags), = only.sent  # max_tokens 0: one final response, no token
+    assert flags == 1 and "token_ids" not in response.outputs and outputs(only, "finish_reason") == [b"length"]
+    got = scores(only)[0]["prompt"]
+    assert got["ids"] == prompt and got["logprobs"][0] is None and got["top"][0] is None
+    np.testing.assert_allclose(got["logprobs"][1:], expected[1:], rtol=1e-5, atol=1e-5)
+    for i, top in enumerate(got["top"][1:]):
+        order = np.argsort(-ref[i], kind="stable")[:2]
+        assert [t for t, _ in top] == order.tolist()
+        np.testing.assert_allclose([v for _, v in top], ref[i, order], rtol=1e-5, atol=1e-5)
+    (first, flags), = plus_one.sent  # max_tokens 1: the prompt's scores and one token, with its logprob
+    token = int(first.outputs["token_ids"][0])
+    assert flags == 1 and token == int(np.argmax(ref[-1]))
+    both = scores(plus_one)[0]
+    np.testing.assert_allclose(both["prompt"]["logprobs"][1:], expected[1:], rtol=1e-5, atol=1e-5)
+    assert all(len(t) == 3 for t in both["prompt"]["top"][1:])
+    assert both["token"]["logprob"] == pytest.approx(ref[-1, token], abs=1e-5)
+    assert both["token"]["top"][0][0] == token
+
+
+def test_template_sends_one_token_even_when_it_is_eos(generate_model):
+    # [4, 10, 2] greedily continues with EOS 8 ('.'): max_tokens 1 still sends that token
+    request, = run(generate_model, ids_request([4, 10, 2], np.array([1], np.int32),
+                                               prompt_logprobs=np.array([0], np.int32)))
+    assert [int(t) for t in outputs(request, "token_ids")] == [8]
+    assert outputs(request, "finish_reason") == [b"stop"]
+    assert scores(request)[0]["prompt"]["top"] == [None, [], []]
+
+
+def test_template_scoring_refusals(generate_model):
+    over, bad_k, zero = run(generate_model,
+                            ids_request([4] * (CONTEXT + 1), np.array([0], np.int32),
+                                        prompt_logprobs=np.array([1], np.int32)),
+                            ids_request([4], np.array([1], np.int32), logprobs=np.array([21], np.int32)),
+                            ids_request([4], np.array([0], np.int32)))  # max_tokens 0 without scoring
+    assert over.sent[0][0].error == f"prompt has {CONTEXT + 1} tokens; the context limit is {CONTEXT} tokens"
+    assert bad_k.sent[0][0].error == "logprobs must be one integer in [0, 20] (the top count); got 21"
+    assert zero.sent[0][0].error.startswith("max_tokens must be one integer >= 1")
+    full, = run(generate_model, ids_request([4] * CONTEXT, np.array([0], np.int32),
+                                            prompt_logprobs=np.array([0], np.int32)))
+    assert len(scores(full)[0]["prompt"]["logprobs"]) == CONTEXT  # the whole context can be scored
+
+
+# --- chat templates (issue 22, section 2) ----------------------------------------------------------------
+
+GENERATION_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}"
+                       "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+                       "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_template_renders_generation_blocks_as_transformers_does(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    module = template_module(monkeypatch)
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    (folder / "chat_template.jinja").write_text(GENERATION_TEMPLATE)
+    messages = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"},
+                {"role": "user", "content": "the mat"}]
+    ours = module.render_chat(module.load_chat_template(str(folder)), messages, module.special_tokens(str(folder)))
+    theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tokenize=False,
+                                                                             add_generation_prompt=True)
+    assert ours == theirs == "<user>the cat<assistant>sat on<user>the mat<assistant>"  # trim_blocks
+
+
+@pytest.mark.parametrize("template,error", [("{% for m in messages %}{{ m.content }}{% endfor %}", None),
+                                            (GENERATION_TEMPLATE, None),
+                                            ("{% for m in messages %}{% unknowntag %}{% endfor %}", "unknowntag"),
+                                            ("{{ raise_exception('no chat here') }}", "no chat here")])
+def test_triton_stage_renders_the_chat_template_once_and_refuses_one_that_cannot(tmp_path, template, error):
+    from pipeline.errors import TritonConfigError
+
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    (folder / "chat_template.jinja").write_text(template)
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=folder, build=context_build(CONTEXT))
+    recipe = llm_recipe(tmp_path)
+    build = lambda: write_repository(recipe, export=artifacts["export"], quantized=artifacts["quantize"],  # noqa: E731
+                                     build=artifacts["build"], out_dir=Path(recipe.output_dir))
+    if error is None:
+        build()
+        assert (Path(recipe.output_dir) / "tiny_generate" / "1" / "chat_template.jinja").is_file()
+        return
+    with pytest.raises(TritonConfigError, match=f"the chat template does not render a sample conversation.*{error}") \
+            as err:
+        build()
+    assert err.value.exit_code == 2
+
+
+def test_template_stop_string_that_is_a_special_token_matches(tmp_path, monkeypatch):
+    """'.' (id 8) made a special token: decoded text leaves it out, so before issue 22 a stop
+    string '.' never matched and the generation ran on to max_tokens."""
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(["."])
+    tok.save(str(folder / "tokenizer.json"))
+    assert tok.token_to_id(".") == 8 and tok.decode([10, 2, 8]) == "t the"
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=folder, build=context_build(CONTEXT, prompt_max=24))
+    recipe = llm_recipe(tmp_path)
+    write_repository(recipe, export=artifacts["export"], quantized=artifacts["quantize"], build=artifacts["build"],
+                     out_dir=Path(recipe.output_dir))
+    fake_backend(monkeypatch, ort_session(artifacts["quantize"].onnx_path))
+    model = load_template(Path(recipe.output_dir) / "tiny_generate")
+    reference = reference_generate(Path(artifacts["quantize"].onnx_path), [4], 6)  # [10, 2, 8, ...]: '.' third
+    assert reference[:3] == [10, 2, 8]
+    stop = np.array([b"."], dtype=np.object_)
+    stopped, plain = run(model, ids_request([4], np.array([6], np.int32), ignore_eos=True, stop=stop),
+                         ids_request([4], np.array([6], np.int32), ignore_eos=True))
+    assert [int(t) for t in outputs(stopped, "token_ids")] == [10, 2, 8]
+    assert outputs(stopped, "detail") == [b"stop string '.'"]
+    assert b"".join(outputs(stopped, "text_output")).decode() == "t the"  # the special token is left out
+    assert len(outputs(plain, "token_ids")) == 6  # without the stop: on to max_tokens
+    assert "." not in b"".join(outputs(plain, "text_output")).decode()

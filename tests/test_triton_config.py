@@ -266,8 +266,10 @@ def test_generate_config_is_decoupled_and_carries_the_numbers():
                   "messages": ("TYPE_STRING", [1]), "temperature": ("TYPE_FP32", [1]),
                   "top_k": ("TYPE_INT32", [1]), "top_p": ("TYPE_FP32", [1]), "seed": ("TYPE_INT64", [1]),
                   "stop": ("TYPE_STRING", [-1]), "scheduler_stats": ("TYPE_BOOL", [1]),
+                  "prompt_logprobs": ("TYPE_INT32", [1]), "logprobs": ("TYPE_INT32", [1]),
                   "text_output": ("TYPE_STRING", [1]), "token_ids": ("TYPE_INT64", [1]),
-                  "finish_reason": ("TYPE_STRING", [1]), "detail": ("TYPE_STRING", [1])}
-    assert [t.optional for t in parsed.input] == [True] * 11
+                  "finish_reason": ("TYPE_STRING", [1]), "detail": ("TYPE_STRING", [1]),
+                  "scores": ("TYPE_STRING", [1])}
+    assert [t.optional for t in parsed.input] == [True] * 13
     check_config(parsed, GENERATE_INPUTS, GENERATE_OUTPUTS, profile_max_batch=None, target="python",
                  version_dirs=["1"])

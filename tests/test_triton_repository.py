@@ -27,7 +27,7 @@ from pipeline.triton import publish as publish_mod
 from pipeline.models.text_generation.kv import KVLayout
 from pipeline.models.text_generation.triton import kv_layout
 from pipeline.stages.triton import write_repository
-from pipeline.triton.repository import resolve_target
+from pipeline.triton.repository import eos_token_ids, resolve_target
 
 LAYERS, HEADS, HEAD_DIM, VOCAB, EOS = 2, 1, 4, 11, 0
 WORDS = ["<eos>", *"abcdefghij"]
@@ -608,3 +608,35 @@ def test_recipes_sharing_a_repository_keep_each_others_models(stage):
     assert {"tiny", "tiny_generate", "other_model"} <= {p.name for p in repo.iterdir()}
     index = json.loads((repo / "repository.json").read_text())["models"]
     assert index["other_model"]["recipe"] == "other" and index["tiny"]["recipe"] != "other"
+
+
+def test_eos_set_is_the_union_of_generation_config_tokenizer_and_end_of_turn(tmp_path):
+    """Issue 22 §2: generation_config.json's list (as Llama-3-Instruct and Qwen2.5 ship), the
+    tokenizer's eos_token and a declared end-of-turn token, in that order, without repeats."""
+    from serve_tiny import tiny_metaspace
+
+    folder = tiny_metaspace(tmp_path / "tok", eos_ids=(8, 3))  # '.' and 'at'; the tokenizer's eos is '<eos>' = 0
+    assert eos_token_ids(folder) == [8, 3, 0]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))  # an int
+    assert eos_token_ids(folder) == [3, 0]
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eot_token": "\u2581on"}))
+    assert eos_token_ids(folder) == [3, 0, 7]
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eot_token": "<nope>"}))
+    with pytest.raises(TritonConfigError, match="eot_token '<nope>' is not in tokenizer.json"):
+        eos_token_ids(folder)
+    (folder / "generation_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "eot_token": "<eos>"}))
+    assert eos_token_ids(folder) == [0]
+
+
+def test_published_generation_model_stops_at_every_generation_config_eos(tmp_path):
+    from serve_tiny import llm_artifacts, tiny_metaspace
+
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=tiny_metaspace(tmp_path / "tok", eos_ids=(0, 8)))
+    write_repository(make_recipe(), export=artifacts["export"], quantized=artifacts["quantize"],
+                     build=artifacts["build"], out_dir=tmp_path / "repo")
+    version = tmp_path / "repo" / "tiny_generate" / "1"
+    cfg = parse_config((tmp_path / "repo" / "tiny_generate" / "config.pbtxt").read_text())
+    assert cfg.parameters["eos_token_ids"].string_value == "0,8"
+    assert json.loads((version / "generation_config.json").read_text())["eos_token_id"] == [0, 8]

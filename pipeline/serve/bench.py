@@ -507,7 +507,7 @@ def bench_client_agreement(served: Served, base_url: str, log: Log) -> dict:
 
 
 def echo_perplexity(served: Served, base_url: str, log: Log) -> dict:
-    """Perplexity of the validate windows (:func:`pipeline.data.token_windows`, as validate cuts
+    """Perplexity of the validate windows (:func:`pipeline.text_data.token_windows`, as validate cuts
     them) from the endpoint's prompt logprobs, with the ``openai`` client in OpenAI's documented
     shape: ``/v1/completions`` with ``echo: true, logprobs: 0, max_tokens: 1``, the window as token
     ids; ``choices[0].logprobs.token_logprobs`` holds log p(token | earlier tokens) per prompt
@@ -518,7 +518,7 @@ def echo_perplexity(served: Served, base_url: str, log: Log) -> dict:
 
     import openai
 
-    from pipeline import data
+    from pipeline import text_data as data
 
     v, precision = served.recipe.validate_, served.artifacts["quantize"].precision
     tok = data.load_tokenizer(served.artifacts["export"].tokenizer_dir)
@@ -538,8 +538,7 @@ def echo_perplexity(served: Served, base_url: str, log: Log) -> dict:
         lp = out.choices[0].logprobs
         scored = (lp.token_logprobs or [])[context:len(window)] if lp is not None else []
         if len(scored) != len(window) - context or any(x is None for x in scored):
-            return {"skipped": "the endpoint returned no prompt logprobs for echo: true, logprobs: 0 (prompt "
-                               "scoring is issue 22 section 1, not on this branch); the client side is ready"}
+            return {"skipped": "the endpoint returned no prompt logprobs for echo: true, logprobs: 0"}
         total, count = total - float(sum(scored)), count + len(scored)
     ppl, ref = math.exp(total / count), served.artifacts["validate"].metrics.get(f"perplexity_{precision}")
     return {"perplexity": ppl, "validate": ref, "windows": len(windows), "scored_tokens": count,

@@ -77,7 +77,7 @@ def generation_inputs(*, input_ids=None, text: str | None = None, max_tokens: in
     inputs sent only when given and not None (notes/genapi.md): ``messages`` (a list of
     {"role", "content"} dicts, sent as JSON), ``temperature`` / ``top_p`` (FP32 [1]),
     ``top_k`` (INT32 [1]), ``seed`` (INT64 [1]), ``stop`` (list of strings, BYTES [k]),
-    ``scheduler_stats`` (BOOL [1]).
+    ``scheduler_stats`` (BOOL [1]), ``prompt_logprobs`` / ``logprobs`` (INT32 [1], top counts).
 
     Raises:
         PipelineError: ``max_tokens`` is not an integer (it would be truncated to one).
@@ -111,6 +111,8 @@ OPTIONAL_INPUTS = {
     "seed": lambda v: np.array([v], np.int64),
     "stop": lambda v: np.array([x.encode() for x in ([v] if isinstance(v, str) else v)], dtype=np.object_),
     "scheduler_stats": lambda v: np.array([bool(v)]),
+    "prompt_logprobs": lambda v: np.array([v], np.int32),
+    "logprobs": lambda v: np.array([v], np.int32),
 }
 
 

@@ -1,13 +1,17 @@
 """OpenAI-compatible HTTP endpoint in front of the generation model (FastAPI + uvicorn).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (200 when Triton has the
+model ready, else 503), ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``stream: true`` = server-sent events ``data: {...}`` ending with ``data: [DONE]``).
 Each request is one gRPC stream to Triton (``tritonclient.grpc.aio``); a client that
 disconnects cancels its Triton request. Request fields map to the generation model's
 inputs (notes/genapi.md): ``prompt`` -> ``text_input`` (a string) or ``input_ids`` (a
 list of token ids), ``messages`` -> ``messages`` (JSON), ``max_tokens`` /
 ``max_completion_tokens`` -> ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``seed``, ``stop`` and ``ignore_eos`` as named. A sampling input the served model does not
+``seed``, ``stop`` and ``ignore_eos`` as named; ``echo`` + ``logprobs`` -> ``prompt_logprobs``
+(the loglikelihood contract: :func:`completion_choice`), ``logprobs`` / chat ``top_logprobs`` ->
+``logprobs``; a list of prompts is a batch (one Triton request and one choice each). What is
+accepted and refused: pipeline.serve.openai_requests. A sampling input the served model does not
 have is refused (400) unless its value is the model's own default (greedy). Stop strings
 are also applied here, so they work with a model that lacks the ``stop`` input.
 
@@ -31,15 +35,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import anyio
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import EnvironmentFault, PipelineError
+from pipeline.serve.openai_requests import (  # noqa: F401  (re-exported: the endpoint's request API)
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    _Request,
+    parse_request,
+)
 
 API_KEY_ENV = "PIPELINE_API_KEY"
 #: OpenAI's default ``max_tokens`` for the legacy completions route.
@@ -49,92 +60,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": None}
 
 
-# --- errors ----------------------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's JSON shape with HTTP ``status``."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+# --- errors -------------------------------------------------------------------------------------------------
 
 
 def unavailable(url: str, error: BaseException) -> ApiError:
     return ApiError(503, f"the Triton server at {url} is not reachable ({error}); is it running?",
                     type_="service_unavailable", code="triton_unavailable")
-
-
-# --- requests --------------------------------------------------------------------------------------------
-
-
-class _Request(BaseModel):
-    """Fields common to both routes; unknown OpenAI fields are accepted and ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None  # extension (vLLM)
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: Literal[1] = 1
-    ignore_eos: bool = False  # extension (vLLM): fixed-length outputs for benchmarks
-    return_token_ids: bool = False  # extension: each choice also lists its token ids
-
-    def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s for s in stops if s]
-
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-
-class CompletionRequest(_Request):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[
-        list[str], Field(min_length=1, max_length=1)]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text parts are supported
-            return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
-        return self.content or ""
-
-
-class ChatRequest(_Request):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-
-
-def parse_request(cls: type[_Request], body: Any) -> _Request:
-    """Validate a JSON body; the first problem becomes a 400 naming the field.
-
-    Raises:
-        ApiError: 400, ``param`` = the dotted field path (``messages.0.role``).
-    """
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        path = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "str", "int", "function-"))]
-        name = ".".join(path) or "body"
-        raise ApiError(400, f"{name}: {first['msg']} (got {first.get('input')!r})", param=name) from None
 
 
 # --- the Triton side -------------------------------------------------------------------------------------
@@ -143,12 +74,14 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
 @dataclass
 class Piece:
     """One response of the generation model: new text, its token (None in a response
-    without ``token_ids``) and, on the final response, ``finish_reason`` and ``detail``."""
+    without ``token_ids``), on the final response ``finish_reason`` and ``detail``, and the
+    ``scores`` output's JSON (prompt / token logprobs) when the request asked for them."""
 
     text: str = ""
     token: int | None = None
     finish_reason: str = ""
     detail: str = ""
+    scores: dict | None = None
 
 
 def _tensor(grpc, name: str, array: np.ndarray):
@@ -261,7 +194,8 @@ def _piece(result) -> Piece:
         return result.as_numpy(name)[0].decode("utf-8", "replace") if name in names else ""
 
     token = int(result.as_numpy("token_ids")[0]) if "token_ids" in names else None
-    return Piece(text("text_output"), token, text("finish_reason"), text("detail"))
+    scores = json.loads(text("scores")) if "scores" in names else None
+    return Piece(text("text_output"), token, text("finish_reason"), text("detail"), scores)
 
 
 def triton_inputs(req: _Request, supported: set[str], *, default_max_tokens: int | None) -> dict[str, np.ndarray]:
@@ -271,7 +205,8 @@ def triton_inputs(req: _Request, supported: set[str], *, default_max_tokens: int
         ApiError: 400 a sampling field with a non-default value that the served model lacks.
     """
     out: dict[str, np.ndarray] = {}
-    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
+    max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens, default_max_tokens) if v is not None),
+                      None)
     if max_tokens is not None:
         out["max_tokens"] = np.array([max_tokens], np.int32)
     if req.ignore_eos:
@@ -397,6 +332,11 @@ def create_app(cfg: EndpointConfig):
     async def api_error(request: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # a bug: still OpenAI's error shape
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         if cfg.api_key is not None and not _key_ok(request.headers.get("authorization", ""), cfg.api_key):
@@ -410,21 +350,50 @@ def create_app(cfg: EndpointConfig):
         return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": cfg.created,
                                             "owned_by": "trt-pipeline"}]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != cfg.model:
+            raise ApiError(404, f"model: '{model_id}' is not served here; GET /v1/models lists '{cfg.model}'",
+                           param="model", code="model_not_found")
+        return {"id": cfg.model, "object": "model", "created": cfg.created, "owned_by": "trt-pipeline"}
+
+    @app.get("/health")
+    async def health():
+        gen = state["gen"]
+        try:
+            ready = await gen.client.is_model_ready(cfg.model)
+        except Exception as e:  # InferenceServerException: Triton unreachable
+            raise unavailable(cfg.grpc_url, e) from e
+        if not ready:
+            raise ApiError(503, f"model {cfg.model} is not ready on the Triton server at {cfg.grpc_url}",
+                           type_="service_unavailable", code="model_not_ready")
+        return {"status": "ok", "model": cfg.model}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await _json(request))
         _check_model(req, cfg.model)
         gen = state["gen"]
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
-        if isinstance(prompt, str):
-            inputs = {"text_input": _strings([prompt])}
-            prompt_tokens: int | None = counter.text(prompt)
-        else:
-            inputs = {"input_ids": np.asarray(prompt, np.int64)}
-            prompt_tokens = len(prompt)
-        inputs.update(triton_inputs(req, await gen.inputs(), default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS))
-        run = Run(gen, inputs, req, prompt_tokens, kind="text_completion", model=cfg.model)
-        return await run.respond(request, JSONResponse, ClosingStreamingResponse)
+        supported = await gen.inputs()
+        runs = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                inputs = {"text_input": _strings([prompt])}
+                prompt_tokens: int | None = counter.text(prompt)
+            else:
+                inputs = {"input_ids": np.asarray(prompt, np.int64)}
+                prompt_tokens = len(prompt)
+            inputs.update(triton_inputs(req, supported, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS))
+            inputs.update(score_inputs(req, supported))
+            runs.append(Run(gen, inputs, req, prompt_tokens, kind="text_completion", model=cfg.model))
+        if req.stream:  # one prompt (parse_request refuses a streamed batch)
+            return await runs[0].respond(request, JSONResponse, ClosingStreamingResponse)
+        texts = await _all(request, runs)
+        choices = [completion_choice(counter.tokenizer, req, prompt, run, text, i)
+                   for i, (prompt, run, text) in enumerate(zip(req.prompts(), runs, texts))]
+        usage = {k: sum(r.usage()[k] for r in runs) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        return JSONResponse({"id": runs[0].id, "object": "text_completion", "created": runs[0].created,
+                             "model": cfg.model, "choices": choices, "usage": usage})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -438,10 +407,114 @@ def create_app(cfg: EndpointConfig):
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         inputs = {"messages": _strings([json.dumps(messages)])}
         inputs.update(triton_inputs(req, supported, default_max_tokens=None))
+        if req.logprobs:
+            _need(supported, "logprobs", "logprobs")
+            inputs["logprobs"] = np.array([req.top_logprobs or 0], np.int32)
         run = Run(gen, inputs, req, counter.chat(messages), kind="chat.completion", model=cfg.model)
-        return await run.respond(request, JSONResponse, ClosingStreamingResponse)
+        if req.stream:
+            return await run.respond(request, JSONResponse, ClosingStreamingResponse)
+        text = await run.text(request)
+        logprobs = chat_logprobs(counter.tokenizer, run) if req.logprobs else None
+        return JSONResponse(run._whole(text, logprobs))
 
     return app
+
+
+async def _all(request, runs: list["Run"]) -> list[str]:
+    """Each run's whole text, run concurrently; the first error cancels the others.
+
+    Raises:
+        ApiError: the first run's error (in prompt order).
+    """
+    tasks = [asyncio.ensure_future(r.text(request)) for r in runs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+    return [t.result() for t in tasks]
+
+
+def _need(supported: set[str], name: str, param: str) -> None:
+    if name not in supported:
+        raise ApiError(400, f"{param}: the served generation model has no '{name}' input (inputs: "
+                            f"{', '.join(sorted(supported))}); rebuild its repository with this version", param=param)
+
+
+def score_inputs(req: CompletionRequest, supported: set[str]) -> dict[str, np.ndarray]:
+    """``prompt_logprobs`` (echo with logprobs, or echo with max_tokens 0: the prompt is scored) and
+    ``logprobs`` (generated tokens) inputs of a completion request.
+
+    Raises:
+        ApiError: 400 the served model lacks the input.
+    """
+    out = {}
+    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+        _need(supported, "prompt_logprobs", "echo")
+        out["prompt_logprobs"] = np.array([req.logprobs or 0], np.int32)
+    if req.logprobs is not None and req.max_tokens != 0:
+        _need(supported, "logprobs", "logprobs")
+        out["logprobs"] = np.array([req.logprobs], np.int32)
+    return out
+
+
+def token_strings(tokenizer, ids: list[int], window: int = 6) -> list[str]:
+    """Each token's text as it adds to the decoded text (special tokens kept): the decode of a
+    few tokens before it and itself, less the decode of those before it."""
+    out = []
+    for i in range(len(ids)):
+        before = ids[max(0, i - window):i]
+        head = tokenizer.decode(before, skip_special_tokens=False)
+        whole = tokenizer.decode(before + [ids[i]], skip_special_tokens=False)
+        out.append(whole[len(head):] if whole.startswith(head) else tokenizer.decode([ids[i]], skip_special_tokens=False))
+    return out
+
+
+def _top_dict(tokenizer, top: list | None, token: int, text: str) -> dict | None:
+    if top is None:
+        return None
+    return {(text if i == token else tokenizer.decode([i], skip_special_tokens=False)): lp for i, lp in top}
+
+
+def completion_choice(tokenizer, req: CompletionRequest, prompt, run: "Run", text: str, index: int) -> dict:
+    """One choice of a (non-streamed) completion: with ``echo`` the prompt's text comes first;
+    ``logprobs`` {tokens, token_logprobs, top_logprobs, text_offset} covers the prompt tokens
+    (echo; the first one's logprob is null) then the generated ones. ``text_offset`` indexes the
+    tokens' decoded texts (special tokens kept) from the start of the choice's text."""
+    echo_text = ""
+    if req.echo:
+        echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+    logprobs = None
+    if req.logprobs is not None:
+        prompt_scores = run.prompt_scores if req.echo else None
+        ids = (prompt_scores["ids"] if prompt_scores else []) + run.tokens
+        values = (prompt_scores["logprobs"] if prompt_scores else []) + [t["logprob"] for t in run.token_scores]
+        tops = (prompt_scores["top"] if prompt_scores else []) + [t["top"] for t in run.token_scores]
+        strings = token_strings(tokenizer, ids)
+        offsets, at = [], 0
+        for piece in strings:
+            offsets.append(at)
+            at += len(piece)
+        logprobs = {"tokens": strings, "token_logprobs": values,
+                    "top_logprobs": [_top_dict(tokenizer, t, i, s) for t, i, s in zip(tops, ids, strings)],
+                    "text_offset": offsets}
+    return run._choice(echo_text + text, run.finish_reason, delta=False, index=index, logprobs=logprobs)
+
+
+def chat_logprobs(tokenizer, run: "Run") -> dict:
+    """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]} per generated token."""
+    strings = token_strings(tokenizer, run.tokens)
+    content = []
+    for token, text, score in zip(run.tokens, strings, run.token_scores):
+        top = _top_dict(tokenizer, score["top"], token, text) or {}
+        content.append({"token": text, "logprob": score["logprob"], "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top.items()]})
+    return {"content": content}
 
 
 async def _json(request) -> Any:
@@ -474,6 +547,8 @@ class Run:
         self.stop = StopText(req.stops())
         self.tokens: list[int] = []
         self.finish_reason = ""
+        self.prompt_scores: dict | None = None  # {"ids", "logprobs", "top"} (prompt_logprobs asked)
+        self.token_scores: list[dict] = []  # per generated token {"logprob", "top"} (logprobs asked)
 
     async def pieces(self) -> AsyncIterator[str]:
         """Visible text pieces; sets ``tokens`` and ``finish_reason``. Stops (and cancels the
@@ -483,6 +558,10 @@ class Run:
             async for piece in stream:
                 if piece.token is not None:
                     self.tokens.append(piece.token)
+                if piece.scores:
+                    self.prompt_scores = piece.scores.get("prompt", self.prompt_scores)
+                    if "token" in piece.scores:
+                        self.token_scores.append(piece.scores["token"])
                 text = self.stop.add(piece.text)
                 if self.stop.stopped:
                     self.finish_reason = "stop"
@@ -517,20 +596,26 @@ class Run:
         text = first + "".join([p async for p in _until_disconnect(request, pieces)])
         return json_response(self._whole(text))
 
-    def _choice(self, text: str, finish: str | None, *, delta: bool) -> dict:
+    async def text(self, request) -> str:
+        """The whole generated text (sets ``tokens``, ``finish_reason`` and the scores)."""
+        return "".join([p async for p in _until_disconnect(request, self.pieces())])
+
+    def _choice(self, text: str, finish: str | None, *, delta: bool, index: int = 0,
+                logprobs: dict | None = None) -> dict:
         if self.kind == "chat.completion":
             body = {"delta": {"content": text} if text else {}} if delta else {
-                "message": {"role": "assistant", "content": text}}
+                "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
         else:
-            body = {"text": text, "logprobs": None}
-        choice = {"index": 0, **body, "finish_reason": finish}
+            body = {"text": text, "logprobs": logprobs}
+        choice = {"index": index, **body, "finish_reason": finish}
         if self.req.return_token_ids and finish is not None:
             choice["token_ids"] = list(self.tokens)
         return choice
 
-    def _whole(self, text: str) -> dict:
+    def _whole(self, text: str, logprobs: dict | None = None) -> dict:
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [self._choice(text, self.finish_reason, delta=False)], "usage": self.usage()}
+                "choices": [self._choice(text, self.finish_reason, delta=False, logprobs=logprobs)],
+                "usage": self.usage()}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         kind = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"

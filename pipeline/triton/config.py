@@ -90,9 +90,12 @@ GENERATE_INPUTS = [
     TensorSpec("seed", "int64", [1]),
     TensorSpec("stop", "object", ["stop_strings"]),
     TensorSpec("scheduler_stats", "bool", [1]),
+    TensorSpec("prompt_logprobs", "int32", [1]),
+    TensorSpec("logprobs", "int32", [1]),
 ]
 GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_ids", "int64", [1]),
-                    TensorSpec("finish_reason", "object", [1]), TensorSpec("detail", "object", [1])]
+                    TensorSpec("finish_reason", "object", [1]), TensorSpec("detail", "object", [1]),
+                    TensorSpec("scores", "object", [1])]
 
 
 #: ONNX element type -> numpy dtype name (the float8 types have no Triton type).

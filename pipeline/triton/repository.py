@@ -210,26 +210,36 @@ def context_limits(profiles: Sequence[ResolvedProfile]) -> dict[str, int]:
     return {"max_prompt_tokens": max(prompts, default=0), "max_context": max(contexts, default=0)}
 
 
+#: tokenizer_config.json keys that name a chat template's end-of-turn token, where a tokenizer declares one
+END_OF_TURN_KEYS = ("eot_token", "end_of_turn_token")
+
+
 def eos_token_ids(tokenizer_dir: Path) -> list[int]:
-    """EOS id(s): ``eos_token_id`` of generation_config.json, else the ``eos_token`` of
-    tokenizer_config.json / special_tokens_map.json looked up in tokenizer.json, else
-    config.json's ``eos_token_id``.
+    """The EOS set, the one place it is decided: the union of generation_config.json's
+    ``eos_token_id`` (an int or a list), the tokenizer's ``eos_token`` (tokenizer_config.json /
+    special_tokens_map.json, looked up in tokenizer.json) and the chat template's end-of-turn
+    token where the tokenizer declares one (:data:`END_OF_TURN_KEYS`); config.json's
+    ``eos_token_id`` only when none of these names one. Ordered: generation config, tokenizer,
+    end of turn; no repeats.
 
     Raises:
-        TritonConfigError: none of these files names an EOS token, or the named
+        TritonConfigError: none of these files names an EOS token, or a named
             token is not in tokenizer.json's vocabulary.
     """
-    ids = json_field(tokenizer_dir / "generation_config.json", "eos_token_id")
-    if ids is None:
-        ids = _eos_from_token(tokenizer_dir)
-    if ids is None:
+    found: list = []
+    for ids in (json_field(tokenizer_dir / "generation_config.json", "eos_token_id"),
+                _eos_from_token(tokenizer_dir),
+                *(special_token_id(tokenizer_dir, key) for key in END_OF_TURN_KEYS)):
+        found += ids if isinstance(ids, list) else [] if ids is None else [ids]
+    if not found:
         ids = json_field(tokenizer_dir / "config.json", "eos_token_id")
-    if ids is None:
+        found = ids if isinstance(ids, list) else [] if ids is None else [ids]
+    if not found:
         raise TritonConfigError(
             f"{tokenizer_dir}: no EOS token in generation_config.json, tokenizer_config.json, "
             "special_tokens_map.json or config.json; the generation model needs one to stop"
         )
-    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+    return list(dict.fromkeys(int(i) for i in found))
 
 
 def _eos_from_token(tokenizer_dir: Path) -> int | None:

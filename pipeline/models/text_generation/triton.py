@@ -89,6 +89,7 @@ def stage_generate(
     name = str(recipe.triton.generate_model_name)
     version_dir = staging / name / str(recipe.triton.version)
     copy_tokenizer(Path(export.tokenizer_dir), version_dir)
+    check_chat_template(version_dir)
     write_template("generate_model.py", version_dir / "model.py")
     generation = recipe.validate_.generation
     cfg = generate_config(
@@ -109,6 +110,34 @@ def stage_generate(
     write_config(staging / name, cfg)
     return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None,
                        required_files=("tokenizer.json",))
+
+
+#: The conversation every chat template must render (user / assistant alternating, no system
+#: message: some templates refuse one).
+SAMPLE_CHAT = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},
+               {"role": "user", "content": "How are you?"}]
+
+
+def check_chat_template(folder: Path) -> str | None:
+    """Render the tokenizer folder's chat template (if it has one) on :data:`SAMPLE_CHAT` as
+    transformers does (``apply_chat_template``, ``add_generation_prompt``), so that a template
+    that cannot render fails the build, not every chat request. Returns the rendered text (None
+    without a template).
+
+    Raises:
+        TritonConfigError: (exit 2) the template does not render; names the folder and the error.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not getattr(tok, "chat_template", None):
+        return None
+    try:
+        return tok.apply_chat_template(SAMPLE_CHAT, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2.TemplateError, or what the template raises (raise_exception)
+        raise TritonConfigError(f"{folder}: the chat template does not render a sample conversation "
+                                f"({type(e).__name__}: {e}); fix chat_template.jinja or tokenizer_config.json's "
+                                "chat_template") from e
 
 
 def _generate_compute_runtime(recipe: Recipe, staging: Path, *, last_logits: bool) -> dict:

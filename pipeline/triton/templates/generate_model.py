@@ -22,11 +22,16 @@ prompt, no chat template), ``messages`` (a JSON list of ``{"role", "content"}``
 rendered with the chat template, ``add_generation_prompt`` true, tokenized
 without added special tokens, as transformers' ``apply_chat_template`` does) or
 ``input_ids`` (token ids used as they are); ``max_tokens`` (>= 1, default
-``default_max_tokens`` lowered to fit the context); ``ignore_eos``; sampling
+``default_max_tokens`` lowered to fit the context; with ``messages``, the room left in the
+context); ``ignore_eos``; sampling
 ``temperature`` (0, the default: greedy), ``top_k`` (0: off), ``top_p`` (1:
 off), ``seed`` (same seed, same logits -> same tokens), ``stop`` (stop
-strings). ``scheduler_stats`` true alone: one response whose ``text_output`` is
-the scheduler's JSON statistics (:meth:`TritonPythonModel.stats`).
+strings; one that holds a special token is matched against the text with special tokens kept,
+which the text sent still leaves out); ``prompt_logprobs`` (INT32 [1], top count 0..20: score the prompt; the prefill
+then requests the full ``logits`` and takes log-softmax at each position, and ``max_tokens``
+may be 0 = prefill only); ``logprobs`` (INT32 [1], top count 0..20: each generated token's
+log-probability under the raw logits). ``scheduler_stats`` true alone: one response whose
+``text_output`` is the scheduler's JSON statistics (:meth:`TritonPythonModel.stats`).
 
 Responses: one per token, ``text_output`` [1] (the new text, see
 :class:`IncrementalDecoder`; text that may begin a stop string is held back
@@ -224,7 +229,7 @@ def special_tokens(folder):
 def render_chat(template, messages, special):
     """Render ``messages`` (list of {"role", "content"}) with a jinja chat template the way
     transformers does: sandboxed, trim_blocks/lstrip_blocks, ``raise_exception``, a ``tojson``
-    that keeps non-ASCII, ``add_generation_prompt`` true.
+    that keeps non-ASCII, ``{% generation %}`` blocks, ``add_generation_prompt`` true.
 
     Raises:
         ValueError: the template raised (``raise_exception``) or failed to render.
@@ -232,12 +237,29 @@ def render_chat(template, messages, special):
     import datetime
 
     import jinja2
+    import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise ValueError(f"chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's tokens
+        with it): renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
@@ -267,10 +289,28 @@ def parse_messages(value):
     return messages
 
 
-class Sequence:
-    """One request's generation state: tokens still to feed, its own KV, sampling and stop state."""
+def log_softmax(rows):
+    """float64 log-softmax over the last axis of ``rows`` [..., vocab]."""
+    x = np.asarray(rows, np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - (top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True)))
 
-    def __init__(self, request, sender, prompt, max_tokens, eos, sampling, stops, decoder):
+
+def top_logprobs(row, k):
+    """The ``k`` most likely [id, logprob] pairs of one log-softmax row, most likely first."""
+    if k <= 0:
+        return []
+    ids = np.argpartition(-row, k - 1)[:k]
+    ids = ids[np.argsort(-row[ids], kind="stable")]
+    return [[int(i), float(row[i])] for i in ids]
+
+
+class Sequence:
+    """One request's generation state: tokens still to feed, its own KV, sampling and stop state.
+    ``prompt_k`` / ``gen_k``: top counts of prompt / generated-token logprobs (None: not asked)."""
+
+    def __init__(self, request, sender, prompt, max_tokens, eos, sampling, stops, decoder,
+                 prompt_k=None, gen_k=None):
         self.request, self.sender, self.prompt = request, sender, prompt
         self.max_tokens, self.eos, self.sampling = max_tokens, eos, sampling
         self.stopper, self.decoder = StopStrings(stops), decoder
@@ -278,6 +318,27 @@ class Sequence:
         self.length = self.generated = 0  # tokens in the KV; tokens generated
         self.kv = None  # per past name: [kv_heads, capacity, head_dim], allocated on admission
         self.done = False
+        self.prompt_k, self.gen_k = prompt_k, gen_k
+        self.hide = []  # special-token texts cut from the text sent (the decoder keeps them)
+        self.prompt_lp = [None] if prompt_k is not None else None  # the first token has no logprob
+        self.prompt_top = [None] if prompt_k is not None else None
+
+    @property
+    def scoring(self):
+        """Prompt logprobs asked and not all computed yet."""
+        return self.prompt_k is not None and len(self.prompt_lp) < len(self.prompt)
+
+    def score(self, rows, start):
+        """Record the logprobs of the prompt tokens that logits ``rows`` [n, vocab] (positions
+        ``start``.. of the sequence) predict."""
+        lp = log_softmax(rows[:max(0, min(len(rows), len(self.prompt) - 1 - start))])
+        for j, row in enumerate(lp):
+            token = self.prompt[start + j + 1]
+            self.prompt_lp.append(float(row[token]))
+            self.prompt_top.append(top_logprobs(row, self.prompt_k))
+
+    def prompt_logprobs(self):
+        return {"ids": list(self.prompt), "logprobs": self.prompt_lp, "top": self.prompt_top}
 
     @property
     def capacity(self):
@@ -350,13 +411,13 @@ class InProcessCompute:
         if unknown:
             raise ValueError(f"{path}: outputs {unknown} are missing or not float32/float16/float64; the "
                              f"generation model needs {output_names}")
-        self.output_dtypes = [np.dtype(_ORT_TYPES[types[n]]) for n in output_names]
+        self.dtypes = {n: np.dtype(_ORT_TYPES[t]) for n, t in types.items() if t in _ORT_TYPES}
         self.local = threading.local()
 
-    def __call__(self, feeds):
-        """feeds {name: array} -> outputs in ``output_names`` order. Inputs are read and outputs
-        written in place (IOBinding on numpy buffers): no copy of the KV cache in or out.
-        Output shapes: logits [B, n, vocab], present [B, H, P + n, D] (from the feeds).
+    def __call__(self, feeds, names=None):
+        """feeds {name: array} -> outputs in ``names`` order (default ``output_names``). Inputs
+        are read and outputs written in place (IOBinding on numpy buffers): no copy of the KV cache
+        in or out. Output shapes: logits [B, n, vocab], present [B, H, P + n, D] (from the feeds).
 
         The outputs are views of this thread's :class:`OutputBuffers`: valid until this thread's
         call after next, so one call's present can be the next call's past (no copy, and no
@@ -371,7 +432,8 @@ class InProcessCompute:
         buffers = self._buffers()
         buffers.turn ^= 1
         outputs = []
-        for name, dtype in zip(self.output_names, self.output_dtypes):
+        for name in names or self.output_names:
+            dtype = self.dtypes[name]
             if name == "logits":
                 shape = (batch, n, self.vocab(feeds))
             elif name == "last_logits":
@@ -414,14 +476,15 @@ class BLSCompute:
         if hasattr(pb_utils, "PreferredMemory"):  # BLS outputs on CPU even from a GPU model
             self.memory = {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)}
 
-    def __call__(self, feeds):
+    def __call__(self, feeds, names=None):
+        names = list(names or self.output_names)
         response = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=list(self.output_names),
+            model_name=self.model_name, requested_output_names=names,
             inputs=[pb_utils.Tensor(n, np.ascontiguousarray(a)) for n, a in feeds.items()], **self.memory,
         ).exec()
         if response.has_error():
             raise RuntimeError(f"{self.model_name}: {response.error().message()}")
-        return [pb_utils.get_output_tensor_by_name(response, n).as_numpy() for n in self.output_names]
+        return [pb_utils.get_output_tensor_by_name(response, n).as_numpy() for n in names]
 
 
 class TritonPythonModel:
@@ -443,6 +506,8 @@ class TritonPythonModel:
         self.tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_template, self.special = load_chat_template(folder), special_tokens(folder)
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        self.special_texts = sorted({t.content for t in added if t.special}, key=len, reverse=True)
         self.logits_name = p.get("logits_output", "logits")  # last_logits [B, V] where the graph has it
         outputs = [self.logits_name, *self.present_names]
         self.runtime = p.get("compute_runtime", "bls")
@@ -560,14 +625,30 @@ class TritonPythonModel:
                         flags=FINAL)
             return None
         ids = self._prompt_ids(request)
-        max_tokens = self._max_tokens(request, len(ids))
+        prompt_k = self._top_count(request, "prompt_logprobs")
+        chat = pb_utils.get_input_tensor_by_name(request, "messages") is not None
+        max_tokens = self._max_tokens(request, len(ids), scoring=prompt_k is not None, chat=chat)
         if len(ids) + max_tokens > self.budget_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs "
                              f"{(len(ids) + max_tokens) * self.token_bytes / 2**20:.2f} MiB of KV cache; the whole "
                              f"budget (triton.kv_cache_budget_mib) holds {self.budget_tokens} tokens")
         eos = set() if self._one(request, "ignore_eos", "b", "boolean (BOOL [1])") else self.eos
-        return Sequence(request, sender, ids, max_tokens, eos, self._sampling(request), self._stop_strings(request),
-                        IncrementalDecoder(self.tokenizer))
+        stops = self._stop_strings(request)
+        # a stop string holding a special token ('<|im_end|>') is matched against the text with special
+        # tokens kept; the text sent still leaves them out
+        keep = [t for t in self.special_texts if any(t in stop for stop in stops)]
+        seq = Sequence(request, sender, ids, max_tokens, eos, self._sampling(request), stops,
+                       IncrementalDecoder(self.tokenizer, skip_special_tokens=not keep), prompt_k,
+                       self._top_count(request, "logprobs"))
+        seq.hide = self.special_texts if keep else []
+        return seq
+
+    def _top_count(self, request, name):
+        """``prompt_logprobs`` / ``logprobs``: the top count (0..20), or None when absent."""
+        value = self._one(request, name, "iu", "integer in [0, 20] (INT32 [1])")
+        if value is not None and not 0 <= value <= 20:
+            raise ValueError(f"{name} must be one integer in [0, 20] (the top count); got {value}")
+        return value
 
     def _one(self, request, name, kinds, spec, default=None):
         """The single value of input ``name`` (numpy dtype kind in ``kinds``), or ``default`` if absent."""
@@ -610,18 +691,26 @@ class TritonPythonModel:
             raise ValueError(f"{'messages' if messages is not None else 'text_input'} tokenizes to no tokens")
         return ids
 
-    def _max_tokens(self, request, prompt):
-        """``max_tokens`` (one integer >= 1), else ``default_max_tokens`` lowered to fit the context.
+    def _max_tokens(self, request, prompt, scoring=False, chat=False):
+        """``max_tokens`` (one integer >= 1; >= 0 when ``scoring`` the prompt), else
+        ``default_max_tokens`` lowered to fit the context (a ``chat`` request: the room left in
+        the context, as OpenAI's chat default).
 
         Raises:
             ValueError: a bad value, or prompt + max_tokens above ``max_context``.
         """
         limit = self.max_context
         value = self._one(request, "max_tokens", "iu", "integer >= 1 (INT32 [1])")
+        if scoring and value == 0:
+            if limit and prompt > limit:
+                raise ValueError(f"prompt has {prompt} tokens; the context limit is {limit} tokens")
+            return 0
         if value is None:
             if limit and prompt >= limit:
                 raise ValueError(f"prompt has {prompt} tokens; the context limit is {limit} tokens "
                                  "(prompt + max_tokens)")
+            if chat and limit:
+                return limit - prompt
             return min(self.default_max_tokens, limit - prompt) if limit else self.default_max_tokens
         if value < 1:
             tensor = pb_utils.get_input_tensor_by_name(request, "max_tokens")
@@ -782,20 +871,33 @@ class TritonPythonModel:
         else:
             feeds = self.feeds(seqs, n)
         self.thread_state.last_step = None
-        logits, *present = self.compute(feeds)
+        full = any(s.scoring for s in seqs)  # prompt logprobs: every position's logits
+        logits, *present = self.compute(feeds, ["logits", *self.present_names]) if full else self.compute(feeds)
         self.thread_state.last_step = (key, [s.length + n for s in seqs], feeds["attention_mask"], present)
         for b, seq in enumerate(seqs):
+            if seq.scoring:
+                seq.score(logits[b], seq.length)
             for kv, new in zip(seq.kv, present):
                 kv[:, seq.length:seq.length + n] = new[b, :, longest:longest + n]
             seq.length += n
             del seq.pending[:n]
         with self.stats_lock:
             self.histogram[len(seqs)] += 1
-        return logits if self.logits_name == "last_logits" else logits[:, -1]
+        return logits if self.logits_name == "last_logits" and not full else logits[:, -1]
 
     def _emit(self, seq, logits):
-        """Sample the next token, stream it, and end the sequence when it finishes."""
+        """Sample the next token, stream it, and end the sequence when it finishes (with
+        ``max_tokens`` 0: send the prompt's logprobs and end)."""
+        scores = {"prompt": seq.prompt_logprobs()} if seq.prompt_k is not None and not seq.generated else {}
+        if seq.max_tokens == 0:
+            finish = ("length", "max_tokens 0: the prompt was scored, nothing generated")
+            seq.sender.send(self._response("", None, finish, scores), flags=FINAL)
+            self._leave(seq)
+            return
         token = seq.sampling.pick(logits)
+        if seq.gen_k is not None:
+            row = log_softmax(logits)
+            scores["token"] = {"logprob": float(row[token]), "top": top_logprobs(row, seq.gen_k)}
         seq.generated += 1
         finish = self._finish(token, seq)
         text, hit = seq.stopper.add(seq.decoder.add(token))
@@ -804,12 +906,14 @@ class TritonPythonModel:
             text += tail if hit is not None else tail + seq.stopper.flush()
         if hit is not None:
             finish = ("stop", f"stop string {hit!r}")
+        for special in seq.hide:
+            text = text.replace(special, "")
         if finish:
-            seq.sender.send(self._response(text, token, finish), flags=FINAL)
+            seq.sender.send(self._response(text, token, finish, scores), flags=FINAL)
             self._leave(seq)
             return
         seq.pending = [token]
-        seq.sender.send(self._response(text, token), flags=0)
+        seq.sender.send(self._response(text, token, None, scores), flags=0)
 
     def _finish(self, token, seq):
         """(finish_reason, detail) once ``token`` ends the sequence, else None."""
@@ -849,9 +953,12 @@ class TritonPythonModel:
             self._log(f"{self.model_name}: could not send the final error ({error}): {e}")
         self._leave(seq)
 
-    def _response(self, text, token, finish=None):
-        """One token's response; ``finish`` = (finish_reason, detail) on the final one; token None: no ids."""
+    def _response(self, text, token, finish=None, scores=None):
+        """One token's response; ``finish`` = (finish_reason, detail) on the final one; token None: no ids;
+        ``scores``: the ``scores`` output's JSON object (none when empty)."""
         tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if scores:
+            tensors.append(pb_utils.Tensor("scores", np.array([json.dumps(scores).encode()], dtype=np.object_)))
         if token is not None:
             tensors.append(pb_utils.Tensor("token_ids", np.array([token], dtype=np.int64)))
         if finish:
