@@ -1,13 +1,15 @@
 """ONNX Runtime sessions: CUDA when present, CPU otherwise."""
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from pipeline.errors import ExportError
+from pipeline.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, ExportError, PipelineError
 
 
 def providers() -> list[str]:
@@ -155,3 +157,55 @@ def _large_model_optimizers(path: str) -> list[str]:
     from pipeline.onnx_io import PROTOBUF_LIMIT, files_on_disk_bytes
 
     return _LARGE_MODEL_DISABLED if files_on_disk_bytes(path) >= PROTOBUF_LIMIT else []
+
+
+# --- ONNX Runtime failures on real data ----------------------------------------------------------------
+
+_ORT_NODE = re.compile(r"running (\w+) node\. Name:'([^']*)'")
+
+
+def is_ort_error(exc: BaseException) -> bool:
+    """True for the exception types onnxruntime raises (Fail, InvalidArgument, RuntimeException, ...)."""
+    return type(exc).__module__.startswith("onnxruntime")
+
+
+class OrtRunError(PipelineError):
+    """ONNX Runtime raised while a later stage (calibration, validate, serve check) ran a graph.
+
+    The message names the stage, the graph, the node ONNX Runtime named (op type and name, when
+    it says) and every input's dtype and shape. Exit 2 when the graph is the user's model as
+    exported (``user_graph``: export verified it at its check points, but it fails on these
+    inputs); exit 3 when the pipeline made the graph (a quantized copy) or the feeds: our bug.
+    """
+
+    def __init__(self, err: BaseException, graph: str, feeds: Mapping[str, np.ndarray] | None, *,
+                 user_graph: bool, stage: str = ""):
+        text = " ".join(str(err).split())
+        found = _ORT_NODE.search(text)
+        self.node = (found.group(2), found.group(1)) if found else None  # (name, op type)
+        self.reason = text.split("Status Message:", 1)[-1].strip()[:400]
+        self.graph, self.user_graph, self.stage = graph, user_graph, stage
+        self.shapes = {n: f"{np.asarray(v).dtype} {list(np.shape(v))}" for n, v in (feeds or {}).items()}
+        self.exit_code = EXIT_BAD_INPUT if user_graph else EXIT_INTERNAL
+        super().__init__(text)
+
+    def __str__(self) -> str:
+        node = f" at node '{self.node[0]}' ({self.node[1]})" if self.node else " (ONNX Runtime named no node)"
+        shapes = ", ".join(f"{n} {s}" for n, s in self.shapes.items()) or "unknown"
+        why = ("export verified this graph at export.check_points, but it fails on these inputs: add a check "
+               "point of these shapes to reproduce it at export, and fix the model code behind that node"
+               if self.user_graph else "the pipeline made this graph or its inputs; this is a bug, please report it")
+        return (f"{self.stage or 'onnxruntime'}: ONNX Runtime failed running {self.graph}{node} on inputs "
+                f"{shapes}: {self.reason}. {why}")
+
+
+def run_checked(session, names, feeds: Mapping[str, np.ndarray], *, graph: str, user_graph: bool,
+                stage: str = "") -> list[np.ndarray]:
+    """``session.run(names, feeds)``, an ONNX Runtime error raised as :class:`OrtRunError`
+    (naming ``graph``, the node and the feeds' shapes; exit 2 when ``user_graph``, else 3)."""
+    try:
+        return session.run(names, feeds)
+    except Exception as e:
+        if not is_ort_error(e):
+            raise
+        raise OrtRunError(e, graph, feeds, user_graph=user_graph, stage=stage) from e

@@ -347,8 +347,11 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
             art = stage.fn(ctx, *(arts[d] for d in stage.deps))
             fault_point(f"stage:{stage.name}:end")
     except (Exception, KeyboardInterrupt) as e:
-        man["stages"][stage.name] = M.stage_record("failed", f"{type(e).__name__}: {e}", time.perf_counter() - start)
+        err = _named_ort_error(e, stage.name)
+        man["stages"][stage.name] = M.stage_record("failed", f"{type(err).__name__}: {err}", time.perf_counter() - start)
         M.write_run_outputs(man, ctx.run_dir)
+        if err is not e:
+            raise err from e
         raise
     status = getattr(art, "status", "ok")
     note = getattr(art, "reason", "") or getattr(art, "summary", "")
@@ -356,6 +359,18 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
     man["stages"][stage.name] = {**record, "cache_hit": False}
     _commit(ctx.run_dir / stage.name, key, art, record)
     return art
+
+
+def _named_ort_error(e: BaseException, stage: str) -> BaseException:
+    """An ONNX Runtime failure named by its stage: an :class:`OrtRunError` gets ``stage``; a bare
+    onnxruntime exception (a call site that does not say which graph) becomes one, exit 3."""
+    from pipeline.ort_sessions import OrtRunError, is_ort_error
+
+    if isinstance(e, OrtRunError):
+        e.stage = e.stage or stage
+    elif is_ort_error(e):
+        return OrtRunError(e, "a graph", None, user_graph=False, stage=stage)
+    return e
 
 
 def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:

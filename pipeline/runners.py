@@ -57,13 +57,16 @@ _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor
 
 
 class OrtRunner:
-    """An ONNX graph in ONNX Runtime (:func:`pipeline.ort_sessions.ort_session`)."""
+    """An ONNX graph in ONNX Runtime (:func:`pipeline.ort_sessions.ort_session`). ``user_graph``: the
+    graph is the user's model as exported (an ONNX Runtime error exits 2), not one the pipeline
+    made (exit 3; :class:`pipeline.ort_sessions.OrtRunError`)."""
 
-    def __init__(self, onnx_path: str | Path, name: str | None = None):
+    def __init__(self, onnx_path: str | Path, name: str | None = None, user_graph: bool = True):
         from pipeline.ort_sessions import ort_session
 
         self.session = ort_session(str(onnx_path))
         self.name = name or f"onnxruntime ({Path(onnx_path).name})"
+        self.graph, self.user_graph = str(onnx_path), user_graph
         self._inputs: list[TensorSpec] | None = None  # read on first use
 
     @property
@@ -82,9 +85,17 @@ class OrtRunner:
 
         Raises:
             RunnerError: an input is missing or unknown (names both lists).
+            OrtRunError: ONNX Runtime failed (names the node and the feeds' shapes).
         """
         check_feed_names(self.name, [s.name for s in self.inputs], feeds)
-        return dict(zip(self.output_names, self.session.run(None, feeds)))
+        return dict(zip(self.output_names, self.run_names(None, feeds)))
+
+    def run_names(self, names: Sequence[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """``session.run(names, feeds)`` with ONNX Runtime's errors as :class:`pipeline.ort_sessions.OrtRunError`."""
+        from pipeline.ort_sessions import run_checked
+
+        return run_checked(self.session, None if names is None else list(names), feeds,
+                           graph=f"{self.name} {self.graph}", user_graph=self.user_graph)
 
 
 def _dim(d: Any) -> int | str:
@@ -368,7 +379,7 @@ class SessionView:
 
     def run(self, names: Sequence[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if isinstance(self.runner, OrtRunner):
-            return self.runner.session.run(None if names is None else list(names), feeds)
+            return self.runner.run_names(names, feeds)
         out = self.runner.run(feeds)
         return list(out.values()) if names is None else [out[n] for n in names]
 

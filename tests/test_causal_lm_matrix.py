@@ -1,6 +1,7 @@
 """Causal LMs of many families end to end: tiny random models (2 layers, hidden 64, the SmolLM2
 tokenizer) built from their transformers configs, through export (check points with a
-left-padded row), FP8 and INT8 quantize, validate and triton."""
+left-padded row), FP8 and INT8 quantize, validate and triton; two of them (GPT-2's learned
+positions, Llama's rotary GQA) served by a real tritonserver."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +17,8 @@ from pipeline.runner import run_pipeline
 from tiny import CAUSAL_LMS, make_tiny_causal_lm, tiny_recipe
 
 ARCHS = sorted(CAUSAL_LMS)
+PRECISIONS = ("int8", "fp8")  # one run folder: fp8, the served one, is built last and stays
+SERVED = ("gpt2", "llama")  # learned absolute positions; rotary with grouped KV heads
 
 
 @pytest.fixture(scope="module")
@@ -63,28 +66,64 @@ def test_left_padding_and_a_past_give_the_unpadded_logits(arch, tiny_lms):
     np.testing.assert_allclose(after_pad[0][0].numpy(), after_alone[0][0].numpy(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def matrix_builds(tiny_lms, tmp_path_factory):
+    """``arch -> {precision: (recipe, RunResult)}``: each architecture built once per precision
+    (on first use) in its own workspace; the fp8 run's export is a cache hit of the int8 run's."""
+    built: dict[str, dict] = {}
+
+    def get(arch: str) -> dict:
+        if arch not in built:
+            ws, runs = tmp_path_factory.mktemp(f"build-{arch}"), {}
+            for precision in PRECISIONS:
+                path = tiny_recipe(ws, tiny_lms(arch), **{
+                    "quantize.precision": precision, "quantize.per_channel_weights": precision == "int8",
+                    "quantize.exclude.nodes": [], "validate.max_windows": 2,
+                    "export.check_points": [{"batch": 1, "sequence": 4, "past_sequence": 0},
+                                            {"batch": 3, "sequence": 2, "past_sequence": 5},
+                                            {"batch": 2, "sequence": 1, "past_sequence": 3}]})
+                recipe = load_recipe(path)
+                runs[precision] = (recipe, run_pipeline(recipe, path, quiet=True))
+            built[arch] = runs
+        return built[arch]
+
+    return get
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fp8_and_int8_builds_end_to_end(arch, tiny_lms, tmp_path):
-    model = tiny_lms(arch)
-    for precision in ("fp8", "int8"):  # the second run's export is a cache hit
-        path = tiny_recipe(tmp_path, model, **{
-            "quantize.precision": precision, "quantize.per_channel_weights": precision == "int8",
-            "quantize.exclude.nodes": [], "validate.max_windows": 2,
-            "export.check_points": [{"batch": 1, "sequence": 4, "past_sequence": 0},
-                                    {"batch": 3, "sequence": 2, "past_sequence": 5},
-                                    {"batch": 2, "sequence": 1, "past_sequence": 3}]})
-        result = run_pipeline(load_recipe(path), path, quiet=True)
+def test_fp8_and_int8_builds_end_to_end(arch, matrix_builds):
+    for precision, (recipe, result) in matrix_builds(arch).items():
         man = result.manifest
         assert result.passed and man["verdict"] == "pass", (precision, man["metrics"])
         assert {n: s["status"] for n, s in man["stages"].items()} == dict.fromkeys(
             ("export", "quantize", "build", "validate", "triton"), "ok") | {"build": man["stages"]["build"]["status"]}
         assert np.isfinite(man["metrics"]["relative_perplexity_increase"])
         assert result.artifacts["quantize"].quantized_nodes, precision
+    assert (Path(recipe.output_dir) / "smollm2_fp8" / "config.pbtxt").is_file()  # the last (fp8) run's
     checks = result.artifacts["export"].shape_checks
     # the three points given, plus the profile's minimum (batch 1, sequence 1, empty past)
     assert [c["point"] for c in checks][-1] == {"batch": 1, "sequence": 1, "past_sequence": 0, "total_sequence": 1}
     assert all(c["passed"] for c in checks) and "masked_row" in checks[1]
-    assert (tmp_path / "model_repository" / "smollm2_fp8" / "config.pbtxt").is_file()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("arch", SERVED)
+def test_served_greedy_tokens_equal_the_validate_stages(arch, matrix_builds, record_property):
+    """The fp8 build's repository on a real tritonserver: the streamed greedy tokens of every
+    validate prompt equal the validate stage's (compared up to the first EOS)."""
+    pytest.importorskip("pytriton")
+    from pipeline.serve.check import check_greedy
+    from pipeline.serve.run import launch, prepare_for_server
+
+    recipe, result = matrix_builds(arch)["fp8"]
+    served = prepare_for_server(recipe, result.artifacts)
+    with launch(served) as server:
+        checks = check_greedy(served, server.grpc_url)
+    verdicts = [f"{arch} prompt {c.index}: {c.verdict}" for c in checks]
+    record_property("greedy_checks", verdicts)
+    expected = result.artifacts["validate"].greedy_tokens
+    assert len(checks) == len(expected["prompt_ids"]) == 2, verdicts
+    assert all(c.ok and c.streamed == c.expected and c.streamed for c in checks), "\n".join(verdicts)
 
 
 def test_a_state_space_model_is_refused_with_exit_2_naming_the_missing_cache():

