@@ -53,7 +53,7 @@ def text_batches(exp, data, cal, feeds_for_ids: Callable[[object, np.ndarray], d
     Raises:
         DataError: ``data`` does not hold documents.
     """
-    from pipeline import data as text_data
+    from pipeline import text_data
 
     docs = text_data.documents(data)
     tok = text_data.load_tokenizer(exp.tokenizer_dir)
