@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import plan as P
+from pipeline.plan import capacity as P
 from pipeline.artifacts import to_jsonable
 from pipeline.context import Progress, StageContext
 from pipeline.errors import PipelineError
