@@ -142,8 +142,9 @@ def test_a_cls_pooled_minilm_copy_exports_cls_without_normalize(tmp_path):
     (folder / "modules.json").write_text(json.dumps([m for m in modules if not m["type"].endswith("Normalize")]))
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 384, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    points = [{"batch": 1, "sequence": 2}, {"batch": 3, "sequence": 9}, {"batch": 4, "sequence": 40}]
     recipe = load_recipe(RECIPE, _overrides(tmp_path, **{"model.source": {"path": str(folder)},
-                                                         "export.check_points": [{"batch": 3, "sequence": 9}]}))
+                                                         "export.check_points": points}))
     exp = run_pipeline(recipe, RECIPE, quiet=True, only=["export"]).artifacts["export"]
     got = assert_equals_sentence_transformers(folder, exp.onnx_path, exp.tokenizer_dir)
     assert not np.allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-3)  # no Normalize module: not L2-normalised
