@@ -1,7 +1,10 @@
 """lm-evaluation-harness against the served model (issue 22, section 1): its ``local-completions``
 model scores a multiple-choice task through ``/v1/completions`` (echo + logprobs), its
 ``local-chat-completions`` model runs a ``generate_until`` task through ``/v1/chat/completions``.
-Task YAMLs and data are written here (no hub). The served SmolLM2 is the session's fp8-llm run."""
+Task YAMLs and data are written here (no hub). SmolLM2 (the session's fp8-llm run, minutes) must
+score above chance on the Lee next-sentence task and match the validated graph in process; the
+tiny LM (seconds) checks lm-eval's parsing value by value and the chat path; a stand-in server
+without prompt logprobs shows the above-chance check fails at chance."""
 from __future__ import annotations
 
 import json
