@@ -65,7 +65,8 @@ def write_mc_task(folder: Path, docs: list[dict]) -> Path:
         f"task: {MC_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{context}}\"\n"
         "doc_to_choice: choices\ndoc_to_target: gold\ntarget_delimiter: \" \"\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
     return folder
 
 
