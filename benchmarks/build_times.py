@@ -1,10 +1,18 @@
-"""Cold build, then warm no-change rebuild, of one recipe, side by side; then
-the quantize stage's memory on a Llama over 2 GiB.
+"""Cold build, then warm no-change rebuild, of one recipe, side by side; each
+stage's peak memory against the model's FP32 weight bytes; then the quantize
+stage's memory on a Llama over 2 GiB.
 
 Prints each stage's wall time (s) and peak RSS (MiB) from the cold run's
 manifest, the whole-process wall time and peak RSS of both runs, and their
 ratio. Each run is a fresh `python -m pipeline build` process with its own
 empty work and output folders, so nothing is shared with earlier builds.
+
+The memory table runs export, quantize with calibration (the pin ignored, as
+`tune` does: calibration, SmoothQuant statistics and the accuracy-budget
+search), and validate each in a fresh process of its own (the earlier stages
+come from the stage cache), so no stage inherits another's heap. Each stage's
+peak RSS is set against the FP32 weight bytes (the exported graph's files) and
+the aim of issue 24: peak RSS <= 3 x weight bytes + 0.5 GiB.
 
 Then (unless ``--skip-large``) a random-weight Llama a little over 2 GiB in
 FP32 (one layer, tied 49152 x 11008 embedding, built with transformers into a
@@ -41,6 +49,53 @@ def build(recipe: str, ws: Path) -> tuple[float, int, dict]:
     man = json.loads((ws / "artifacts" / name / "manifest.json").read_text())
     # ru_maxrss of children is the max over all children so far: report it only when it grew.
     return wall, max(peak_kib, before) // 1024 if peak_kib > before else -1, man
+
+
+#: one fresh process per stage: (label, Python run in it with ``recipe`` loaded)
+_STAGE_DRIVERS = [
+    ("export", "run_pipeline(recipe, path, quiet=True, only=['export'])"),
+    ("quantize (calibrated)", "run_tune(recipe, path, quiet=True)"),
+    ("quantize (pinned)", "run_pipeline(recipe, path, quiet=True, only=['quantize'])"),
+    ("validate", "run_pipeline(recipe, path, quiet=True, only=['validate'])"),
+]
+
+
+def _stage_process(recipe: str, ws: Path, call: str) -> None:
+    code = ("import sys; from pathlib import Path; from pipeline.recipe_load import load_recipe; "
+            "from pipeline.runner import run_pipeline, run_tune; path = Path(sys.argv[1]); "
+            "recipe = load_recipe(path, {'work_dir': sys.argv[2], 'output_dir': sys.argv[3]}); " + call)
+    proc = subprocess.run([sys.executable, "-c", code, recipe, str(ws / "artifacts"), str(ws / "model_repository")],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{call} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def stage_memory(recipe: str, ws: Path, only: list[str] | None = None) -> list[tuple[str, float, float]]:
+    """(stage, peak RSS MiB, wall s) of export, quantize calibrated (the pin ignored) and
+    pinned, and validate (of the pinned model), each in a fresh process (earlier stages
+    from the stage cache)."""
+    rows = []
+    run_dir = ws / "artifacts" / Path(recipe).stem
+    for label, call in _STAGE_DRIVERS:
+        if only and label not in only:
+            continue
+        _stage_process(recipe, ws, call)
+        rec = json.loads((run_dir / label.split()[0] / "stage.json").read_text())["record"]
+        rows.append((label, float(rec.get("peak_rss_mib") or 0), float(rec["wall_s"])))
+    return rows
+
+
+def memory_table(name: str, rows: list[tuple[str, float, float]], weight_bytes: int) -> str:
+    """Each stage's peak RSS over the FP32 weight bytes, against 3 x weights + 0.5 GiB."""
+    aim = 3 * weight_bytes + 0.5 * 2**30
+    lines = [f"{name}: FP32 weights {weight_bytes / 2**30:.2f} GiB; aim: peak RSS <= 3 x weights + 0.5 GiB "
+             f"= {aim / 2**30:.2f} GiB",
+             f"{'stage':<22} {'wall (s)':>9} {'peak RSS (GiB)':>15} {'RSS / weights':>14} {'aim':>7}"]
+    for label, mib, wall in rows:
+        rss = mib * 2**20
+        lines.append(f"{label:<22} {wall:>9.1f} {rss / 2**30:>15.2f} {rss / weight_bytes:>13.1f}x "
+                     f"{'met' if rss <= aim else 'MISSED':>7}")
+    return "\n".join(lines)
 
 
 def make_large_llama(folder: Path) -> int:
@@ -87,9 +142,13 @@ def large_recipe(ws: Path, model_dir: Path) -> Path:
 
 def fp32_bytes(man: dict) -> int:
     """Bytes of the exported FP32 graph and its data files."""
+    return files_bytes(man["artifacts"]["export"]["onnx_path"])
+
+
+def files_bytes(onnx_path: str | Path) -> int:
     from pipeline.onnx_io import files_on_disk_bytes
 
-    return files_on_disk_bytes(man["artifacts"]["export"]["onnx_path"])
+    return files_on_disk_bytes(onnx_path)
 
 
 def quantize_line(label: str, man: dict, fp32: int) -> str:
@@ -114,8 +173,22 @@ def main() -> None:
     ap.add_argument("--recipe", default="recipes/fp8-llm.yaml")
     ap.add_argument("--skip-large", action="store_true", help="do not build the > 2 GiB model (~5 GB of disk)")
     ap.add_argument("--only-large", action="store_true", help="build only the > 2 GiB model")
+    ap.add_argument("--only-memory", action="store_true",
+                    help="only the per-stage memory table (no cold/warm build, no large model)")
+    ap.add_argument("--memory-workspace", type=Path,
+                    help="keep the memory table's work folder here (a second run reuses its cached stages)")
+    ap.add_argument("--memory-stages", type=lambda v: v.split(","),
+                    help="comma-separated rows of the memory table to run (default: all): "
+                         + ", ".join(label for label, _ in _STAGE_DRIVERS))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="trtpipe-bench-mem-") as tmp:
+        ws = args.memory_workspace or Path(tmp)
+        rows = stage_memory(args.recipe, ws, args.memory_stages)
+        weights = files_bytes(ws / "artifacts" / Path(args.recipe).stem / "export" / "model.onnx")
+    print(memory_table(Path(args.recipe).stem, rows, weights) + "\n")
+    if args.only_memory:
+        return
     if args.only_large:
         large, _ = large_model_run()
         print(quantize_line("large-llm", large, large["fp32_bytes"]))
