@@ -133,6 +133,12 @@ def _untagged(loc: tuple) -> tuple:
                          and i + 1 < len(loc)))
 
 
+def _field(model: type[BaseModel], key: str):
+    """The field of ``model`` that the recipe key ``key`` sets: by its alias (``validate`` is
+    the field ``validate_``) or, without one, by its name; None when there is none."""
+    return next((f for name, f in model.model_fields.items() if (f.alias or name) == key), None)
+
+
 def _model_at(loc: tuple) -> type[BaseModel] | None:
     """The pydantic model that holds the key at ``loc`` (a validation error's location), or None
     where the path goes through something other than plain nested models and lists."""
@@ -140,7 +146,7 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     for part in loc[:-1]:
         if isinstance(part, int):
             continue  # a list item: its model is the list's item type, resolved below
-        field = model.model_fields.get(part)
+        field = _field(model, part)
         if field is None:
             return None
         target = field.annotation

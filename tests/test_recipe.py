@@ -38,6 +38,8 @@ def test_shipped_recipe_is_valid():
          "mean 'method'? valid keys here: batch_size, data, method, min_samples, percentile, samples, seq_len"),
         (lambda d: d["build"]["profiles"][0].update(dimz={}), "build.profiles.0.dimz: unknown key; did you mean 'dims'?"),
         (lambda d: d.update(validat={}), "validat: unknown key; did you mean 'validate'? valid keys here: build,"),
+        (lambda d: d["validate"].update(max_window=8), "validate.max_window: unknown key; did you mean "
+         "'max_windows'? valid keys here: "),
         (lambda d: d["quantize"]["calibration"].update(method="minmax"), "quantize.calibration.method"),
         (lambda d: d["export"].update(opset="nineteen"), "export.opset"),
         (lambda d: d["build"]["profiles"][0]["dims"]["batch"].update(min=9), "need min <= opt <= max"),
@@ -58,6 +60,13 @@ def test_bad_recipe_names_file_and_key(tmp_path, mutate, expect):
     with pytest.raises(RecipeError) as err:
         load_recipe(path)
     assert str(path) in str(err.value) and expect in str(err.value)
+
+
+def test_unknown_key_set_under_an_aliased_section_gets_the_closest_key():
+    with pytest.raises(RecipeError) as err:
+        load_recipe(RECIPE, {"validate.max_window": 8})
+    assert ("validate.max_window: unknown key; did you mean 'max_windows'? valid keys here: " in str(err.value)
+            and "[from --set validate.max_window]" in str(err.value))
 
 
 def test_override_by_dotted_path():
