@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from pipeline.recipe_kinds import PAST_DIM, facts
+from pipeline.recipe_kinds import PAST_DIM, facts, source_problem
 from pipeline.recipe_problems import ConstraintErrors, Loc, Problem, dotted  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ GENERATION_METRICS = frozenset({"token_agreement", "prompts_identical", "mean_co
 def constraint_problems(r: Recipe) -> list[Problem]:
     """Every cross-section problem of ``r``, in recipe order (empty when consistent)."""
     return [
+        *_source_problems(r),
         *_export_problems(r),
         *_check_point_problems(r),
         *_profile_problems(r),
@@ -38,6 +39,12 @@ def constraint_problems(r: Recipe) -> list[Problem]:
         *_triton_problems(r),
         *_target_problems(r),
     ]
+
+
+def _source_problems(r: Recipe) -> list[Problem]:
+    """The kind takes the source's form (``generic``: entry or onnx, not a Hugging Face folder)."""
+    problem = source_problem(r.model.kind, r.model.source.tag, r.model.source.describe())
+    return [(("model", "source"), problem)] if problem else []
 
 
 def _batch_dim(r: Recipe) -> str:

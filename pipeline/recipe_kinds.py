@@ -26,6 +26,9 @@ class KindFacts:
     text_data: bool
     #: served behind a tokenizer model and an ensemble that batch requests (max_batch_size >= 1)
     batching_front: bool
+    #: the ``model.source`` keys (``pipeline.model_source.SOURCE_KEYS``) the kind takes, with what
+    #: each is, for the error; None: any (its adapter checks the files)
+    sources: dict[str, str] | None = None
 
 
 #: model.kind -> its facts; the keys are :data:`pipeline.recipe.ModelKind`'s values.
@@ -35,8 +38,24 @@ KINDS: dict[str, KindFacts] = {
     "sentence-embedding": KindFacts(("input_ids", "attention_mask", "token_type_ids"), kv_cache=False,
                                     text_data=True, batching_front=True),
     "image-classification": KindFacts(None, kv_cache=False, text_data=False, batching_front=False),
-    "generic": KindFacts(None, kv_cache=False, text_data=False, batching_front=False),
+    "generic": KindFacts(None, kv_cache=False, text_data=False, batching_front=False,
+                         sources={"entry": "entry: ./my_model.py:make_model (returning (nn.Module, example inputs))",
+                                  "onnx": "onnx: ./model.onnx"}),
 }
+
+#: What a Hugging Face folder or a package's model is, for a kind that refuses one.
+HF_HINT = ("a Hugging Face folder is kind: text-generation (a causal LM; template recipes/fp8-llm.yaml) or "
+           "kind: sentence-embedding (an encoder; template recipes/int8-encoder.yaml)")
+
+
+def source_problem(kind: str, tag: str, described: str) -> str | None:
+    """Why ``kind`` cannot take a ``model.source`` of key ``tag`` (``described``: the source's
+    ``describe()``), or None when it can."""
+    allowed = facts(kind).sources
+    if allowed is None or tag in allowed:
+        return None
+    hint = f"; {HF_HINT}" if tag in ("path", "package") else ""
+    return f"a {kind} model comes from {' or '.join(allowed.values())}; got {described}{hint}"
 
 
 def facts(kind: str) -> KindFacts:

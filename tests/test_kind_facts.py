@@ -41,3 +41,11 @@ def test_text_rows_name_the_adapters_graph_inputs():
 def test_an_unknown_kind_is_a_clear_bug():
     with pytest.raises(KeyError, match=r"model kind 'causal-lm' has no row .*rows: \['generic', "):
         recipe_kinds.facts("causal-lm")
+
+
+def test_generic_row_takes_the_sources_its_adapter_takes():
+    from pipeline.model_source import EntrySource, OnnxSource
+
+    assert set(recipe_kinds.facts("generic").sources) == {EntrySource.tag, OnnxSource.tag}
+    assert recipe_kinds.source_problem("generic", "entry", "entry x.py:f") is None
+    assert all(recipe_kinds.facts(k).sources is None for k in recipe_kinds.KINDS if k != "generic")

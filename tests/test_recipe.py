@@ -259,3 +259,18 @@ def test_unquoted_container_tag_read_as_a_float_says_to_quote_it(tmp_path):
            "as the number 24.1: quote it, e.g. '24.10'" in str(err.value)
     with pytest.raises(RecipeError, match=r"quote it as written, e\.g\. '24\.10'"):
         load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"triton.serving": {"container": 24.1, "gpu": "H100"}})
+
+
+def test_a_generic_recipe_with_a_hugging_face_folder_names_file_line_and_the_kinds(tmp_path):
+    example = ROOT / "examples" / "custom-model" / "recipe.yaml"
+    text = example.read_text()
+    assert "source: {entry: ./model.py:make_model}" in text
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text.replace("source: {entry: ./model.py:make_model}", "source: {path: ./hf-folder}"))
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "source:" in t)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert (f"{path}:{line}: model.source: a generic model comes from entry: ./my_model.py:make_model "
+            "(returning (nn.Module, example inputs)) or onnx: ./model.onnx; got path ./hf-folder; a Hugging Face "
+            "folder is kind: text-generation") in str(err.value)
+    assert "kind: sentence-embedding" in str(err.value)

@@ -33,6 +33,7 @@ from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 import pipeline.models.generic.feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
 from pipeline.model_source import EntrySource, OnnxSource, check_entry_axes, external_data_files
+from pipeline.recipe_kinds import source_problem
 
 NO_TORCH = ("model.source is an ONNX graph exported elsewhere: ONNX Runtime FP32 is the reference and no torch "
             "comparison was made; the export checks only prove the graph runs at every check point")
@@ -48,9 +49,8 @@ class GenericAdapter(OnnxRuntimeRunners, SourceFiles):
     def __init__(self, model_section):
         source = getattr(model_section, "source", None)
         if model_section is not None and not isinstance(source, (EntrySource, OnnxSource)):  # None: unbound
-            raise RecipeError("model.source: a generic model comes from entry: ./my_model.py:make_model "
-                              f"(returning (nn.Module, example inputs)) or onnx: ./model.onnx; got "
-                              f"{source.describe() if source is not None else 'none'}")
+            problem = source_problem(self.kind, source.tag, source.describe()) if source is not None else "none given"
+            raise RecipeError(f"model.source: {problem}")  # the loader refuses this first, with file:line
         self.source = source
         self.example: dict[str, np.ndarray] = {}
         #: a note for the report: what the FP32 reference is and what was not compared.
