@@ -52,8 +52,7 @@ _TEXT_GENERATION = frozenset({
     "mean_common_prefix_tokens",  # greedy tokens before the first difference, mean over prompts
     "perplexity_fp32",  # the reference itself (a floor on the eval data)
     # against FP32 per scored token, as llama.cpp's --kl-divergence (pipeline/metrics/llm_quality.py)
-    "perplexity_ratio", "perplexity_ratio_stderr",  # PPL(cand) / PPL(fp32) and its standard error
-    "kld_mean_stderr", "top1_agreement_stderr",  # bootstrap standard errors (pipeline/metrics/llm_quality.py)
+    "perplexity_ratio",  # PPL(cand) / PPL(fp32)
     "kld_mean", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max",  # KL(fp32 || cand), nats
     "top1_agreement",  # teacher-forced: same argmax at each scored position, fraction
     "delta_p_rms", "delta_p_p01", "delta_p_p99",  # p_cand - p_fp32 of the correct token
@@ -96,7 +95,10 @@ SPEEDUP_MARGIN = 0.10
 #: gate metric -> allowed shortfall below a ``min`` bound (timing noise)
 NOISE_MARGINS = {"speedup_vs_fp32": SPEEDUP_MARGIN}
 
-#: Model kind -> the metric names its validate stage writes that a gate may name.
+#: Model kind -> the metric names its validate stage writes that a gate may name. A standard
+#: error (``<metric>_stderr``) is not one: it measures the eval, not the model; a gate's
+#: ``statistic`` uses it. ``perplexity_fp32`` (the reference on the eval data) and
+#: ``prompts_identical`` (a count, with validate.generation) are: a floor on the data, a min.
 #: Old kind names are kept so a recipe is checked the same before and after the rename.
 #: (To be replaced by each kind's adapter declaring its metrics; see :func:`kind_metrics`.)
 METRICS: dict[str, frozenset[str]] = {
@@ -136,8 +138,11 @@ def problems(gates: Sequence[Gate], kind: str, at: Loc) -> list[tuple[Loc, str]]
     seen: dict[str, int] = {}
     for i, gate in enumerate(gates):
         if gate.metric not in valid:
+            base = gate.metric.removesuffix(STDERR_SUFFIX)
+            hint = (f"; it is the standard error of {base}: gate {base} with statistic: evidence_of_regression "
+                    "or evidence_of_meeting" if base != gate.metric and base in STDERR_METRICS.get(kind, ()) else "")
             out.append(((*at, i, "metric"), f"{gate.metric!r} is not a metric of a {kind} model; "
-                        f"valid: {sorted(valid)}"))
+                        f"valid: {sorted(valid)}{hint}"))
         if gate.statistic != "point" and gate.metric in valid and gate.metric not in STDERR_METRICS.get(kind, ()):
             out.append(((*at, i, "statistic"), f"{gate.statistic} needs a standard error, and {gate.metric!r} has "
                         f"none; use statistic: point, or a metric with one: {sorted(STDERR_METRICS.get(kind, ()))}"))

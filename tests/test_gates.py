@@ -82,6 +82,15 @@ def test_problems_name_the_gate_index_and_the_valid_metrics():
     assert gates.problems(listed[:1], "speech", ("validate", "gates")) and not gates.problems([], "speech", ("x",))
 
 
+def test_a_standard_error_is_no_gate_metric_and_points_to_its_metric():
+    assert not any(m.endswith(gates.STDERR_SUFFIX) for kind in gates.METRICS for m in gates.kind_metrics(kind))
+    (problem,) = gates.problems([Gate(metric="kld_mean_stderr", max=0.001)], "text-generation", ("validate", "gates"))
+    assert problem[0] == ("validate", "gates", 0, "metric")
+    assert problem[1].endswith("; it is the standard error of kld_mean: gate kld_mean with statistic: "
+                               "evidence_of_regression or evidence_of_meeting")
+    assert "'kld_mean_stderr'" not in problem[1].split("valid:")[1]
+
+
 def test_check_refuses_a_metric_the_kind_does_not_produce(tmp_path, capsys):
     path = _write(tmp_path, ENCODER, lambda d: d["validate"]["gates"].append({"metric": "top1_agreement", "min": 0.9}))
     assert main(["check", path]) == 2
