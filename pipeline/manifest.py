@@ -194,7 +194,7 @@ def tuning_lines(tuning: dict | None, quantize: dict) -> list[str]:
                     "no calibration or search ran)."]
     what = "calibration and the accuracy-budget search" if quantize.get("accuracy_budget") else "calibration"
     return ["", f"Tuning: {what} ran on this machine ({tuning['reason']}); CPU kernels can move its result "
-                "in the last bits: `make tune` pins it."]
+                "in the last bits: `python -m pipeline tune <recipe>` pins it."]
 
 
 def add_report_section(run_dir: Path, title: str, markdown: str) -> None:

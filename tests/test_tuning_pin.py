@@ -160,6 +160,7 @@ def test_locked_refuses_a_stale_pin_naming_the_input(tuned, capsys):
     assert main(["build", str(path), "--locked", "--quiet", *stale]) == 2
     err = capsys.readouterr().err
     assert "--locked" in err and "stale" in err and "the quantize section changed" in err
+    assert f"(python -m pipeline tune {path} re-tunes)" in " ".join(err.split())
     assert main(["build", str(path), "--locked", "--quiet", "--set", "quantize.tuning.max_trials=7"]) == 0
 
 
@@ -173,6 +174,19 @@ def test_locked_refuses_a_missing_pin(tuned, capsys):
     assert main(["build", str(other), "--locked", "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (ws / "artifacts" / "tiny-other" / "quantize" / "model.onnx").exists()
+
+
+def test_a_missing_pin_names_the_tune_command_for_the_recipe_path_as_given(tmp_path):
+    from pipeline.recipe_load import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "fp8-llm.yaml")
+    found = pin.lookup(recipe, Path("myproj/my-gpt2.yaml"), {})
+    assert found.pinned is None
+    assert found.reason == "myproj/tuned/fp8-llm.json does not exist (python -m pipeline tune myproj/my-gpt2.yaml writes it)"
+    (tmp_path / "tuned").mkdir()
+    (tmp_path / "tuned" / "fp8-llm.json").write_text("[]")
+    with pytest.raises(Exception, match=rf"re-create it with python -m pipeline tune {tmp_path}/r.yaml"):
+        pin.lookup(recipe, tmp_path / "r.yaml", {})
 
 
 def test_a_pin_that_is_not_json_is_bad_input(tmp_path):

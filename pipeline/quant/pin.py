@@ -1,6 +1,6 @@
 """Pinned tuning results: the calibration and accuracy-budget outcome as a lock file (issue 18 §1).
 
-``python -m pipeline tune recipes/<r>.yaml`` (``make tune RECIPE=<r>``) calibrates, runs the
+``python -m pipeline tune recipes/<r>.yaml`` (``make tune RECIPE=<r>`` for this checkout's recipes) calibrates, runs the
 sensitivity pass and the budget search, and writes ``recipes/tuned/<r>.json`` beside the recipe
 (outside the ``recipes/*.yaml`` glob). ``build`` then uses that file when it matches, and runs
 neither calibration nor the search: the graph it quantizes is the same on every runner, whatever
@@ -42,6 +42,12 @@ CANDIDATE = "tuned.json"
 def pin_path(recipe_path: str | Path, name: str) -> Path:
     """``<recipe folder>/tuned/<recipe name>.json``."""
     return Path(recipe_path).parent / "tuned" / f"{name}.json"
+
+
+def tune_command(recipe_path: str | Path) -> str:
+    """The command that (re-)writes the pin of the recipe at ``recipe_path`` (as the user gave it):
+    ``make tune RECIPE=<r>`` works only for ``recipes/<r>.yaml`` of this checkout, this one for any."""
+    return f"python -m pipeline tune {recipe_path}"
 
 
 def _digest(data) -> str:
@@ -107,12 +113,12 @@ def lookup(recipe, recipe_path: str | Path, inputs: dict, *, ignore: bool = Fals
     if ignore:
         return PinLookup(path, fields, reason="`tune` runs calibration and the search anew")
     if not path.is_file():
-        return PinLookup(path, fields, reason=f"{path} does not exist (make tune RECIPE={recipe.name} writes it)")
-    pin = read(path)
+        return PinLookup(path, fields, reason=f"{path} does not exist ({tune_command(recipe_path)} writes it)")
+    pin = read(path, retune=tune_command(recipe_path))
     changed = [k for k in sorted(set(fields) | set(pin["match"])) if pin["match"].get(k) != fields.get(k)]
     if changed:
         return PinLookup(path, fields, reason=f"{path} is stale: {', '.join(_what(k) for k in changed)} changed "
-                                              f"since it was tuned (make tune RECIPE={recipe.name} re-tunes)")
+                                              f"since it was tuned ({tune_command(recipe_path)} re-tunes)")
     return PinLookup(path, fields, pinned=pin)
 
 
@@ -124,8 +130,8 @@ def _what(key: str) -> str:
     return _WHAT.get(key, key)
 
 
-def read(path: Path) -> dict:
-    """A pin file's content.
+def read(path: Path, retune: str = "python -m pipeline tune <recipe>") -> dict:
+    """A pin file's content; ``retune``: the command the errors give (:func:`tune_command`).
 
     Raises:
         RecipeError: not JSON, or a key is missing (names the file and the key).
@@ -133,10 +139,10 @@ def read(path: Path) -> dict:
     try:
         pin = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise RecipeError(f"{path}: not a readable pinned tuning result ({e}); re-create it with make tune") from None
+        raise RecipeError(f"{path}: not a readable pinned tuning result ({e}); re-create it with {retune}") from None
     for k in ("format", "match", "excluded", "amax"):
         if not isinstance(pin, dict) or k not in pin:
-            raise RecipeError(f"{path}: pinned tuning result has no {k!r}; re-create it with make tune")
+            raise RecipeError(f"{path}: pinned tuning result has no {k!r}; re-create it with {retune}")
     return pin
 
 

@@ -75,8 +75,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         extra = {"smoothquant": smooth_info} if smooth_info else {}
     acts = sorted({t.act for t in kept})
     if pinned is not None:
-        amax = _pinned_amax(pinned, acts, ctx.pin.path)
-        kept = _pinned_kept(model, kept, pinned, ctx.pin.path)
+        amax = _pinned_amax(pinned, acts, ctx.pin.path, pin.tune_command(ctx.recipe_path))
+        kept = _pinned_kept(model, kept, pinned, ctx.pin.path, pin.tune_command(ctx.recipe_path))
         extra["tuning"] = {"source": pin.PINNED, "file": str(ctx.pin.path), "metrics": pinned.get("metrics", {}),
                            "excluded": len(pinned["excluded"])}
         ctx.progress.print(f"  quantize: {ctx.pin.describe()} ({len(pinned['excluded'])} GEMMs in high precision; "
@@ -107,7 +107,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     return _save(art, model, src)
 
 
-def _pinned_amax(pinned: dict, acts: list[str], path: Path) -> dict[str, float]:
+def _pinned_amax(pinned: dict, acts: list[str], path: Path, retune: str) -> dict[str, float]:
     """The pinned amax of ``acts``.
 
     Raises:
@@ -116,18 +116,19 @@ def _pinned_amax(pinned: dict, acts: list[str], path: Path) -> dict[str, float]:
     missing = [a for a in acts if a not in pinned["amax"]]
     if missing:
         raise QuantizationError(f"{path}: no pinned amax for {missing[:3]} ({len(missing)} tensors); the graph "
-                                "changed since it was tuned: re-tune (make tune), or bump pin.SEARCH_VERSION")
+                                f"changed since it was tuned: re-tune ({retune}), or bump pin.SEARCH_VERSION")
     return {a: float(pinned["amax"][a]) for a in acts}
 
 
-def _pinned_kept(model: onnx.ModelProto, kept: list[qdq.Target], pinned: dict, path: Path) -> list[qdq.Target]:
+def _pinned_kept(model: onnx.ModelProto, kept: list[qdq.Target], pinned: dict, path: Path,
+                 retune: str) -> list[qdq.Target]:
     """``kept`` without the pin's high-precision scopes, matched exactly as ``quantize.exclude.nodes``."""
     if not pinned["excluded"]:
         return kept
     try:
         return qdq.apply_exclusions(model, kept, ExcludeConfig(nodes=pinned["excluded"]))[0]
     except QuantizationError as e:
-        raise QuantizationError(f"{path}: {e}; re-tune (make tune)") from None
+        raise QuantizationError(f"{path}: {e}; re-tune ({retune})") from None
 
 
 def _write_candidate(ctx: StageContext, amax: dict[str, float], chan: dict, found) -> None:
