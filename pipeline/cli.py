@@ -222,8 +222,13 @@ def _add_recipe_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--quiet", action="store_true", help="no build progress output")
 
 
+def _plain(text: str) -> str:
+    """``text`` without reStructuredText's inline-literal double backticks (for ``--help``)."""
+    return text.replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline", description=_plain(__doc__.splitlines()[0]))
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, help_, positional in COMMANDS:
         sp = sub.add_parser(name, help=help_)

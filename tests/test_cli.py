@@ -143,3 +143,10 @@ def test_make_serve_and_bench_pass_args_through(target):
     done = subprocess.run(["make", "-n", target, "RECIPE=int8-llm", f"ARGS={args}", f"VENV={sys.prefix}"], cwd=ROOT,
                           capture_output=True, text=True, check=True)
     assert done.stdout.splitlines()[-1] == f"{sys.prefix}/bin/python -m pipeline {target} recipes/int8-llm.yaml {args}"
+
+
+def test_help_is_plain_text(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out
+    assert "Command line: python -m pipeline build recipes/fp8-llm.yaml." in out
