@@ -13,6 +13,19 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: venv build tune check test docs typecheck bench bench-build serve publish deploy plan verify clean
 
+# A recipe target with a RECIPE that is not recipes/$(RECIPE).yaml stops here, before any install,
+# naming the recipes there. (A recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml.)
+RECIPES := $(sort $(basename $(notdir $(wildcard recipes/*.yaml))))
+ifneq ($(filter build tune check serve bench bench-build publish deploy plan,$(MAKECMDGOALS)),)
+ifeq ($(wildcard recipes/$(RECIPE).yaml),)
+$(error recipes/$(RECIPE).yaml not found; RECIPE is one of: $(RECIPES) (a recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml))
+endif
+endif
+
+# On a failure GNU make prints the pipeline's exit code (`make: *** [Makefile:NN: build] Error 1`) and
+# itself exits 2, whatever failed: a CI job that needs the code (1 gate, 2 input, 3 bug, 4 environment)
+# calls the CLI, `.venv/bin/python -m pipeline build recipes/<r>.yaml` (docs/integrity-and-exit-codes.md).
+
 venv: $(STAMP)
 
 # What building needs: the package, its runtime dependencies and the shipped model weights.

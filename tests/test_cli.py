@@ -145,6 +145,20 @@ def test_make_serve_and_bench_pass_args_through(target):
     assert done.stdout.splitlines()[-1] == f"{sys.prefix}/bin/python -m pipeline {target} recipes/int8-llm.yaml {args}"
 
 
+def test_make_with_an_unknown_recipe_names_the_recipes():
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    done = subprocess.run(["make", "-n", "build", "RECIPE=nope", f"VENV={sys.prefix}"], cwd=ROOT,
+                          capture_output=True, text=True)
+    names = " ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")))
+    assert done.returncode == 2 and not done.stdout
+    assert f"recipes/nope.yaml not found; RECIPE is one of: {names} (a recipe elsewhere: " in done.stderr
+
+
 def test_help_is_plain_text(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
