@@ -227,7 +227,9 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
     """
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(f"{path}: recipe file not found")
+        near = sorted(p.name for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        raise RecipeError(f"{path}: recipe file not found" + (f"; recipes in {path.parent}/: {', '.join(near)}"
+                                                              if near else ""))
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:

@@ -77,6 +77,10 @@ def test_override_by_dotted_path():
 def test_missing_file_and_non_mapping(tmp_path):
     with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")
+    (tmp_path / "b.yaml").write_text("x: 1\n")
+    (tmp_path / "a.yaml").write_text("x: 1\n")
+    with pytest.raises(RecipeError, match=rf"nope.yaml: recipe file not found; recipes in {tmp_path}/: a.yaml, b.yaml$"):
+        load_recipe(tmp_path / "nope.yaml")
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(RecipeError, match="mapping"):
         load_recipe(tmp_path / "list.yaml")
