@@ -17,8 +17,9 @@ PAST_DIM = "past_sequence"
 class KindFacts:
     """What the recipe checks may assume about a model kind's graph and data."""
 
-    #: the graph's inputs besides the KV cache, each rank 2 ``[batch, sequence]``; None: the
-    #: model's own inputs (read from the graph at export, nothing to check beforehand)
+    #: the inputs the graph may have besides the KV cache, each rank 2 ``[batch, sequence]`` (the
+    #: model's forward decides which, at export: e.g. no ``token_type_ids`` for DistilBERT); None:
+    #: the model's own inputs (read from the graph at export, nothing to check beforehand)
     graph_inputs: tuple[str, ...] | None
     #: the graph also takes ``past_key_values.N.key/value`` ``[batch, H, past_sequence, D]``
     kv_cache: bool

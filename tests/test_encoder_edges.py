@@ -10,7 +10,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantiz
 
 from pipeline.export_checks import export_module
 from pipeline.models.sentence_embedding.metrics import index_arithmetic_nodes
-from pipeline.models.sentence_embedding.model import INPUTS, PooledEncoder, random_feeds
+from pipeline.models.sentence_embedding.model import PooledEncoder, random_feeds
 from pipeline.ort_sessions import ort_session
 
 
@@ -31,8 +31,10 @@ def mpnet_graph(tmp_path_factory):
                       num_attention_heads=4, max_position_embeddings=130)
     module = PooledEncoder(MPNetModel(cfg, add_pooling_layer=False).eval()).eval()
     out = tmp_path_factory.mktemp("mpnet") / "model.onnx"
-    export_module(module, random_feeds(1100, batch=2, sequence=7), {n: {0: "batch", 1: "sequence"} for n in INPUTS},
-                  out, opset=19, output_names=["embeddings"])
+    names = module.input_names  # MPNet's forward takes no token_type_ids
+    assert names == ("input_ids", "attention_mask")
+    export_module(module, random_feeds(1100, batch=2, sequence=7, names=names),
+                  {n: {0: "batch", 1: "sequence"} for n in names}, out, opset=19, output_names=["embeddings"])
     return out
 
 
@@ -43,8 +45,9 @@ def test_bucket_arithmetic_is_found_and_kept_fp32(mpnet_graph, tmp_path):
     ops = {n.name: n.op_type for n in onnx.load(str(mpnet_graph)).graph.node}
     assert {"Log", "Div", "Cast"} <= {ops[n] for n in excluded}
     assert "MatMul" not in {ops[n] for n in excluded}  # the GEMMs are still quantized
-    calib = [random_feeds(1100, batch=4, sequence=32, seed=s) for s in range(2)]
-    long = random_feeds(1100, batch=2, sequence=24, seed=9)  # distances past the exact buckets
+    names = [i.name for i in onnx.load(str(mpnet_graph)).graph.input]
+    calib = [random_feeds(1100, batch=4, sequence=32, seed=s, names=names) for s in range(2)]
+    long = random_feeds(1100, batch=2, sequence=24, seed=9, names=names)  # distances past the exact buckets
     naive, kept = tmp_path / "naive.onnx", tmp_path / "kept.onnx"
     quantize_static(str(mpnet_graph), str(naive), _Reader(calib), quant_format=QuantFormat.QDQ)
     with pytest.raises(Exception, match="Gather"):  # what validate crashed on before

@@ -4,6 +4,7 @@ as text -> tokenizer model -> compute model (an ensemble)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -15,7 +16,8 @@ from pipeline.errors import ExportError
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
 from pipeline.model_source import package_file
-from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, PooledEncoder, load_encoder, random_feeds, read_pooling
+from pipeline.models.sentence_embedding.model import (INPUTS, OUTPUT, PooledEncoder, load_encoder, only, random_feeds,
+                                                       read_pooling)
 from pipeline.recipe import ModelSource
 
 log = logging.getLogger(__name__)
@@ -24,8 +26,10 @@ log = logging.getLogger(__name__)
 class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
     """A pooled sentence encoder (``model.kind: sentence-embedding``).
 
-    One instance serves one run: :meth:`load` records the vocabulary size that
-    :meth:`export` reads; everything after export reads the stage artifacts.
+    One instance serves one run: :meth:`load` records the vocabulary size and the model's
+    inputs (:func:`~pipeline.models.sentence_embedding.model.model_inputs`) that
+    :meth:`export` and :meth:`dynamic_axes` read; everything after export reads the stage
+    artifacts (the graph's inputs: ``ExportArtifact.inputs``).
     """
 
     kind: ClassVar[str] = "sentence-embedding"
@@ -36,11 +40,12 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
     def __init__(self, source: ModelSource | None):
         self.source = source
         self.vocab: int | None = None
+        self.inputs: tuple[str, ...] = INPUTS  # until load: every input the kind may have
 
     def load(self, ctx) -> LoadedModel:
         """The FP32 encoder wrapped as :class:`PooledEncoder` with the folder's pooling
         (:func:`read_pooling`, logged), its tokenizer and the export example (batch 2,
-        sequence 7; row 1 padded).
+        sequence 7; row 1 padded) for the inputs its forward takes.
 
         Raises:
             ModelFileError: the package or folder is missing.
@@ -51,21 +56,26 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
             pooling = read_pooling(package_file(self.source))
         log.info("export: %s", pooling.note)
         self.vocab = int(model.config.vocab_size)
-        return LoadedModel(PooledEncoder(model, pooling).eval(), tok, random_feeds(self.vocab, batch=2, sequence=7),
-                           INPUTS, (OUTPUT,))
+        module = PooledEncoder(model, pooling).eval()
+        self.inputs = module.input_names
+        log.info("export: graph inputs %s (%s.forward)", list(self.inputs), type(model).__name__)
+        return LoadedModel(module, tok, random_feeds(self.vocab, batch=2, sequence=7, names=self.inputs),
+                           self.inputs, (OUTPUT,))
 
     def graph_io(self, loaded: LoadedModel, export_cfg) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        """Inputs int64 ``[batch, sequence]`` (:data:`INPUTS`), output ``embeddings`` float32
-        ``[batch, H]`` (``H`` is not known before export: -1)."""
+        """Inputs int64 ``[batch, sequence]`` (:attr:`inputs`, the model's), output ``embeddings``
+        float32 ``[batch, H]`` (``H`` is not known before export: -1)."""
         axes = self.dynamic_axes(export_cfg)
-        ins = [TensorSpec(n, "int64", [axes[n].get(a, -1) for a in range(2)]) for n in INPUTS]
+        ins = [TensorSpec(n, "int64", [axes[n].get(a, -1) for a in range(2)]) for n in self.inputs]
         return ins, [TensorSpec(OUTPUT, "float32", [ins[0].shape[0], -1])]
 
     def dynamic_axes(self, export_cfg) -> dict[str, dict[int, str]]:
-        """The recipe's axes; inputs it leaves out get the axes of ``input_ids``.
+        """The recipe's axes for the model's inputs (:attr:`inputs`); inputs it leaves out get
+        the axes of ``input_ids``. Axes of a kind input the model does not take (a recipe's
+        ``token_type_ids`` for DistilBERT) are left out, and logged.
 
         Raises:
-            ExportError: ``export.dynamic_axes`` names no ``input_ids``, or an input the model lacks.
+            ExportError: ``export.dynamic_axes`` names no ``input_ids``, or an input no encoder has.
         """
         axes = {k: dict(v) for k, v in export_cfg.dynamic_axes.items()}
         if "input_ids" not in axes:
@@ -73,9 +83,10 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
         unknown = sorted(set(axes) - set(INPUTS))
         if unknown:
             raise ExportError(f"export.dynamic_axes: the encoder has no input(s) {unknown}; inputs are {list(INPUTS)}")
-        for name in INPUTS:
-            axes.setdefault(name, dict(axes["input_ids"]))
-        return axes
+        unused = sorted(set(axes) - set(self.inputs))
+        if unused:
+            log.info("export.dynamic_axes: %s not used: the model's forward takes no such input", unused)
+        return {n: axes.get(n, dict(axes["input_ids"])) for n in self.inputs}
 
     def export(self, module: PooledEncoder, export_cfg, out: Path) -> None:
         """torch.onnx.export(dynamo=True), dims named as in the recipe, output ``embeddings``.
@@ -89,21 +100,22 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
         def dim(name: str):
             return dims.setdefault(name, torch.export.Dim(name, min=1, max=8192))
 
-        shapes = {n: {a: dim(d) for a, d in axes[n].items()} for n in INPUTS}
+        names = module.input_names
+        shapes = tuple({a: dim(d) for a, d in axes[n].items()} for n in names)  # positional, as args
         # Example sizes above 1 and distinct, so the exporter specialises nothing.
-        feeds = random_feeds(self.vocab, batch=2, sequence=7)
-        args = tuple(torch.from_numpy(feeds[n]) for n in INPUTS)
+        feeds = random_feeds(self.vocab, batch=2, sequence=7, names=names)
+        args = tuple(torch.from_numpy(feeds[n]) for n in names)
         try:
             torch.onnx.export(
                 module, args, str(out), dynamo=True, dynamic_shapes=shapes,
-                input_names=list(INPUTS), output_names=[OUTPUT],
+                input_names=list(names), output_names=[OUTPUT],
                 opset_version=export_cfg.opset, external_data=False, verbose=False,
             )
         except Exception as e:  # the exporter raises many types; keep its text
             raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
 
     def sample_feeds(self, module, inputs, point: dict[str, int], seed: int) -> dict[str, np.ndarray]:
-        """Random feeds at ``point`` (needs dims ``batch`` and ``sequence``).
+        """Random feeds at ``point`` (needs dims ``batch`` and ``sequence``) for the graph's ``inputs``.
 
         Raises:
             ExportError: the point lacks ``batch`` or ``sequence``.
@@ -112,16 +124,17 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
         if missing:
             raise ExportError(f"export.check_points: point {point} lacks {sorted(missing)}")
         vocab = int(module.model.config.vocab_size)
-        return random_feeds(vocab, point["batch"], point["sequence"], seed)
+        return random_feeds(vocab, point["batch"], point["sequence"], seed, names=[s.name for s in inputs])
 
     def torch_outputs(self, module: PooledEncoder, feeds: dict[str, np.ndarray]):
         """``(embeddings,)``: float32 ``[B, H]``."""
-        return (module(*(torch.from_numpy(feeds[n]) for n in INPUTS)),)
+        return (module(*(torch.from_numpy(feeds[n]) for n in module.input_names)),)
 
     def calibration_feeds(self, exp, data, cal) -> list[dict[str, np.ndarray]]:
         """Batches of ``cal.samples`` token windows int64 ``[<=cal.batch_size, cal.seq_len]`` of
-        the documents of ``data``: mask all ones, token types all zeros."""
-        return text_batches(exp, data, cal, lambda _exp, ids: window_feeds(ids))
+        the documents of ``data`` for the graph's inputs (``exp.inputs``): mask all ones, token
+        types (where the graph has them) all zeros."""
+        return text_batches(exp, data, cal, lambda _exp, ids: window_feeds(ids, [s.name for s in exp.inputs]))
 
     def metrics(self, ctx, exp, q, engine=None) -> tuple[dict, dict]:
         """:func:`pipeline.models.sentence_embedding.metrics.encoder_metrics` of
@@ -159,9 +172,9 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
                              f"{len(sentences)} held-out sentences (validate's)")
 
 
-def window_feeds(ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Feeds for token windows int64 ``[B, S]``: mask all ones, token types all zeros."""
+def window_feeds(ids: np.ndarray, names: Sequence[str] = INPUTS) -> dict[str, np.ndarray]:
+    """Feeds of the inputs ``names`` for token windows int64 ``[B, S]``: mask all ones, token types all zeros."""
     ids = ids.astype(np.int64)
-    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    return only({"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}, names)
 
 

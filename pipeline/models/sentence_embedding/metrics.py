@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
@@ -15,27 +16,28 @@ from onnxruntime.quantization import CalibrationDataReader
 from pipeline import runners
 from pipeline.errors import AccuracyError
 from pipeline.models.base import ENGINE_PREFIX
-from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT
+from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, only
 
 WORD_SETS = ("wordsim353", "simlex999")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
 
 
-def tokenize(tok, texts: list[str], max_len: int) -> dict[str, np.ndarray]:
+def tokenize(tok, texts: list[str], max_len: int, names: Sequence[str] = INPUTS) -> dict[str, np.ndarray]:
     """Tokenizer feeds (with [CLS]/[SEP], padded to the longest, truncated at ``max_len``).
 
-    Returns int64 ``[len(texts), S]`` arrays for every name in ``INPUTS``.
+    Returns int64 ``[len(texts), S]`` arrays for the graph inputs ``names`` (of ``INPUTS``).
     """
     enc = tok(texts, padding=True, truncation=True, max_length=max_len, return_tensors="np")
     ids = enc["input_ids"].astype(np.int64)
     types = enc.get("token_type_ids")
-    return {"input_ids": ids, "attention_mask": enc["attention_mask"].astype(np.int64),
-            "token_type_ids": np.zeros_like(ids) if types is None else types.astype(np.int64)}
+    return only({"input_ids": ids, "attention_mask": enc["attention_mask"].astype(np.int64),
+                 "token_type_ids": np.zeros_like(ids) if types is None else types.astype(np.int64)}, names)
 
 
-def embed(sess, tok, texts: list[str], batch: int, max_len: int) -> np.ndarray:
-    """Embeddings of ``texts`` from an ORT session: float32 ``[len(texts), H]``."""
-    out = [sess.run([OUTPUT], tokenize(tok, texts[i : i + batch], max_len))[0] for i in range(0, len(texts), batch)]
+def embed(sess, tok, texts: list[str], batch: int, max_len: int, names: Sequence[str] = INPUTS) -> np.ndarray:
+    """Embeddings of ``texts`` from an ORT session with inputs ``names``: float32 ``[len(texts), H]``."""
+    out = [sess.run([OUTPUT], tokenize(tok, texts[i : i + batch], max_len, names))[0]
+           for i in range(0, len(texts), batch)]
     return np.concatenate(out, axis=0)
 
 
@@ -58,9 +60,9 @@ def held_out_sentences(docs: list[str], limit: int, min_chars: int = 20) -> list
     return out
 
 
-def word_vectors(sess, tok, words: list[str], batch: int) -> dict[str, np.ndarray]:
+def word_vectors(sess, tok, words: list[str], batch: int, names: Sequence[str] = INPUTS) -> dict[str, np.ndarray]:
     """Embedding (float32 ``[H]``) of each word, embedded alone as ``[CLS] word [SEP]``."""
-    vecs = embed(sess, tok, words, batch, max_len=32)
+    vecs = embed(sess, tok, words, batch, 32, names)
     return dict(zip(words, vecs))
 
 
@@ -80,23 +82,26 @@ def pair_spearman(vectors: dict[str, np.ndarray], pairs: list[tuple[str, str]], 
     return float(spearmanr(cos, human).statistic) if np.isfinite(cos).all() else math.nan
 
 
-def _one_model(sess, tok, sets: dict, sentences: list[str], batch: int, max_len: int) -> tuple[dict, np.ndarray]:
+def _one_model(sess, tok, sets: dict, sentences: list[str], batch: int, max_len: int,
+               names: Sequence[str]) -> tuple[dict, np.ndarray]:
     """Spearman and pair cosines (``cosines_<set>``) per word set and the count of
     non-finite embedding rows (words and sentences) for one session; also the
     sentence embeddings, float32 ``[N, H]``."""
     words = sorted({w for pairs, _ in sets.values() for p in pairs for w in p})
-    vecs = word_vectors(sess, tok, words, batch)
+    vecs = word_vectors(sess, tok, words, batch, names)
     res: dict = {f"spearman_{n}": pair_spearman(vecs, pairs, human) for n, (pairs, human) in sets.items()}
     res.update({f"cosines_{n}": pair_cosines(vecs, pairs) for n, (pairs, _) in sets.items()})
     res["human_scores"] = {n: np.asarray(human, np.float64) for n, (_, human) in sets.items()}
-    emb = embed(sess, tok, sentences, batch, max_len)
+    emb = embed(sess, tok, sentences, batch, max_len, names)
     bad_words = int((~np.isfinite(np.stack(list(vecs.values())))).any(1).sum())
     res["nonfinite_rows"] = bad_words + int((~np.isfinite(emb)).any(1).sum())
     return res, emb
 
 
-def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, max_len: int) -> dict[str, dict]:
-    """Per label of ``sessions`` (the first is the FP32 reference): Spearman per word set,
+def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, max_len: int,
+                       names: Sequence[str] = INPUTS) -> dict[str, dict]:
+    """Per label of ``sessions`` (the first is the FP32 reference; all with the graph inputs
+    ``names``): Spearman per word set,
     non-finite row count and, for the others, mean / min cosine to the reference on
     ``sentences`` (a non-finite row counts as cosine -1).
 
@@ -113,7 +118,7 @@ def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, ma
     out: dict[str, dict] = {}
     ref = None
     for label, sess in sessions.items():
-        res, emb = _one_model(sess, tok, sets, sentences, batch, max_len)
+        res, emb = _one_model(sess, tok, sets, sentences, batch, max_len, names)
         if ref is None:
             if res["nonfinite_rows"]:
                 raise AccuracyError(f"validate: the FP32 reference produced {res['nonfinite_rows']} non-finite embeddings")
@@ -309,18 +314,19 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
     v = ctx.recipe.validate_
     tok = text_data.load_tokenizer(exp.tokenizer_dir)
     sentences = validate_sentences(v)
+    names = [s.name for s in exp.inputs]  # the graph's inputs, as exported
     reference = reference or runners.OrtRunner(exp.onnx_path)
     candidate = candidate or runners.OrtRunner(q.onnx_path, user_graph=not q.quantized_nodes)
     sessions = {"reference": runners.SessionView(reference), "candidate": runners.SessionView(candidate)}
     if q.precision in ("int8", "fp8"):
         sessions["naive_ort"] = runners.SessionView(runners.OrtRunner(naive_ort_model(ctx, exp, q), user_graph=False))
     with ctx.progress.step(f"validate: word similarity + cosine ({len(sessions)} models)"):
-        res = similarity_metrics(sessions, tok, sentences, v.batch_size, v.seq_len)
+        res = similarity_metrics(sessions, tok, sentences, v.batch_size, v.seq_len, names)
     out = _flatten(res, q.precision, len(sentences))
     if engine is not None:
         models = {"reference": sessions["reference"], "candidate": runners.SessionView(engine)}
         with ctx.progress.step("validate: word similarity + cosine (engine)"):
-            res = similarity_metrics(models, tok, sentences, v.batch_size, v.seq_len)
+            res = similarity_metrics(models, tok, sentences, v.batch_size, v.seq_len, names)
         flat = _flatten(res, q.precision, len(sentences))
         basis = flat.pop("stderr_basis")
         out.update({f"{ENGINE_PREFIX}{k}": val for k, val in flat.items() if not k.endswith("_fp32")})

@@ -3,7 +3,9 @@ pooled export wrapper and random feeds.
 
 Graph I/O (``H`` hidden size, 384 for MiniLM-L6):
 
-* ``input_ids``, ``attention_mask``, ``token_type_ids``: int64 ``[batch, sequence]``
+* ``input_ids``, ``attention_mask`` and, where the model's forward takes it (BERT; not
+  DistilBERT or ModernBERT), ``token_type_ids``: int64 ``[batch, sequence]``
+  (:func:`model_inputs` decides)
 * output ``embeddings``: float32 ``[batch, k * H]``: the last hidden states pooled over the
   positions where ``attention_mask`` is 1 as the folder's sentence-transformers modules say
   (``modules.json``, ``1_Pooling/config.json``; ``k`` pooling modes concatenated, usually 1),
@@ -13,6 +15,7 @@ Graph I/O (``H`` hidden size, 384 for MiniLM-L6):
 """
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,8 +28,27 @@ from pipeline.errors import ExportError
 from pipeline.model_source import package_file
 from pipeline.recipe import ModelSource
 
+#: every input an encoder graph of this kind may have, in graph order (:func:`model_inputs`).
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 OUTPUT = "embeddings"
+
+
+def model_inputs(model) -> tuple[str, ...]:
+    """The graph inputs of a transformers encoder: the names of :data:`INPUTS` that are named
+    parameters of ``model.forward``, in :data:`INPUTS` order (``token_type_ids`` only where the
+    forward takes it). The one place the input names are decided; later stages read the
+    export artifact's input specs.
+
+    Raises:
+        ExportError: the forward takes no ``input_ids`` or no ``attention_mask``.
+    """
+    params = inspect.signature(model.forward).parameters
+    names = tuple(n for n in INPUTS if n in params)
+    missing = [n for n in INPUTS[:2] if n not in names]
+    if missing:
+        raise ExportError(f"{type(model).__name__}.forward takes no {missing}; a sentence-embedding "
+                          f"encoder needs input_ids and attention_mask (its parameters: {list(params)})")
+    return names
 
 
 def load_encoder(source: ModelSource):
@@ -244,29 +266,32 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling,
 
 
 class PooledEncoder(torch.nn.Module):
-    """``(input_ids, attention_mask, token_type_ids) -> embeddings`` float32 ``[B, k * H]``:
+    """``(input_ids, attention_mask[, token_type_ids]) -> embeddings`` float32 ``[B, k * H]``:
     ``last_hidden_state`` pooled by :func:`pool` with ``pooling`` (default: mean + L2) and its
-    Dense modules (:func:`load_dense`).
+    Dense modules (:func:`load_dense`). ``input_names``: the inputs it takes, positionally
+    (:func:`model_inputs` of ``model``).
 
     Raises:
-        ExportError: a Dense module does not load (:func:`load_dense`).
+        ExportError: a Dense module does not load (:func:`load_dense`), or the model's forward
+            lacks input_ids / attention_mask (:func:`model_inputs`).
     """
 
     def __init__(self, model, pooling: Pooling = Pooling()):
         super().__init__()
         self.model, self.pooling = model, pooling
+        self.input_names = model_inputs(model)
         self.dense = torch.nn.ModuleList(load_dense(d) for d in pooling.dense)
 
-    def forward(self, input_ids, attention_mask, token_type_ids):
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
-        ).last_hidden_state
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
         return pool(hidden, attention_mask, self.pooling, self.dense)
 
 
-def random_feeds(vocab: int, batch: int, sequence: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random valid int64 ``[batch, sequence]`` feeds; row ``i`` has ``i`` trailing pad positions
-    (at most ``sequence - 1``), so the masked pooling is exercised."""
+def random_feeds(vocab: int, batch: int, sequence: int, seed: int = 0,
+                 names: Sequence[str] = INPUTS) -> dict[str, np.ndarray]:
+    """Random valid int64 ``[batch, sequence]`` feeds for the inputs ``names``; row ``i`` has
+    ``i`` trailing pad positions (at most ``sequence - 1``), so the masked pooling is exercised."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(1000, vocab, (batch, sequence), dtype=np.int64)
     mask = np.ones((batch, sequence), np.int64)
@@ -275,6 +300,11 @@ def random_feeds(vocab: int, batch: int, sequence: int, seed: int = 0) -> dict[s
         if pad:
             mask[i, -pad:] = 0
             ids[i, -pad:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+    return only({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}, names)
+
+
+def only(feeds: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """``feeds`` restricted to the graph inputs ``names`` (a subset of :data:`INPUTS`), in that order."""
+    return {n: feeds[n] for n in names}
 
 

@@ -6,8 +6,9 @@ next to the encoder's tokenizer files (``tokenizer.json`` is loaded with the
 export's tokenizer). Config parameters: ``max_length`` (longer sentences are
 truncated), ``pad_id`` and ``pad_to_multiple_of``.
 
-Per request: ``text`` [rows, 1] (UTF-8 strings) -> each configured output
-(``input_ids``, ``attention_mask``, ``token_type_ids``) int64 [rows, length],
+Per request: ``text`` [rows, 1] (UTF-8 strings) -> each configured output (the
+encoder graph's inputs: ``input_ids``, ``attention_mask`` and, where the graph has
+it, ``token_type_ids``) int64 [rows, length],
 where ``length`` is the request's longest row rounded up to a multiple of
 ``pad_to_multiple_of`` (pad positions: ``pad_id``, mask 0, type 0). Equal
 lengths across requests are what lets the compute model's dynamic batcher
