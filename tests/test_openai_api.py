@@ -621,3 +621,34 @@ def test_model_and_health_routes(stack):
     assert err.value.body["code"] == "model_not_found"
     health = httpx.get(stack.open.url.removesuffix("/v1") + "/health", timeout=60)
     assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}
+
+
+def test_a_client_gone_from_a_fast_non_streamed_generation_is_noticed():
+    """Pieces that come faster than the poll interval still let the endpoint ask whether the
+    client is there (a non-streamed request has no failed write to tell it): the generation
+    stops and its Triton request is closed, long before the last piece."""
+    import asyncio
+
+    from pipeline.serve.openai_api import ApiError, _until_disconnect
+
+    state = {"sent": 0, "closed": False}
+
+    async def pieces():
+        try:
+            for _ in range(1000):
+                await asyncio.sleep(0.001)
+                state["sent"] += 1
+                yield "x"
+        finally:
+            state["closed"] = True
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    async def consume():
+        return [p async for p in _until_disconnect(Gone(), pieces(), poll_s=0.02)]
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(consume())
+    assert e.value.status == 499 and state["closed"] and state["sent"] < 1000

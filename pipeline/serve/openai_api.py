@@ -728,16 +728,22 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 async def _until_disconnect(request, pieces: AsyncIterator[str], poll_s: float = 0.5) -> AsyncIterator[str]:
-    """``pieces``, stopped (and the Triton request cancelled) once the HTTP client has gone."""
+    """``pieces``, stopped (and the Triton request cancelled) once the HTTP client has gone. The
+    client is asked at least every ``poll_s`` seconds, whether pieces come faster or slower than that."""
+    checked = time.monotonic()
     while True:
         task = asyncio.ensure_future(pieces.__anext__())
-        while not task.done():
+        while True:
             await asyncio.wait({task}, timeout=poll_s)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await pieces.aclose()
-                raise ApiError(499, "client disconnected")
+            if not task.done() or time.monotonic() - checked >= poll_s:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await pieces.aclose()
+                    raise ApiError(499, "client disconnected")
+            if task.done():
+                break
         try:
             yield task.result()
         except StopAsyncIteration:
