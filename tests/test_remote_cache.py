@@ -19,7 +19,7 @@ from conftest import MOTO_BUCKET
 from pipeline.context import Progress, StageContext
 from pipeline.errors import EXIT_BAD_INPUT, PipelineError
 from pipeline.recipe_load import load_recipe
-from pipeline.remote.cache import ENV, RemoteCache
+from pipeline.remote.cache import ENV, FORMAT, RemoteCache
 from pipeline.remote.s3 import S3Location
 from pipeline.runner import run_pipeline
 from pipeline.triton.publish import read_index, tree_hashes, verify_repository
@@ -191,3 +191,32 @@ def test_the_cache_url_comes_from_the_option_or_the_environment(monkeypatch):
     with pytest.raises(PipelineError, match=r"--cache '/tmp/cache': expected s3://bucket/prefix") as e:
         RemoteCache.from_url("/tmp/cache")
     assert e.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_a_bucket_that_refuses_the_upload_is_a_warned_failed_push_not_a_crash(runner_a, tmp_path):
+    _, _, recipe = runner_a
+    remote = RemoteCache(S3Location.parse(f"s3://no-such-bucket/{PREFIX}"))
+    ctx, stage_json = stage_context(tmp_path / "x", b"an engine", recipe)
+    assert remote.push(ctx, "1" * 64, stage_json) == "failed"
+    assert len(remote.warnings) == 1 and "push failed" in remote.warnings[0]
+    assert "the stage stays in the local cache only" in remote.warnings[0]
+
+
+def test_an_entry_of_the_wrong_shape_is_a_miss_with_a_warning(runner_a, tmp_path):
+    """A triton entry whose repository index is not a mapping of mappings (another runner's bad
+    data) is a miss with a warning, not an internal error."""
+    import boto3
+
+    _, _, recipe = runner_a
+    ctx, _ = stage_context(tmp_path / "w", b"", recipe)
+    ctx = StageContext(ctx.recipe.model_copy(update={"output_dir": str(tmp_path / "w" / "repo")}), ctx.recipe_path,
+                       ctx.run_dir, "triton", Progress(quiet=True))
+    key = "2" * 64
+    bad = {"format": FORMAT, "stage": "triton", "key": key, "artifact": {}, "record": {"status": "ok"},
+           "files": {}, "models": {}, "index": {"tiny_fp8": "garbage"}}
+    boto3.client("s3").put_object(Bucket=MOTO_BUCKET, Key=f"{PREFIX}/stages/triton/{key}.json",
+                                  Body=json.dumps(bad).encode())
+    remote = cache()
+    assert remote.pull(ctx, key) is None
+    assert len(remote.warnings) == 1 and "AttributeError" in remote.warnings[0]
+    assert "treated as a miss, the stage runs here" in remote.warnings[0]

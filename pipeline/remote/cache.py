@@ -106,9 +106,9 @@ class RemoteCache:
         """Place the files of stage ``ctx.stage``'s entry for ``key`` and return its
         ``{"artifact", "record"}`` with this runner's paths; None on a miss (no entry, or a
         bad one: warned). Never raises for storage, network or content problems."""
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
-        entry: dict | None = None
         try:
             entry = self._entry(ctx.stage, key)
             if entry is None:
@@ -116,14 +116,18 @@ class RemoteCache:
             problem = _entry_problem(entry, ctx.stage, key)
             if problem is None:
                 problem = self._place(ctx, entry)
-        except (BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError, KeyError, TypeError) as e:
+            if problem is None:
+                places = _places(ctx)
+                found = {"artifact": _expand(entry["artifact"], places), "record": _expand(entry["record"], places)}
+        # an entry is another runner's data: whatever shape it has, a bad one is a miss
+        except (Boto3Error, BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError, KeyError, TypeError,
+                AttributeError) as e:
             problem = f"pull failed ({type(e).__name__}: {e})"
-        if problem or entry is None:
+        if problem:
             self._warn(ctx, f"{problem}; treated as a miss, the stage runs here")
             return None
         self.pulled.append(ctx.stage)
-        places = _places(ctx)
-        return {"artifact": _expand(entry["artifact"], places), "record": _expand(entry["record"], places)}
+        return found
 
     def _entry(self, stage: str, key: str) -> dict | None:
         from pipeline.remote.s3 import read_object
@@ -199,6 +203,7 @@ class RemoteCache:
         """Upload stage ``ctx.stage``'s files and its entry for ``key``, unless an entry
         exists (the first writer wins). Returns ``"pushed"``, ``"present"`` or
         ``"failed"`` (warned). Never raises for storage or network problems."""
+        from boto3.exceptions import Boto3Error  # S3UploadFailedError: a bucket that refuses the upload
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -212,7 +217,7 @@ class RemoteCache:
             for sha256, path in blobs.items():
                 self._upload_blob(path, sha256)
             won = self._put_entry(ctx.stage, key, entry)
-        except (BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError) as e:
+        except (Boto3Error, BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError) as e:
             self._warn(ctx, f"push failed ({type(e).__name__}: {e}); the stage stays in the local cache only")
             return "failed"
         (self.pushed if won else self.present).append(ctx.stage)
