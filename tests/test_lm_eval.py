@@ -219,7 +219,7 @@ def test_lm_eval_multiple_choice_through_local_completions(smollm2, tmp_path, re
     server, endpoint, context, artifacts, folder = smollm2
     tasks = write_mc_task(tmp_path / "tasks", lee_next_sentence(QUESTIONS))
     args = {"model": server_model(endpoint), "base_url": endpoint.url + "/completions", "tokenizer": str(folder),
-            "max_length": context, "num_concurrent": 2, "max_retries": 1, "timeout": 600}
+            "max_length": context - 1, "num_concurrent": 2, "max_retries": 1, "timeout": 600}
     out = evaluate("local-completions", args, MC_TASK, tasks)
     result = out["results"][MC_TASK]
     acc, stderr = result["acc,none"], result["acc_stderr,none"]
