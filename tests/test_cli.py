@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import yaml
@@ -134,26 +135,33 @@ def test_verify_repo(capsys, tmp_path):
 @pytest.mark.parametrize("target", ["serve", "bench"])
 def test_make_serve_and_bench_pass_args_through(target):
     import shutil
-    import subprocess
     import sys
 
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
     args = "--set serve.concurrency=[1,8] --no-aiperf" if target == "bench" else "--check --openai-port 0"
-    done = subprocess.run(["make", "-n", target, "RECIPE=int8-llm", f"ARGS={args}", f"VENV={sys.prefix}"], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+    done = make_n(target, "RECIPE=int8-llm", f"ARGS={args}", f"VENV={sys.prefix}")
+    assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == f"{sys.prefix}/bin/python -m pipeline {target} recipes/int8-llm.yaml {args}"
+
+
+def make_n(*args: str):
+    """``make -n ARGS`` in the repository, as a top-level make: under ``make test`` it would be a
+    sub-make, inheriting the parent's flags and printing "Entering directory" lines."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
 
 
 def test_make_with_an_unknown_recipe_names_the_recipes():
     import shutil
-    import subprocess
     import sys
 
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    done = subprocess.run(["make", "-n", "build", "RECIPE=nope", f"VENV={sys.prefix}"], cwd=ROOT,
-                          capture_output=True, text=True)
+    done = make_n("build", "RECIPE=nope", f"VENV={sys.prefix}")
     names = " ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")))
     assert done.returncode == 2 and not done.stdout
     assert f"recipes/nope.yaml not found; RECIPE is one of: {names} (a recipe elsewhere: " in done.stderr
