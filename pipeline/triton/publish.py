@@ -147,6 +147,14 @@ def tree_hashes(model_dir: Path) -> dict[str, str]:
     return {p.relative_to(model_dir).as_posix(): file_sha256(p) for p in files}
 
 
+def _published_at(prev: dict | None, entry: dict) -> str:
+    """The entry's publish time (UTC, ISO 8601): the recorded one when ``entry`` is what is
+    already published (republishing the same files is no new publish), else now."""
+    if prev and "published_at" in prev and {k: v for k, v in prev.items() if k != "published_at"} == entry:
+        return str(prev["published_at"])
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: str) -> None:
     """Publish the staged folders ``staging/<name>`` (name -> index entry in ``entries``)
     into ``repo`` as one unit; other recipes' models and entries stay. Holds the repository
@@ -164,9 +172,10 @@ def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: st
     with repository_lock(repo):
         _recover(repo)
         check_ownership(repo, recipe_name, list(entries))
-        index = {k: v for k, v in read_index(repo).items() if v.get("recipe") != recipe_name}  # read under the lock
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        index.update({name: {**entry, "published_at": now} for name, entry in entries.items()})
+        before = read_index(repo)  # read under the lock
+        index = {k: v for k, v in before.items() if v.get("recipe") != recipe_name}
+        index.update({name: {**entry, "published_at": _published_at(before.get(name), entry)}
+                      for name, entry in entries.items()})
         journal = {
             "recipe": recipe_name,
             "staging": str(staging.resolve()),
