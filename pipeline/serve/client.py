@@ -264,8 +264,9 @@ def settled_statistics(client: grpcclient.InferenceServerClient, model: str, at_
     while True:
         stats = model_statistics(client, model)
         batched = sum(int(k) * n for k, n in stats["batches"].items())
-        # Triton updates the count and the per-batch-size executions separately: wait for both.
-        settled = not stats["batches"] or batched >= stats["inference_count"]
+        # Triton updates the count and the per-batch-size executions separately: wait for both (an
+        # empty batch table after an inference is one not yet recorded, not one that never will be).
+        settled = batched >= stats["inference_count"]
         if stats["inference_count"] >= at_least and (settled or time.monotonic() > deadline):
             return stats
         if time.monotonic() > deadline:
