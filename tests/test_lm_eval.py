@@ -61,17 +61,22 @@ def lee_next_sentence(n: int, start: int = 220) -> list[dict]:
     return out
 
 
-def write_mc_task(folder: Path, docs: list[dict]) -> Path:
+def write_task(folder: Path, task: str, docs: list[dict], spec: str) -> Path:
+    """A local lm-eval task: ``docs`` as ``<task>.jsonl`` and its YAML (the json dataset, then ``spec``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{MC_TASK}.jsonl"
+    data = folder / f"{task}.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (folder / f"{MC_TASK}.yaml").write_text(
-        f"task: {MC_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{context}}\"\n"
-        "doc_to_choice: choices\ndoc_to_target: gold\ntarget_delimiter: \" \"\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+    (folder / f"{task}.yaml").write_text(
+        f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n" + spec)
     return folder
+
+
+def write_mc_task(folder: Path, docs: list[dict]) -> Path:
+    return write_task(folder, MC_TASK, docs,
+                      "output_type: multiple_choice\ndoc_to_text: \"{{context}}\"\n"
+                      "doc_to_choice: choices\ndoc_to_target: gold\ntarget_delimiter: \" \"\n"
+                      "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+                      "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
 
 
 #: generate_until questions in the tiny LM's vocabulary (its tokenizer has byte tokens, its graph 11 ids)
@@ -80,16 +85,10 @@ GEN_DOCS = [{"question": "the cat sat on", "answer": "the mat"}, {"question": "t
 
 
 def write_gen_task(folder: Path, docs: list[dict]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{GEN_TASK}.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (folder / f"{GEN_TASK}.yaml").write_text(
-        f"task: {GEN_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: generate_until\n"
-        "doc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 8\n  do_sample: false\n  temperature: 0\n"
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
-    return folder
+    return write_task(folder, GEN_TASK, docs,
+                      "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+                      "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 8\n  do_sample: false\n  temperature: 0\n"
+                      "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
 
 
 def evaluate(model: str, model_args: dict, task: str, folder: Path, **kwargs) -> dict:
