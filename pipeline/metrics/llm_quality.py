@@ -35,7 +35,7 @@ from scipy.special import logsumexp
 
 from pipeline.metrics import uncertainty
 
-#: metric names written by :meth:`QualityAccumulator.summary` (all gateable).
+#: metric names written by :meth:`QualityAccumulator.summary` (all but the ``_stderr`` ones gateable).
 QUALITY_KEYS: tuple[str, ...] = (
     "perplexity_ratio", "perplexity_ratio_stderr",
     "kld_mean", "kld_mean_stderr", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max",
