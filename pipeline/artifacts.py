@@ -48,6 +48,15 @@ class QuantizedArtifact:
     calibration: dict[str, Any] = field(default_factory=dict)
     #: the calibration batches (``.npz``, :mod:`pipeline.feeds`), handed forward; None for fp32 / fp16
     calibration_feeds_path: str | None = None
+    #: the same graph with UINT8 activations for ONNX Runtime on CPU (:func:`pipeline.quant.qdq.uint8_activations`,
+    #: 7-bit INT8 weights only); None: ``onnx_path`` is what ONNX Runtime runs too
+    cpu_onnx_path: str | None = None
+
+    @property
+    def ort_path(self) -> str:
+        """The graph ONNX Runtime validates and serves: :attr:`cpu_onnx_path`, else :attr:`onnx_path`
+        (which TensorRT builds from)."""
+        return self.cpu_onnx_path or self.onnx_path
 
     @property
     def summary(self) -> str:

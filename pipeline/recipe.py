@@ -187,6 +187,11 @@ class QuantizeConfig(Strict):
     per_channel_weights: bool = Field(
         False, description="per output channel weight scales (INT8 default in recipes)"
     )
+    reduce_range: bool = Field(
+        False, description="int8 only: 7-bit weights (|q| <= 64, ONNX Runtime's reduce_range). ONNX Runtime's full "
+        "optimization level computes those exactly on every x86 CPU, so the graph is validated and served at that level "
+        "(integer kernels: faster on CPUs with VNNI); full-range INT8 weights run at the basic level (simulated). Costs one "
+        "bit of weight precision (pipeline.ort_sessions.optimization_level)")
     quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = Field(
         ["MatMul", "Gemm"], description="op types whose weight input gets Q/DQ (pipeline.quant.qdq.find_targets)")
     rest_precision: Literal["fp32", "fp16", "bf16"] = Field(
@@ -204,6 +209,12 @@ class QuantizeConfig(Strict):
     def _needs_calibration(self) -> "QuantizeConfig":
         if self.precision in ("fp8", "int8") and self.calibration is None:
             raise ValueError(f"precision {self.precision!r} needs a calibration section")
+        return self
+
+    @model_validator(mode="after")
+    def _reduce_range_is_int8(self) -> "QuantizeConfig":
+        if self.reduce_range and self.precision != "int8":
+            raise ValueError(f"reduce_range (7-bit INT8 weights) needs precision int8, not {self.precision!r}")
         return self
 
     @model_validator(mode="after")

@@ -195,3 +195,16 @@ def test_every_statistic_can_be_a_text_generation_gate():
     assert statistics | {"speedup_vs_fp32"} <= kind_metrics("text-generation")
     # a standard error measures the eval, not the model: it is no gate metric
     assert not {k for k in QUALITY_KEYS if k.endswith(STDERR_SUFFIX)} & kind_metrics("text-generation")
+
+
+def test_int8_speed_note_names_the_faster_option_and_the_deciding_cpu_flags():
+    from pipeline.metrics import speed
+
+    basic = speed.int8_note("basic", ["avx2", "avx512f", "avx512_vnni"])
+    assert "quantize.reduce_range: true" in basic and "This CPU has avx512_vnni" in basic
+    plain = speed.int8_note("all", ["avx2"])
+    assert "none of avx512_vnni, avx_vnni, amx_int8" in plain and "keep precision fp32" in plain
+    assert "reduce_range" not in plain  # already 7-bit
+    assert speed.int8_note("all", ["avx2"]) in speed.speed_note("int8", "all", flags=["avx2"])
+    out = speed.speedup_metrics(lambda: None, lambda: None, shape="s", precision="int8", level="all", runs=1)
+    assert out["speed_level"] == "all" and isinstance(out["speed_cpu_flags"], list)

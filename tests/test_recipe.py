@@ -49,6 +49,8 @@ def test_shipped_recipe_is_valid():
          "not match any of the expected tags: 'corpus', 'text', 'jsonl', 'pairs', 'images', 'npz'"),
         (lambda d: d["validate"]["gates"][0].update(min=0.0), "validate.gates.0: Value error, give exactly one bound"),
         (lambda d: d["quantize"]["calibration"].update(samples=2), "below min_samples"),
+        (lambda d: d["quantize"].update(reduce_range=True), "quantize: Value error, reduce_range (7-bit INT8 weights) "
+         "needs precision int8, not 'fp8'"),
         (lambda d: d["triton"]["instance_group"][0].update(kind="GPU"), "triton.instance_group.0.kind"),
         (lambda d: d["build"].update(profiles=[]), "build.profiles"),
         (lambda d: d["quantize"]["calibration"].update(seq_len=512), "quantize.calibration.seq_len: seq_len=512 lies outside the sequence range of every build profile"),

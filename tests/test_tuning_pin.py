@@ -206,3 +206,20 @@ def test_an_unreachable_fine_search_reports_its_closest_miss():
     measured = [t.metrics["kld_mean"] for t in runner.trials]
     assert res.metrics["kld_mean"] == min(measured) < 0.045
     assert len(res.excluded_groups) == 20  # the floor: half of the 40 GEMMs stay quantized
+
+
+def test_a_quantize_field_added_at_its_default_keeps_older_pins():
+    """``quantize.reduce_range`` came after the shipped pins: at False the digest is the one
+    without the field; set, it is another graph and the pin is stale."""
+    from pipeline.recipe_load import load_recipe
+
+    recipe = load_recipe("recipes/int8-llm.yaml")
+    inputs = {"model_file": {"sha256": "m"}}
+    without = recipe.quantize.model_dump(mode="json")
+    without.pop("reduce_range")
+    without["exclude"].pop("nodes")
+    for k in ("max_trials", "time_limit_s"):
+        without["tuning"].pop(k)
+    assert pin.match_fields(recipe, inputs)["quantize"] == pin._digest(without)
+    seven_bit = load_recipe("recipes/int8-llm.yaml", overrides={"quantize.reduce_range": True})
+    assert pin.match_fields(seven_bit, inputs)["quantize"] != pin._digest(without)

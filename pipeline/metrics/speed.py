@@ -4,7 +4,8 @@ at the level each is served at (:func:`pipeline.ort_sessions.optimization_level`
 Metrics (``validate/metrics.json``): ``speedup_vs_fp32`` = median FP32 latency /
 median candidate latency at one shape (> 1: the candidate is faster);
 ``latency_fp32_ms``, ``latency_candidate_ms`` (medians, ms), ``speed_shape``,
-``speed_runs``, ``speedup_vs_fp32_margin`` and ``speed_note``.
+``speed_runs``, ``speedup_vs_fp32_margin``, ``speed_level`` (the candidate's ORT level),
+``speed_cpu_flags`` (:func:`pipeline.provenance.cpu_flags`: VNNI decides INT8 speed) and ``speed_note``.
 
 Noise margin (gate ``{metric: speedup_vs_fp32, min: 1.0}``, "keep only if faster",
 for CPU targets): the gate should pass at ``speedup_vs_fp32 >= min - SPEEDUP_MARGIN``.
@@ -28,9 +29,11 @@ import time
 from collections.abc import Callable
 
 from pipeline.gates import SPEEDUP_MARGIN  # noqa: F401  (the gate's margin; its measurement is above)
+from pipeline.provenance import cpu_flags
 
 
-def speed_note(precision: str, level: str, providers: list[str] | None = None) -> str:
+def speed_note(precision: str, level: str, providers: list[str] | None = None,
+               flags: list[str] | None = None) -> str:
     """One sentence on what the timing means (written as ``speed_note``)."""
     where = ", ".join(providers or ["CPUExecutionProvider"])
     base = f"ONNX Runtime {where}, candidate at graph optimization level '{level}'"
@@ -38,8 +41,29 @@ def speed_note(precision: str, level: str, providers: list[str] | None = None) -
     if precision == "fp8":
         return (f"{base}: FP8 Q/DQ is only simulated on CPU (quantize, dequantize, FP32 GEMM), so these CPU "
                 "numbers say nothing about FP8 speed on a GPU (TensorRT); they apply to CPU targets only." + gate)
+    int8 = int8_note(level, flags) if precision == "int8" else ""
     return (f"{base}: CPU timing, it applies to CPU targets; GPU speed is measured only through a TensorRT "
-            "engine." + gate)
+            f"engine.{int8}" + gate)
+
+
+def int8_note(level: str, flags: list[str] | None = None) -> str:
+    """What decides INT8 speed on this CPU, and the faster option where there is one (a
+    sentence with a leading space). ``flags``: :func:`pipeline.provenance.cpu_flags`."""
+    from pipeline.provenance import INT8_DOT_FLAGS, cpu_flags
+
+    flags = cpu_flags() if flags is None else flags
+    dot = [f for f in flags if f in INT8_DOT_FLAGS]
+    if level == "basic":
+        text = (" INT8 with full-range weights runs at level 'basic': quantize, dequantize and an FP32 GEMM, exact on "
+                "every CPU and slower than FP32. Faster on CPU: quantize.reduce_range: true (7-bit weights, which ONNX "
+                "Runtime's integer GEMMs at level 'all' compute exactly on every x86 CPU).")
+    else:
+        text = " INT8 GEMMs run in ONNX Runtime's integer kernels (level 'all')."
+    if dot:
+        return text + f" This CPU has {', '.join(dot)} (8-bit dot products into int32)."
+    return (text + f" This CPU has none of {', '.join(INT8_DOT_FLAGS)}: its integer kernels multiply in int16 pairs, "
+            "so INT8 may be no faster than FP32 here; for CPU speed keep precision fp32 there, or serve on a CPU with "
+            "VNNI.")
 
 
 def time_pair(run_ref: Callable[[], object], run_cand: Callable[[], object], runs: int = 5,
@@ -78,6 +102,7 @@ def speedup_metrics(run_ref: Callable[[], object], run_cand: Callable[[], object
     ref_ms, cand_ms = statistics.median(ref), statistics.median(cand)
     return {"speedup_vs_fp32": ref_ms / cand_ms, "latency_fp32_ms": ref_ms, "latency_candidate_ms": cand_ms,
             "speed_shape": shape, "speed_runs": runs, "speedup_vs_fp32_margin": SPEEDUP_MARGIN,
+            "speed_level": level, "speed_cpu_flags": cpu_flags(),
             "speed_note": speed_note(precision, level, providers)}
 
 

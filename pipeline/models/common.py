@@ -25,7 +25,7 @@ class OnnxRuntimeRunners:
         """
         if engine:
             return runners.tensorrt_runner(engine)
-        return runners.OrtRunner(q.onnx_path, name=f"{q.precision} (onnxruntime)",
+        return runners.OrtRunner(q.ort_path, name=f"{q.precision} (onnxruntime)",
                                   user_graph=not q.quantized_nodes)  # no Q/DQ: the exported graph
 
 

@@ -54,14 +54,22 @@ def _digest(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: quantize fields added after pins were written -> their default (left out of the digest at it)
+_ADDED_FIELDS = {"reduce_range": False}
+
+
 def match_fields(recipe, inputs: dict[str, dict[str, str]]) -> dict[str, str | int]:
     """What a pin must match: the search version, the sha256 of the model file, the calibration
     and tuning data (``inputs`` is the manifest's ``inputs``), and of the ``quantize`` section
     without ``exclude.nodes`` (a pinned search's output, and where a snippet would go) and without
     the search bounds ``tuning.max_trials`` / ``tuning.time_limit_s`` (a finished search does not
-    depend on them)."""
+    depend on them). A field of :data:`_ADDED_FIELDS` at its default is left out too, so adding
+    a field does not make every pin stale."""
     q = recipe.quantize.model_dump(mode="json")
     q.get("exclude", {}).pop("nodes", None)
+    for k, default in _ADDED_FIELDS.items():  # at its default, a field added later keeps older pins
+        if q.get(k) == default:
+            q.pop(k)
     for k in ("max_trials", "time_limit_s"):
         (q.get("tuning") or {}).pop(k, None)
     fields: dict[str, str | int] = {"search_version": SEARCH_VERSION, "quantize": _digest(q),

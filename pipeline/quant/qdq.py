@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -25,21 +25,46 @@ import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from pipeline.errors import QuantizationError
+from pipeline.ort_sessions import SATURATION_SAFE_INT8
 from pipeline.recipe import ExcludeConfig
 
 
 @dataclass(frozen=True)
 class QFormat:
+    """An 8-bit format: activations use ``qmax``, weights ``weight_qmax`` (``None``: ``qmax``)."""
+
     name: str
     onnx_type: int
     np_type: type
     qmax: float
+    weight_qmax: float | None = None
+
+    def weights(self) -> "QFormat":
+        """The format the weights are quantized in (``qmax`` = :attr:`weight_qmax` when set)."""
+        return self if self.weight_qmax is None else replace(self, qmax=self.weight_qmax, weight_qmax=None)
 
 
 FORMATS = {
     "fp8": QFormat("fp8", TensorProto.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn, 448.0),
     "int8": QFormat("int8", TensorProto.INT8, np.int8, 127.0),
 }
+
+
+def quant_format(precision: str, reduce_range: bool = False) -> QFormat:
+    """The Q/DQ format of ``precision`` (``fp8`` / ``int8``); ``reduce_range``: INT8 weights
+    within +-:data:`pipeline.ort_sessions.SATURATION_SAFE_INT8` (7 bits), which ONNX Runtime's
+    integer kernels multiply exactly on every x86 CPU (recipe ``quantize.reduce_range``).
+
+    Raises:
+        KeyError: ``precision`` has no Q/DQ format.
+        ValueError: ``reduce_range`` with a precision other than ``int8``.
+    """
+    fmt = FORMATS[precision]
+    if not reduce_range:
+        return fmt
+    if precision != "int8":
+        raise ValueError(f"reduce_range needs precision int8, not {precision!r}")
+    return replace(fmt, weight_qmax=float(SATURATION_SAFE_INT8))
 
 
 @dataclass(frozen=True)
@@ -235,11 +260,11 @@ def _act_qdq(name: str, amax: dict[str, float], fmt: QFormat, nodes: list, inits
 def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, nodes: list, inits: list,
                base_dir: str, cache: dict | None = None) -> str:
     axis = t.weight_axis if per_channel else None
-    key = (w.name, fmt.name, axis)
+    key = (w.name, fmt.name, fmt.weights().qmax, axis)
     if cache is not None and key in cache:
         q, scale = cache[key]
     else:
-        q, scale = quantize_weight(_weight_array(w, base_dir), fmt, axis)
+        q, scale = quantize_weight(_weight_array(w, base_dir), fmt.weights(), axis)
         if cache is not None:
             cache[key] = (q, scale)
     zp_shape = () if axis is None else scale.shape
@@ -261,3 +286,33 @@ def _weight_array(w: onnx.TensorProto, base_dir: str) -> np.ndarray:
     probe = onnx.TensorProto()
     probe.CopyFrom(w)
     return numpy_helper.to_array(probe, base_dir)
+
+
+def uint8_activations(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, every activation QuantizeLinear of INT8 with zero point 0 (and the
+    DequantizeLinear sharing its zero point) to UINT8 with zero point 128. The values are the
+    same: ``u = q + 128`` and ``(u - 128) * s = q * s`` for every ``q`` in [-127, 127].
+
+    Why: ONNX Runtime's x86 integer GEMMs take u8 activations times s8 weights. Its
+    graph transformers turn an INT8 activation Q into UINT8 only where the Q feeds one
+    GEMM; a Q shared by several (the Q, K and V projections) stays INT8, and those GEMMs
+    stay dequantize + FP32 MatMul. Measured on int8-encoder (7-bit weights, level ``all``,
+    AVX-512 VNNI, batch 8 x 64 tokens): 12 of 30 GEMMs fused as written, 30 of 30 after
+    this rewrite, 1.07x -> 1.38x FP32's throughput. TensorRT takes INT8 activations only,
+    so this is a CPU graph beside the TensorRT one (:class:`pipeline.artifacts.QuantizedArtifact`).
+
+    Returns:
+        The number of zero points rewritten.
+
+    Raises:
+        QuantizationError: an activation zero point is not INT8 zeros.
+    """
+    inits = {t.name: t for t in model.graph.initializer}
+    names = {n.input[2] for n in model.graph.node if n.op_type == "QuantizeLinear" and len(n.input) > 2}
+    for name in sorted(names):
+        zp = numpy_helper.to_array(inits[name])
+        if zp.dtype != np.int8 or zp.any():
+            raise QuantizationError(f"activation zero point {name!r} is {zp.dtype} {zp.ravel()[:3].tolist()}, "
+                                    "not INT8 zeros; only symmetric INT8 Q/DQ converts to UINT8")
+        inits[name].CopyFrom(numpy_helper.from_array(np.full(zp.shape, 128, np.uint8), name))
+    return len(names)

@@ -190,13 +190,13 @@ class _BatchOneReference:
 
         export, quantized = self.artifacts["export"], self.artifacts["quantize"]
         if self.session is None:
-            self.session = ort_session(quantized.onnx_path)
+            self.session = ort_session(quantized.ort_path)
         layout = layout_from_specs(export.inputs, export.outputs)
         ids = np.asarray([prompt_ids], np.int64)
         gaps: list[float] = []
 
         def step(feeds):
-            outputs = run_checked(self.session, None, feeds, graph=quantized.onnx_path, stage="serve check",
+            outputs = run_checked(self.session, None, feeds, graph=quantized.ort_path, stage="serve check",
                                   user_graph=not quantized.quantized_nodes)
             top2 = np.sort(outputs[0][0, -1])[-2:]
             gaps.append(float(top2[1] - top2[0]))

@@ -1,6 +1,8 @@
 """Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, or FP16."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -63,7 +65,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     if not kept:
         raise QuantizationError("quantize: no weight GEMM is left to quantize after exclusions")
-    fmt = qdq.FORMATS[q.precision]
+    fmt = qdq.quant_format(q.precision, q.reduce_range)
     batches, shortfall = calibration_data(ctx, exp)
     if shortfall:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
@@ -104,7 +106,24 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
             "seq_len": q.calibration.seq_len, **shortfall, "amax": {k: round(v, 6) for k, v in amax.items()}, **extra}
     art = QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info,
                             calibration_feeds_path=str(feeds_path))
-    return _save(art, model, src)
+    art = _save(art, model, src)
+    return _save_cpu_graph(art) if q.reduce_range else art
+
+
+#: the CPU graph of a 7-bit INT8 quantize stage (QuantizedArtifact.cpu_onnx_path)
+CPU_GRAPH = "model_cpu.onnx"
+
+
+def _save_cpu_graph(art: QuantizedArtifact) -> QuantizedArtifact:
+    """Write :data:`CPU_GRAPH` beside ``art.onnx_path``: the same values with UINT8 activations
+    (:func:`pipeline.quant.qdq.uint8_activations`), and prove it loads."""
+    path = Path(art.onnx_path)
+    model = onnx.load(str(path))
+    qdq.uint8_activations(model)
+    cpu = path.with_name(CPU_GRAPH)
+    onnx_io.save_model_atomic(model, cpu, base_dir=path.parent)
+    onnx_io.require_loadable(str(cpu), "quantize")
+    return dataclasses.replace(art, cpu_onnx_path=str(cpu))
 
 
 def _pinned_amax(pinned: dict, acts: list[str], path: Path, retune: str) -> dict[str, float]:

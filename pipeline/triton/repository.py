@@ -165,13 +165,13 @@ def stage_compute(
     recipe: Recipe, target: str, quantized: QuantizedArtifact, build: BuildArtifact, staging: Path
 ) -> StagedModel:
     """Compute model: config from the served ONNX graph, model file(s) into the version folder."""
-    source = Path(quantized.onnx_path)
+    source = Path(quantized.ort_path)
     model = onnx.load(str(source), load_external_data=False)
     inputs, outputs = graph_io(model)
     max_batch, opt_batch = profile_batch(build.profiles)
     qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
     cfg = compute_config(recipe.triton, inputs, outputs, target=target, profile_opt_batch=opt_batch, qdq=qdq,
-                         profile_count=len(build.profiles))
+                         profile_count=len(build.profiles), graph=source if target != "tensorrt" else None)
     version_dir = staging / cfg.name / str(recipe.triton.version)
     version_dir.mkdir(parents=True)
     if target == "tensorrt":

@@ -22,12 +22,15 @@ WORD_SETS = ("wordsim353", "simlex999")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
 
 
-def tokenize(tok, texts: list[str], max_len: int, names: Sequence[str] = INPUTS) -> dict[str, np.ndarray]:
-    """Tokenizer feeds (with [CLS]/[SEP], padded to the longest, truncated at ``max_len``).
+def tokenize(tok, texts: list[str], max_len: int, names: Sequence[str] = INPUTS,
+             pad_to_max: bool = False) -> dict[str, np.ndarray]:
+    """Tokenizer feeds (with [CLS]/[SEP], padded to the longest, or to ``max_len`` with
+    ``pad_to_max``, truncated at ``max_len``).
 
     Returns int64 ``[len(texts), S]`` arrays for the graph inputs ``names`` (of ``INPUTS``).
     """
-    enc = tok(texts, padding=True, truncation=True, max_length=max_len, return_tensors="np")
+    enc = tok(texts, padding="max_length" if pad_to_max else True, truncation=True, max_length=max_len,
+              return_tensors="np")
     ids = enc["input_ids"].astype(np.int64)
     types = enc.get("token_type_ids")
     return only({"input_ids": ids, "attention_mask": enc["attention_mask"].astype(np.int64),
@@ -316,13 +319,15 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
     sentences = validate_sentences(v)
     names = [s.name for s in exp.inputs]  # the graph's inputs, as exported
     reference = reference or runners.OrtRunner(exp.onnx_path)
-    candidate = candidate or runners.OrtRunner(q.onnx_path, user_graph=not q.quantized_nodes)
+    candidate = candidate or runners.OrtRunner(q.ort_path, user_graph=not q.quantized_nodes)
     sessions = {"reference": runners.SessionView(reference), "candidate": runners.SessionView(candidate)}
     if q.precision in ("int8", "fp8"):
         sessions["naive_ort"] = runners.SessionView(runners.OrtRunner(naive_ort_model(ctx, exp, q), user_graph=False))
     with ctx.progress.step(f"validate: word similarity + cosine ({len(sessions)} models)"):
         res = similarity_metrics(sessions, tok, sentences, v.batch_size, v.seq_len, names)
     out = _flatten(res, q.precision, len(sentences))
+    with ctx.progress.step(f"validate: speed, batch {SPEED_BATCH} x {SPEED_TOKENS} tokens"):
+        out.update(encoder_speedup(reference, candidate, tok, sentences, q.precision, names))
     if engine is not None:
         models = {"reference": sessions["reference"], "candidate": runners.SessionView(engine)}
         with ctx.progress.step("validate: word similarity + cosine (engine)"):
@@ -332,6 +337,27 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
         out.update({f"{ENGINE_PREFIX}{k}": val for k, val in flat.items() if not k.endswith("_fp32")})
         out["stderr_basis"].update({f"{ENGINE_PREFIX}{k}": rec for k, rec in basis.items()})
     return out
+
+
+#: the shape ``speedup_vs_fp32`` is timed at: batch x tokens (issue 24 §3)
+SPEED_BATCH, SPEED_TOKENS = 8, 64
+
+
+def encoder_speedup(reference, candidate, tok, sentences: list[str], precision: str, names: Sequence[str]) -> dict:
+    """:func:`pipeline.metrics.speed.speedup_metrics` of one run at ``SPEED_BATCH`` held-out
+    sentences padded to ``SPEED_TOKENS`` tokens (int64 ``[8, 64]`` feeds); ``speedup_vs_fp32``
+    None with ``speedup_vs_fp32_reason`` unless both runners are ONNX Runtime sessions."""
+    from pipeline.metrics import speed
+
+    level = speed.session_level(candidate)
+    if speed.session_level(reference) is None or level is None:
+        return {"speedup_vs_fp32": None,
+                "speedup_vs_fp32_reason": "timed only when both graphs run in ONNX Runtime sessions"}
+    feeds = tokenize(tok, (sentences * SPEED_BATCH)[:SPEED_BATCH], SPEED_TOKENS, names, pad_to_max=True)
+    ref, cand = runners.SessionView(reference), runners.SessionView(candidate)
+    return speed.speedup_metrics(lambda: ref.run([OUTPUT], feeds), lambda: cand.run([OUTPUT], feeds),
+                                 shape=f"batch {SPEED_BATCH} x {SPEED_TOKENS} tokens", precision=precision,
+                                 level=level[0], providers=level[1])
 
 
 def _flatten(res: dict[str, dict], precision: str, n_sentences: int) -> dict:

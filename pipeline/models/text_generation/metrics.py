@@ -97,7 +97,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     layout = layout_from_specs(exp.inputs, exp.outputs)
     # ONNX Runtime sessions, and the engine seen as one: run(names, feeds) -> list
     reference = reference or runners.OrtRunner(exp.onnx_path)
-    candidate = candidate or runners.OrtRunner(q.onnx_path, user_graph=not q.quantized_nodes)
+    candidate = candidate or runners.OrtRunner(q.ort_path, user_graph=not q.quantized_nodes)
     sessions: dict = {"fp32": runners.SessionView(reference), q.precision: runners.SessionView(candidate)}
     if engine is not None:
         sessions[ENGINE] = runners.SessionView(engine)
