@@ -47,6 +47,8 @@ def _usable(provider: str) -> bool:
 #   INT8 Q/DQ with a weight beyond +-64   -> "basic" (exact on every CPU)
 #   INT8 Q/DQ, 7-bit weights; FP32; FP16  -> "all"
 # The served config (pipeline.triton.config.compute_config) asks for the same level.
+# 7-bit weights are the recipe's quantize.reduce_range (pipeline.quant.qdq.quant_format);
+# docs/quantization.md gives the speed they buy.
 
 #: level name (as the python-onnxruntime template's ``graph_optimization_level``) -> ORT enum.
 ORT_LEVELS = {

@@ -148,3 +148,26 @@ def test_a_cls_pooled_minilm_copy_exports_cls_without_normalize(tmp_path):
     exp = run_pipeline(recipe, RECIPE, quiet=True, only=["export"]).artifacts["export"]
     got = assert_equals_sentence_transformers(folder, exp.onnx_path, exp.tokenizer_dir)
     assert not np.allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-3)  # no Normalize module: not L2-normalised
+
+
+def test_seven_bit_weights_give_a_uint8_cpu_graph_served_at_the_full_level(int8_encoder_run, encoder_ws):
+    """quantize.reduce_range: the TensorRT graph keeps INT8 activations, the CPU graph (validated
+    and served) has the same weights with UINT8 activations, and both run at level 'all'."""
+    from pipeline.ort_sessions import optimization_level
+
+    q = int8_encoder_run.artifacts["quantize"]
+    trt, cpu = onnx.load(q.onnx_path), onnx.load(q.cpu_onnx_path)
+    weights = {i.name: numpy_helper.to_array(i) for i in trt.graph.initializer if i.name.endswith("_quantized")}
+    assert len(weights) == 30 and max(int(np.abs(w.astype(np.int16)).max()) for w in weights.values()) == 64
+    cpu_inits = {i.name: numpy_helper.to_array(i) for i in cpu.graph.initializer}
+    assert all(np.array_equal(cpu_inits[k], w) for k, w in weights.items())
+    zps = [cpu_inits[n.input[2]] for n in cpu.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(zps) == 18 and all(z.dtype == np.uint8 and int(z) == 128 for z in zps)
+    assert optimization_level(q.onnx_path) == optimization_level(q.cpu_onnx_path) == "all"
+    served = encoder_ws / "model_repository" / "minilm_int8"
+    assert "optimization" not in (served / "config.pbtxt").read_text()  # Triton's default: all
+    served_zps = [i for i in onnx.load(str(served / "1" / "model.onnx")).graph.initializer
+                  if i.name.endswith("_zero_point") and i.data_type == onnx.TensorProto.UINT8]
+    assert len(served_zps) == 18
+    m = json.loads(Path(int8_encoder_run.manifest_path).read_text())["metrics"]
+    assert m["speed_level"] == "all" and m["speed_shape"] == "batch 8 x 64 tokens" and m["speedup_vs_fp32"] > 0

@@ -583,6 +583,19 @@ def test_generated_token_logprobs_on_completions_and_chat(stack):
 
 
 @pytest.mark.server
+def test_a_continuation_keeps_its_word_initial_space_in_text_and_logprob_tokens(stack):
+    """Metaspace: the first generated token decoded after the prompt, not alone."""
+    prompt = "the cat"
+    out = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=1,
+                                          extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    ids = stack.tok.encode(prompt).ids
+    generated = stack.tok.encode(prompt + choice.text).ids[len(ids):]
+    assert choice.text == stack.tok.decode(ids + generated)[len(stack.tok.decode(ids)):]
+    assert "".join(choice.logprobs.tokens) == choice.text
+
+
+@pytest.mark.server
 def test_prompt_over_the_context_is_a_400_naming_the_limit(stack):
     with pytest.raises(openai.BadRequestError) as err:
         stack.client.completions.create(model=MODEL, prompt=[[4] * (CONTEXT + 1)], max_tokens=0, echo=True,

@@ -69,6 +69,11 @@ def metaspace(folder: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_metaspace(folder, EOS_IDS) / "tokenizer.json"))
 
 
+def continuation(tok: Tokenizer, prompt: list[int], tokens: list[int]) -> str:
+    """The text ``tokens`` add after ``prompt``: what a served completion streams."""
+    return tok.decode(prompt + tokens)[len(tok.decode(prompt)):]
+
+
 # --- IncrementalDecoder ----------------------------------------------------------------------------------
 
 
@@ -107,6 +112,21 @@ def test_incremental_decoder_pieces(tmp_path, monkeypatch):
     cut = tok.encode("the \u20ac").ids[:-1]  # a stream that ends inside a character: flush gives what is there
     assert "".join(stream_text(module.IncrementalDecoder, tok, cut)) == tok.decode(cut)
     assert "".join(stream_text(module.IncrementalDecoder, tok, [2, 0, 5, 3])) == "the sat"  # special skipped
+
+
+def test_the_first_generated_token_keeps_its_space_after_the_prompt(tmp_path, monkeypatch):
+    """A Metaspace word-initial token decoded alone loses its space; seeded with the prompt's
+    last ids the decoder gives what the token adds to the prompt's text."""
+    module = template_module(monkeypatch)
+    tok = metaspace(tmp_path)
+    prompt, reply = tok.encode("the cat").ids, tok.encode("the cat sat on").ids[len(tok.encode("the cat").ids):]
+    assert not tok.decode(reply[:1]).startswith(" ")  # "\u2581s" alone: no space
+    decoder = module.IncrementalDecoder(tok, context=prompt)
+    pieces = [decoder.add(i) for i in reply] + [decoder.flush()]
+    whole = tok.decode(prompt + reply)
+    assert "".join(pieces) == whole[len(tok.decode(prompt)):] == " sat on"
+    long_prompt = tok.encode("the cat sat on the mat the cat").ids
+    assert len(module.IncrementalDecoder(tok, context=long_prompt).ids) == module.IncrementalDecoder.CONTEXT
 
 
 # --- the template with a stand-in backend ----------------------------------------------------------------
@@ -168,18 +188,18 @@ def test_template_final_response_says_why_it_stopped(generate_model):
         ids_request([1, 2, 3], ignore_eos=True),  # default 6 tokens
     )
     reference = reference_generate(Path(generate_model.onnx_path), [4], 5)
-    cases = [(eos, reference[:3], "stop", "EOS token 8"),
-             (by_max, reference, "length", "max_tokens 5 reached"),
+    cases = [(eos, reference[:3], "stop", "EOS token 8", [4]),
+             (by_max, reference, "length", "max_tokens 5 reached", [4]),
              (by_context, reference_generate(Path(generate_model.onnx_path), [1, 2, 3], 6), "length",
-              "max_tokens 6 reached")]
-    for request, tokens, reason, detail in cases:
+              "max_tokens 6 reached", [1, 2, 3])]
+    for request, tokens, reason, detail, prompt in cases:
         assert [int(t) for t in outputs(request, "token_ids")] == tokens
         assert [flags for _, flags in request.sent] == [0] * (len(tokens) - 1) + [1]
         assert outputs(request, "finish_reason") == [reason.encode()]  # on the final response only
         assert "finish_reason" in request.sent[-1][0].outputs
         assert outputs(request, "detail") == [detail.encode()]
-        assert b"".join(outputs(request, "text_output")).decode() == tok.decode(tokens)
-    assert tok.decode(cases[0][1]) == "t the."
+        assert b"".join(outputs(request, "text_output")).decode() == continuation(tok, prompt, tokens)
+    assert continuation(tok, [4], cases[0][1]) == "t the."
 
 
 def test_template_refuses_only_when_prompt_plus_max_tokens_exceeds_the_context(generate_model):
@@ -288,7 +308,7 @@ def test_served_final_responses_carry_finish_reason_and_metaspace_text(server):
     assert len(long.tokens) == generated == len(long.times)
     assert long.tokens == reference_generate(server.onnx_path, [1, 2, 3], generated)
     assert (long.finish_reason, long.detail) == ("length", f"max_tokens {generated} reached")
-    assert long.text == server.tok.decode(long.tokens) and " the" in long.text  # word-initial spaces kept
+    assert long.text == continuation(server.tok, [1, 2, 3], long.tokens) and " the" in long.text  # spaces kept
     assert (short.tokens, short.finish_reason, short.detail) == (long.tokens[:4], "length", "max_tokens 4 reached")
 
 

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,19 +283,19 @@ class TokenCounter:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self._chat = None
 
-    def text(self, prompt: str) -> int:
-        return len(self.tokenizer.encode(prompt).ids)
+    def text(self, prompt: str) -> list[int]:
+        """The prompt's token ids (the served tokenizer.json; special tokens as it adds them)."""
+        return self.tokenizer.encode(prompt).ids
 
-    def chat(self, messages: list[dict]) -> int | None:
-        """Tokens of the chat-template prompt (add_generation_prompt); None without a template."""
+    def chat(self, messages: list[dict]) -> list[int] | None:
+        """Token ids of the chat-template prompt (add_generation_prompt); None without a template."""
         try:
             if self._chat is None:
                 from transformers import AutoTokenizer
 
                 self._chat = AutoTokenizer.from_pretrained(str(self.folder))
             ids = self._chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return len(ids)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         except Exception:  # no chat template / not loadable: usage then counts completion tokens only
             return None
 
@@ -379,13 +379,13 @@ def create_app(cfg: EndpointConfig):
         for prompt in req.prompts():
             if isinstance(prompt, str):
                 inputs = {"text_input": _strings([prompt])}
-                prompt_tokens: int | None = counter.text(prompt)
+                prompt_ids: list[int] | None = counter.text(prompt)
             else:
                 inputs = {"input_ids": np.asarray(prompt, np.int64)}
-                prompt_tokens = len(prompt)
+                prompt_ids = list(prompt)
             inputs.update(triton_inputs(req, supported, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS))
             inputs.update(score_inputs(req, supported))
-            runs.append(Run(gen, inputs, req, prompt_tokens, kind="text_completion", model=cfg.model))
+            runs.append(Run(gen, inputs, req, prompt_ids, kind="text_completion", model=cfg.model))
         if req.stream:  # one prompt (parse_request refuses a streamed batch)
             return await runs[0].respond(request, JSONResponse, ClosingStreamingResponse)
         texts = await _all(request, runs)
@@ -463,15 +463,19 @@ def score_inputs(req: CompletionRequest, supported: set[str]) -> dict[str, np.nd
     return out
 
 
-def token_strings(tokenizer, ids: list[int], window: int = 6) -> list[str]:
+def token_strings(tokenizer, ids: list[int], window: int = 6, context: Sequence[int] = ()) -> list[str]:
     """Each token's text as it adds to the decoded text (special tokens kept): the decode of a
-    few tokens before it and itself, less the decode of those before it."""
+    few tokens before it and itself, less the decode of those before it. ``context``: the ids
+    before ``ids[0]`` (the prompt's, for generated tokens): a Metaspace word-initial token then
+    keeps its space, as in the completion's text."""
     out = []
-    for i in range(len(ids)):
-        before = ids[max(0, i - window):i]
+    head_ids = list(context)[-window:]
+    seq = head_ids + list(ids)
+    for i in range(len(head_ids), len(seq)):
+        before = seq[max(0, i - window):i]
         head = tokenizer.decode(before, skip_special_tokens=False)
-        whole = tokenizer.decode(before + [ids[i]], skip_special_tokens=False)
-        out.append(whole[len(head):] if whole.startswith(head) else tokenizer.decode([ids[i]], skip_special_tokens=False))
+        whole = tokenizer.decode(before + [seq[i]], skip_special_tokens=False)
+        out.append(whole[len(head):] if whole.startswith(head) else tokenizer.decode([seq[i]], skip_special_tokens=False))
     return out
 
 
@@ -495,7 +499,7 @@ def completion_choice(tokenizer, req: CompletionRequest, prompt, run: "Run", tex
         ids = (prompt_scores["ids"] if prompt_scores else []) + run.tokens
         values = (prompt_scores["logprobs"] if prompt_scores else []) + [t["logprob"] for t in run.token_scores]
         tops = (prompt_scores["top"] if prompt_scores else []) + [t["top"] for t in run.token_scores]
-        strings = token_strings(tokenizer, ids)
+        strings = token_strings(tokenizer, ids, context=() if prompt_scores else (run.prompt_ids or ()))
         offsets, at = [], 0
         for piece in strings:
             offsets.append(at)
@@ -508,7 +512,7 @@ def completion_choice(tokenizer, req: CompletionRequest, prompt, run: "Run", tex
 
 def chat_logprobs(tokenizer, run: "Run") -> dict:
     """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]} per generated token."""
-    strings = token_strings(tokenizer, run.tokens)
+    strings = token_strings(tokenizer, run.tokens, context=run.prompt_ids or ())
     content = []
     for token, text, score in zip(run.tokens, strings, run.token_scores):
         top = _top_dict(tokenizer, score["top"], token, text) or {}
@@ -538,9 +542,10 @@ def _key_ok(header: str, key: str) -> bool:
 class Run:
     """One request's generation, answered whole (JSON) or streamed (server-sent events)."""
 
-    def __init__(self, gen: TritonGenerator, inputs: dict, req: _Request, prompt_tokens: int | None, *,
+    def __init__(self, gen: TritonGenerator, inputs: dict, req: _Request, prompt_ids: list[int] | None, *,
                  kind: str, model: str):
-        self.gen, self.inputs, self.req, self.prompt_tokens = gen, inputs, req, prompt_tokens
+        self.gen, self.inputs, self.req, self.prompt_ids = gen, inputs, req, prompt_ids
+        self.prompt_tokens = None if prompt_ids is None else len(prompt_ids)
         self.kind, self.model = kind, model
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())

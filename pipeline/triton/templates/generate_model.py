@@ -92,13 +92,21 @@ class IncrementalDecoder:
     does not end in "\ufffd" (else "" and the text waits); then the window moves
     on. The pieces of every :meth:`add` plus :meth:`flush` join to
     ``tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)``.
+
+    ``context``: the last prompt ids (at most :attr:`CONTEXT` are kept), already shown, so
+    the first generated token decodes as it continues the prompt: a Metaspace "▁Paris"
+    after "The capital is" gives " Paris", not "Paris". The pieces then join to the text
+    ``decode(context + ids)`` adds to ``decode(context)``.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens=True):
+    #: prompt ids kept as context (a word, or one multi-byte character)
+    CONTEXT = 6
+
+    def __init__(self, tokenizer, skip_special_tokens=True, context=()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = []
-        self.prefix = self.read = 0
+        self.ids = [int(i) for i in list(context)[-self.CONTEXT:]]
+        self.prefix, self.read = 0, len(self.ids)
 
     def _pending(self):
         """(text shown from the window, the window's whole text)."""
@@ -638,7 +646,7 @@ class TritonPythonModel:
         # tokens kept; the text sent still leaves them out
         keep = [t for t in self.special_texts if any(t in stop for stop in stops)]
         seq = Sequence(request, sender, ids, max_tokens, eos, self._sampling(request), stops,
-                       IncrementalDecoder(self.tokenizer, skip_special_tokens=not keep), prompt_k,
+                       IncrementalDecoder(self.tokenizer, skip_special_tokens=not keep, context=ids), prompt_k,
                        self._top_count(request, "logprobs"))
         seq.hide = self.special_texts if keep else []
         return seq
