@@ -11,12 +11,16 @@ prefill shape only, with int64 inputs of ones (token ids of 1).
 
 ``--self-check`` times the reference against itself: the spread of that ratio is the
 timing noise that ``pipeline.metrics.speed.SPEEDUP_MARGIN`` has to cover.
+``--both-levels`` times the candidate at ``basic`` and at ``all`` (each against the
+reference), whatever level it is served at: for INT8, the simulated and the integer-kernel
+speed side by side. A full-range INT8 graph at ``all`` can give wrong numbers on a CPU
+without VNNI (docs/quantization.md); its timing still shows what the kernels cost.
 
 CPU numbers only: FP8 Q/DQ is simulated on CPU (quantize, dequantize, FP32 GEMM), so
 its CPU speed says nothing about FP8 speed on a GPU.
 
     .venv/bin/python benchmarks/ort_throughput.py REF.onnx CAND.onnx [--batch 1] [--seq 64]
-        [--past 64] [--runs 5] [--self-check] [--json out.json]
+        [--past 64] [--runs 5] [--self-check] [--both-levels] [--json out.json]
 """
 from __future__ import annotations
 
@@ -48,11 +52,14 @@ def shapes(path: Path, batch: int, seq: int, past: int) -> dict[str, dict[str, n
     return {"prefill": {s.name: np.ones((batch, seq), np.int64) for s in inputs}}
 
 
-def measure(ref_path: Path, cand_path: Path, batch: int, seq: int, past: int, runs: int) -> dict:
-    """Median ms and tokens/s per shape for both graphs (see the module docstring)."""
-    ref, cand = ort_session(str(ref_path)), ort_session(str(cand_path))
+def measure(ref_path: Path, cand_path: Path, batch: int, seq: int, past: int, runs: int,
+            cand_level: str | None = None) -> dict:
+    """Median ms and tokens/s per shape for both graphs (see the module docstring); the
+    candidate at ``cand_level`` (None: the level it is served at)."""
+    ref, cand = ort_session(str(ref_path)), ort_session(str(cand_path), cand_level)
     out: dict = {"reference": str(ref_path), "candidate": str(cand_path), "runs": runs,
-                 "level_reference": optimization_level(ref_path), "level_candidate": optimization_level(cand_path)}
+                 "level_reference": optimization_level(ref_path),
+                 "level_candidate": cand_level or optimization_level(cand_path)}
     first = [ref.get_outputs()[0].name]
     for name, feeds in shapes(ref_path, batch, seq, past).items():
         tokens = batch * (seq if name == "prefill" else 1)
@@ -73,11 +80,23 @@ def main() -> None:
     ap.add_argument("--past", type=int, default=64, help="KV-cache length of the decode step (default 64)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs per graph and shape (default 5)")
     ap.add_argument("--self-check", action="store_true", help="also time the reference against itself")
+    ap.add_argument("--both-levels", action="store_true", help="time the candidate at basic and at all")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args()
-    result = measure(args.reference, args.candidate, args.batch, args.seq, args.past, args.runs)
+    levels = ["basic", "all"] if args.both_levels else [None]
+    results = [measure(args.reference, args.candidate, args.batch, args.seq, args.past, args.runs, level)
+               for level in levels]
     if args.self_check:
-        result["self_check"] = measure(args.reference, args.reference, args.batch, args.seq, args.past, args.runs)
+        results[0]["self_check"] = measure(args.reference, args.reference, args.batch, args.seq, args.past, args.runs)
+    for result in results:
+        report(result, args)
+    print("CPU numbers: FP8 Q/DQ is simulated on CPU; they say nothing about GPU speed.")
+    if args.json:
+        args.json.write_text(json.dumps(results if args.both_levels else results[0], indent=2, allow_nan=False) + "\n")
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    """Print one :func:`measure` result, a line per shape."""
     print(f"levels: reference {result['level_reference']}, candidate {result['level_candidate']}; "
           f"median of {args.runs} interleaved runs, batch {args.batch}")
     for name in ("prefill", "decode_step"):
@@ -86,11 +105,8 @@ def main() -> None:
             print(f"{name:12s} ({m['tokens']} tokens): reference {m['reference_ms']:8.2f} ms "
                   f"{m['reference_tokens_per_s']:9.1f} tok/s | candidate {m['candidate_ms']:8.2f} ms "
                   f"{m['candidate_tokens_per_s']:9.1f} tok/s | speedup {m['speedup']:.3f}")
-            if args.self_check:
+            if "self_check" in result:
                 print(f"{'':12s} self-check (reference vs itself): ratio {result['self_check'][name]['speedup']:.3f}")
-    print("CPU numbers: FP8 Q/DQ is simulated on CPU; they say nothing about GPU speed.")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
 
 
 if __name__ == "__main__":

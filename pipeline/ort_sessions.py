@@ -119,12 +119,13 @@ def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") 
     return "all"
 
 
-def ort_session(path: str) -> ort.InferenceSession:
+def ort_session(path: str, level: str | None = None) -> ort.InferenceSession:
     """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
-    :func:`optimization_level`."""
+    :func:`optimization_level`; ``level`` (a key of :data:`ORT_LEVELS`) overrides it, for
+    benchmarks only: validate and serving always use the graph's own."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    opts.graph_optimization_level = ORT_LEVELS[optimization_level(path)]
+    opts.graph_optimization_level = ORT_LEVELS[level or optimization_level(path)]
     return ort.InferenceSession(path, sess_options=opts, providers=providers(),
                                 disabled_optimizers=_large_model_optimizers(path))
 
