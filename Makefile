@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv build tune check test docs typecheck bench bench-build serve publish deploy plan verify clean
+.PHONY: venv build tune check test docs typecheck bench bench-build bench-scale serve publish deploy plan verify clean
 
 # A recipe target with a RECIPE that is not recipes/$(RECIPE).yaml stops here, before any install,
 # naming the recipes there. (A recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml.)
@@ -85,6 +85,11 @@ bench: $(DEV_STAMP) $(DATA_$(RECIPE))
 
 bench-build: $(STAMP)
 	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml
+
+# The cost curve against model size: random-weight Llama models of 135 M, 0.5 B and 1.1 B parameters
+# through fp8-llm's recipe; per stage wall time and peak RSS, the search's trials (ARGS='--sizes 135m,0.5b').
+bench-scale: $(STAMP)
+	$(PY) benchmarks/scale.py $(ARGS)
 
 # Upload the recipe's validated models to S3-compatible storage as a new Triton version
 # (TO=s3://bucket/prefix; credentials and AWS_ENDPOINT_URL from the standard AWS configuration).

@@ -209,17 +209,17 @@ def test_an_unreachable_fine_search_reports_its_closest_miss():
 
 
 def test_a_quantize_field_added_at_its_default_keeps_older_pins():
-    """``quantize.reduce_range`` came after the shipped pins: at False the digest is the one
-    without the field; set, it is another graph and the pin is stale."""
+    """``quantize.reduce_range`` came after pins were first written: at False the digest is the
+    one without the field; set, it is another graph and the pin is stale."""
     from pipeline.recipe_load import load_recipe
 
-    recipe = load_recipe("recipes/int8-llm.yaml")
+    full_range = load_recipe("recipes/int8-llm.yaml", overrides={"quantize.reduce_range": False})
     inputs = {"model_file": {"sha256": "m"}}
-    without = recipe.quantize.model_dump(mode="json")
+    without = full_range.quantize.model_dump(mode="json")
     without.pop("reduce_range")
     without["exclude"].pop("nodes")
     for k in ("max_trials", "time_limit_s"):
         without["tuning"].pop(k)
-    assert pin.match_fields(recipe, inputs)["quantize"] == pin._digest(without)
+    assert pin.match_fields(full_range, inputs)["quantize"] == pin._digest(without)
     seven_bit = load_recipe("recipes/int8-llm.yaml", overrides={"quantize.reduce_range": True})
     assert pin.match_fields(seven_bit, inputs)["quantize"] != pin._digest(without)
