@@ -87,7 +87,12 @@ def test_add_serve_arguments_defaults():
                                         ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
                                         ({"prompt": "a", "temperature": 3}, "temperature"),
                                         ({"prompt": "a", "n": 2}, "n"),
-                                        ({"max_tokens": 3}, "prompt")])
+                                        ({"max_tokens": 3}, "prompt"),
+                                        # JSON types as sent (strict): no coercion of strings, floats or booleans
+                                        ({"prompt": [True, 1]}, "prompt"),
+                                        ({"prompt": "a", "max_tokens": "2"}, "max_tokens"),
+                                        ({"prompt": "a", "max_tokens": 2.0}, "max_tokens"),
+                                        ({"prompt": "a", "echo": "yes"}, "echo")])
 def test_bad_fields_are_named(body, param):
     with pytest.raises(ApiError) as err:
         parse_request(CompletionRequest, {"model": MODEL, **body})
@@ -611,17 +616,34 @@ def test_bad_values_are_openai_shaped_400s_over_http(stack):
              ({"model": MODEL, "prompt": "a", "seed": 2**63}, "seed"),
              ({"model": MODEL, "prompt": "\ud800", "max_tokens": 2}, "prompt"),
              ({"model": MODEL, "prompt": "a", "stop": ["\ud800"]}, "stop.0"),
-             ({"model": MODEL, "prompt": "a", "logit_bias": {"1": 5}}, "logit_bias")]
+             ({"model": MODEL, "prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+             ({"model": MODEL, "prompt": [10**6], "max_tokens": 1}, "prompt")]  # out of the vocabulary
     for body, param in cases:
         response = _post(url + "/completions", body)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error", error
+    oov = _post(url + "/completions", cases[-1][0]).json()["error"]["message"]
+    assert "prompt: token ids must be" in oov and "input_ids" not in oov
     chat = _post(url + "/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                              "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools"
     broken = _post(url + "/completions", None, raw=b'{"model": "tiny_generate", "prompt": "\xff\xfe"}')
     assert broken.status_code == 400 and "error" in broken.json()
+
+
+@pytest.mark.server
+def test_unknown_routes_and_methods_get_openai_shaped_errors(stack):
+    import httpx
+
+    base = stack.open.url.removesuffix("/v1")
+    missing = httpx.post(base + "/v1/embeddings", json={"model": MODEL, "input": "a"})
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["type"] == "invalid_request_error" and "POST /v1/completions" in error["message"]
+    wrong = httpx.get(base + "/v1/completions")
+    assert wrong.status_code == 405 and "GET is not allowed on /v1/completions" in wrong.json()["error"]["message"]
+    assert "POST" in wrong.headers.get("allow", "")
 
 
 @pytest.mark.server

@@ -41,6 +41,7 @@ import anyio
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import EnvironmentFault, PipelineError
 from pipeline.serve.openai_requests import (  # noqa: F401  (re-exported: the endpoint's request API)
@@ -145,8 +146,8 @@ class TritonGenerator:
         try:
             async for result, error in _guard(self.url, responses):
                 if error is not None:
-                    raise ApiError(400, f"{self.model}: {error.message()}", param=_param_of(error.message()),
-                                   code="generation_error")
+                    raise ApiError(400, f"{self.model}: {_openai_names(error.message())}",
+                                   param=_param_of(error.message()), code="generation_error")
                 piece = _piece(result)
                 if piece.finish_reason:
                     finished.set()
@@ -164,13 +165,28 @@ class TritonGenerator:
         await self.client.close()
 
 
+#: the generation model's prompt inputs -> the OpenAI field they come from
+_PROMPT_INPUTS = re.compile(r"\b(input_ids|text_input)\b")
+
+
 def _param_of(message: str) -> str | None:
-    """The request field a generation model's error names (its inputs keep the OpenAI names),
-    or None: ``prompt`` for a prompt that alone fills the context."""
-    if message.startswith("prompt has"):
+    """The request field a generation model's error names (its inputs keep the OpenAI names, but
+    for the prompt's ``input_ids`` / ``text_input``), or None: ``prompt`` for a prompt that alone
+    fills the context or holds a token id outside the vocabulary."""
+    if message.startswith("prompt has") or _PROMPT_INPUTS.match(message):
         return "prompt"
     found = re.search(r"\b(max_tokens|temperature|top_p|top_k|seed|stop|messages)\b", message)
     return found.group(1) if found else None
+
+
+def _openai_names(message: str) -> str:
+    """``message`` with a leading Triton prompt input named as the OpenAI field
+    (``input_ids must be ...`` -> ``prompt: token ids must be ...``)."""
+    found = _PROMPT_INPUTS.match(message)
+    if not found:
+        return message
+    what = "token ids" if found.group(1) == "input_ids" else "the text"
+    return f"prompt: {what}{message[found.end():]}"
 
 
 async def _guard(url: str, responses) -> AsyncIterator:
@@ -303,6 +319,11 @@ class TokenCounter:
 # --- the app ---------------------------------------------------------------------------------------------
 
 
+#: the endpoint's routes, as a 404 lists them
+ROUTES = ("GET /v1/models", "GET /v1/models/{model}", "GET /health", "POST /v1/completions",
+          "POST /v1/chat/completions")
+
+
 @dataclass
 class EndpointConfig:
     """What the endpoint serves. ``api_key``: None = no key checked (loopback only)."""
@@ -331,6 +352,13 @@ def create_app(cfg: EndpointConfig):
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route / method: OpenAI's shape
+        what = {404: f"no route {request.url.path}; routes: {', '.join(ROUTES)}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        headers = getattr(exc, "headers", None)
+        return JSONResponse(ApiError(exc.status_code, what).body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):  # a bug: still OpenAI's error shape

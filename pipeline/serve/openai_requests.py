@@ -111,6 +111,10 @@ class ChatRequest(_Request):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
+#: what ``prompt`` may be (OpenAI's completions API)
+PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of such lists"
+
+
 def parse_request(cls: type[_Request], body: Any) -> _Request:
     """Validate a JSON body; the first problem becomes a 400 naming the field.
 
@@ -125,7 +129,7 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
     if cls is ChatRequest:
         _check_content_parts(body)
     try:
-        req = cls.model_validate(body)
+        req = cls.model_validate(body, strict=True)  # JSON types as sent: "2" is no integer, true no token id
     except ValidationError as e:
         first = e.errors()[0]
         path = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "str", "int", "function-"))]
@@ -133,6 +137,8 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"{name}: not a parameter this endpoint supports (docs/serving.md lists them)",
                            param=name, code="unsupported_parameter") from None
+        if path[:1] == ["prompt"]:
+            raise ApiError(400, f"prompt: {PROMPT_FORMS}; got {body.get('prompt')!r}"[:400], param="prompt") from None
         raise ApiError(400, f"{name}: {first['msg']} (got {first.get('input')!r})", param=name) from None
     _check_combinations(req)
     return req
