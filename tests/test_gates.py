@@ -60,7 +60,8 @@ def test_kind_metrics_cover_old_and_new_kind_names():
     assert gates.kind_metrics("text-generation") == gates.kind_metrics("causal-lm") >= {
         "relative_perplexity_increase", "token_agreement"}
     assert gates.kind_metrics("sentence-embedding") == gates.kind_metrics("encoder") == {
-        "spearman_drop_wordsim353", "spearman_drop_simlex999", "spearman_drop_max", "mean_cosine", "min_cosine"}
+        "spearman_drop_wordsim353", "spearman_drop_simlex999", "spearman_drop_max", "mean_cosine", "min_cosine",
+        "speedup_vs_fp32"}
     assert gates.kind_metrics("image-classification") == {"top1_accuracy_drop", "top1_agreement"}
     assert gates.kind_metrics("generic") >= {"mean_cosine", "min_cosine", "top1_agreement"}
     with pytest.raises(KeyError, match="model kind 'speech' declares no gate metrics; kinds with metrics: "):
@@ -98,7 +99,7 @@ def test_check_refuses_a_metric_the_kind_does_not_produce(tmp_path, capsys):
     line = next(i for i, t in enumerate(open(path).read().splitlines(), 1) if "top1_agreement" in t)
     assert (f"{path}:{line}: validate.gates.2.metric: 'top1_agreement' is not a metric of a sentence-embedding "
             "model; valid: ['mean_cosine', 'min_cosine', 'spearman_drop_max', 'spearman_drop_simlex999', "
-            "'spearman_drop_wordsim353']") in err
+            "'spearman_drop_wordsim353', 'speedup_vs_fp32']") in err
 
 
 def test_per_set_spearman_gates_are_accepted_for_encoders(tmp_path):

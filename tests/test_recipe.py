@@ -245,7 +245,7 @@ def test_encoder_constraints(tmp_path):
         load_recipe(path)
     assert "validate.gates.2.metric: 'relative_perplexity_increase' is not a metric of a sentence-embedding model; " \
            "valid: ['mean_cosine', 'min_cosine', 'spearman_drop_max', 'spearman_drop_simlex999', " \
-           "'spearman_drop_wordsim353']" in str(err.value)
+           "'spearman_drop_wordsim353', 'speedup_vs_fp32']" in str(err.value)
     assert "triton.max_batch_size: an encoder's tokenizer model and ensemble batch requests" in str(err.value)
 
 
