@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.gates import SPEEDUP_MARGIN  # noqa: F401  (the gate's margin; its measurement is above)
-from pipeline.provenance import cpu_flags
+from pipeline.provenance import INT8_DOT_FLAGS, cpu_flags
 
 
 def speed_note(precision: str, level: str, providers: list[str] | None = None,
@@ -49,8 +49,6 @@ def speed_note(precision: str, level: str, providers: list[str] | None = None,
 def int8_note(level: str, flags: list[str] | None = None) -> str:
     """What decides INT8 speed on this CPU, and the faster option where there is one (a
     sentence with a leading space). ``flags``: :func:`pipeline.provenance.cpu_flags`."""
-    from pipeline.provenance import INT8_DOT_FLAGS, cpu_flags
-
     flags = cpu_flags() if flags is None else flags
     dot = [f for f in flags if f in INT8_DOT_FLAGS]
     if level == "basic":
