@@ -20,6 +20,7 @@ from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.triton.config import graph_io, parse_config
 from pipeline.stages.triton import write_repository
 from test_serve_generation import CancellingRequest, fake_backend
+from tiny import continuation
 from test_triton_repository import (
     EOS, HEAD_DIM, HEADS, LAYERS, VOCAB, FakeRequest, build_artifact, load_template, make_recipe, ort_session,
     reference_generate, tiny_llm, tiny_tokenizer,
@@ -165,8 +166,15 @@ def wait_for(condition, what: str, limit_s: float = 60.0) -> None:
         time.sleep(0.001)
 
 
-def run(model, *requests):
-    assert model.execute(list(requests)) is None
+def run(model, *requests, all_queued: bool = False):
+    """Execute ``requests`` and wait for every final response. ``all_queued``: the scheduler takes
+    none before the last is queued (execute() enqueues one by one, re-entering the model's lock,
+    an RLock, that the scheduler needs to admit), so the admission order does not depend on timing."""
+    if all_queued:
+        with model.cond:
+            assert model.execute(list(requests)) is None
+    else:
+        assert model.execute(list(requests)) is None
     model.drain(timeout=120)
     assert not model.inflight
     return requests
@@ -285,11 +293,11 @@ def test_a_cancelled_request_frees_its_slot_for_a_queued_one(masked):
     queued = ids_request([5, 5, 5], 2, ignore_eos=np.array([True]))
     asked = cancelled.is_cancelled
 
-    def once_queued() -> bool:  # execute() enqueues one by one: cancel only once `queued` waits for a slot
+    def once_queued() -> bool:  # cancel only while `queued` waits for a slot
         return asked() and any(s.request is queued for s in list(model.waiting))
 
     cancelled.is_cancelled = once_queued
-    run(model, *long, cancelled, queued)
+    run(model, *long, cancelled, queued, all_queued=True)
     assert final(queued) == {"finish_reason": "length", "detail": "max_tokens 2 reached"}
     assert cancelled.sent[-1][0].error.code == "CANCELLED" and 1 <= len(tokens(cancelled)) < 30
     gone = max(i for i, step in enumerate(recorder.steps) if cancelled in step)
@@ -317,14 +325,14 @@ def test_a_disconnect_during_a_step_frees_the_slot_before_the_next_step(masked):
     def spy(seqs, n):  # each step: its batch and the active sequences; the client leaves during a decode step
         batch = [s.request for s in seqs]
         steps.append((batch, [s.request for s in model.active]))
-        waits = any(s.request is queued for s in list(model.waiting))  # execute() enqueues one by one
+        waits = any(s.request is queued for s in list(model.waiting))
         if victim in batch and len(tokens(victim)) >= 3 and not victim.gone and waits:
             victim.gone = True
             left_at.append((len(steps) - 1, len(tokens(victim))))
         return forward(seqs, n)
 
     model._forward = spy
-    run(model, *long, victim, queued)
+    run(model, *long, victim, queued, all_queued=True)
     k, produced = left_at[0]
     assert queued not in steps[k][1] and len(steps[k][1]) == 4  # the batch was full: the queued request waited
     batch, active = steps[k + 1]  # the next step: the victim has left and the queued request took its slot
@@ -470,7 +478,7 @@ def test_a_stop_string_ends_the_stream_with_the_text_before_it(masked):
     words = [tok.decode([t]) for t in greedy]
     stop = next(w for w in words[2:] if w)
     at = words.index(stop)  # the first token whose text is the stop string
-    full = tok.decode(greedy[:at + 1])
+    full = continuation(tok, [1, 2], greedy[:at + 1])
     request, = run(model, ids_request([1, 2], 8, ignore_eos=np.array([True]), stop=np.array([stop.encode()], np.object_)))
     assert tokens(request) == greedy[:at + 1]
     assert final(request) == {"finish_reason": "stop", "detail": f"stop string {stop!r}"}

@@ -17,6 +17,7 @@ from pipeline.errors import PipelineError
 from pipeline.serve.client import ServeClientError, StreamClient, generation_inputs
 from pipeline.stages.triton import write_repository
 from serve_tiny import context_build, llm_artifacts, llm_recipe, tiny_metaspace
+from tiny import continuation
 from test_triton_repository import FakeRequest, fake_pb_utils, load_template, ort_session, reference_generate
 
 TEMPLATE = Path(pipeline.triton.__file__).parent / "templates" / "generate_model.py"
@@ -67,11 +68,6 @@ def template_module(monkeypatch):
 
 def metaspace(folder: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_metaspace(folder, EOS_IDS) / "tokenizer.json"))
-
-
-def continuation(tok: Tokenizer, prompt: list[int], tokens: list[int]) -> str:
-    """The text ``tokens`` add after ``prompt``: what a served completion streams."""
-    return tok.decode(prompt + tokens)[len(tok.decode(prompt)):]
 
 
 # --- IncrementalDecoder ----------------------------------------------------------------------------------

@@ -108,3 +108,10 @@ def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
     path = ws / "tiny-llm.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def continuation(tok, prompt: list[int], tokens: list[int], skip_special_tokens: bool = True) -> str:
+    """The text ``tokens`` add after ``prompt`` (a ``tokenizers.Tokenizer``): what a served
+    generation streams, the generation model's decoder being seeded with the prompt."""
+    head = tok.decode(prompt, skip_special_tokens=skip_special_tokens)
+    return tok.decode(prompt + tokens, skip_special_tokens=skip_special_tokens)[len(head):]
