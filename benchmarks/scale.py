@@ -68,14 +68,14 @@ def make_model(size: str, folder: Path) -> tuple[Path, int]:
 def write_recipe(size: str, model_dir: Path, ws: Path) -> Path:
     """fp8-llm's recipe on ``model_dir``, with a loose gate and a shorter validate split."""
     data = yaml.safe_load((ROOT / "recipes" / "fp8-llm.yaml").read_text())
-    data["name"] = f"scale-{size}"
+    data["name"] = f"scale-{size.replace('.', '_')}"  # a recipe name has no dots
     data["model"] = {"kind": "text-generation", "source": {"path": str(model_dir)}}
     data["validate"].update(max_windows=8, generation={"prompts": 2, "new_tokens": 8})
     data["validate"]["gates"] = [{"metric": "relative_perplexity_increase", "max": 9.0}]
     data["work_dir"], data["output_dir"] = str(ws / "artifacts"), str(ws / "model_repository")
     data["triton"].update(model_name=f"scale_{size.replace('.', '_')}",
                           generate_model_name=f"scale_{size.replace('.', '_')}_generate")
-    path = ws / f"scale-{size}.yaml"
+    path = ws / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
