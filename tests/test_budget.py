@@ -281,3 +281,29 @@ def test_fine_search_keeps_single_gemms_within_the_budget(runner):
     assert fine.quantized_fraction == pytest.approx(1 - len(fine.excluded_scopes) / 14)
     assert fine.notes and "full trials bracket" in fine.notes[0]
     assert len(runner.trials) - before <= budget.FULL_TRIALS + 1  # no per-GEMM trial pass
+
+
+def test_a_graph_past_protobufs_limit_opens_with_its_initializers_beside_it(monkeypatch):
+    """The sensitivity switch graph of a ~0.5 B model is over 2 GiB: its large initializers go to
+    ONNX Runtime outside the proto (here the limit is lowered to make a small graph take that path)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.quant import sensitivity
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(512, 600)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 600])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    x = {"x": np.ones((2, 512), np.float32)}
+    expected = sensitivity._session(model).run(None, x)[0]
+    monkeypatch.setattr(sensitivity, "PROTOBUF_LIMIT", 1000)
+    kept = sensitivity._session(model)  # not consumed: the caller's graph keeps its data
+    assert model.graph.initializer[0].data_location == onnx.TensorProto.DEFAULT
+    np.testing.assert_array_equal(kept.run(None, x)[0], expected)
+    consumed = sensitivity._session(model, consume=True)
+    assert model.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
+    np.testing.assert_array_equal(consumed.run(None, x)[0], expected)

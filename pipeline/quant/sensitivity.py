@@ -33,10 +33,11 @@ from typing import Callable, Collection
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from scipy.special import log_softmax, logsumexp
 
 from pipeline.errors import QuantizationError
+from pipeline.onnx_io import PROTOBUF_LIMIT
 from pipeline.quant import qdq
 
 #: metrics a trial measures (and an accuracy budget may name), and whether lower is better
@@ -276,7 +277,7 @@ class TrialRunner:
             per_node = {t.node: [t.node] for t in self.targets}
             graph, switches = switch_graph(self.model, self.targets, per_node, self.amax, self.fmt,
                                            self.per_channel, self._weights)
-            self._switch = (_session(graph), switches)
+            self._switch = (_session(graph, consume=True), switches)
         return self._switch
 
 
@@ -339,15 +340,45 @@ def thread_noise(runner: TrialRunner, metric: str, batches: int = 1) -> float:
     return abs(other[metric] - base.metrics[metric])
 
 
-def _session(model: onnx.ModelProto, threads: int = 0, level=None) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, threads: int = 0, level=None, *, consume: bool = False) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of an in-memory graph, at the level validate uses for FP8 Q/DQ
     (basic: exact simulated quantization; :mod:`pipeline.ort_sessions`) unless ``level`` says another;
-    ``threads`` intra-op threads (0: ONNX Runtime's default, one per core)."""
+    ``threads`` intra-op threads (0: ONNX Runtime's default, one per core).
+
+    A graph at or over protobuf's 2 GiB (the switch graph of a ~0.5 B model: FP32 and quantized
+    weights) cannot be serialized: its large initializers go to ONNX Runtime beside the proto
+    (``add_external_initializers``). ``consume``: ``model`` may be emptied of them (else a copy is)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if level is None else level
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    values = []
+    if model.ByteSize() >= PROTOBUF_LIMIT:
+        if not consume:
+            model = copy.deepcopy(model)
+        names, values = _initializers_outside(model)
+        opts.add_external_initializers(names, values)
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess._pipeline_initializers = values  # ONNX Runtime reads them in place: keep them alive
+    return sess
+
+
+def _initializers_outside(model: onnx.ModelProto, min_bytes: int = 1 << 20) -> tuple[list[str], list]:
+    """Move every FP32 initializer of ``min_bytes`` or more (the bulk: the FP32 weights) out of
+    ``model`` (marked external, data cleared) into OrtValues: ``(names, values)`` for
+    ``SessionOptions.add_external_initializers``, which takes numpy types only (no FP8)."""
+    names, values = [], []
+    for t in model.graph.initializer:
+        if (t.data_type != onnx.TensorProto.FLOAT or t.data_location == onnx.TensorProto.EXTERNAL
+                or len(t.raw_data) < min_bytes):
+            continue
+        names.append(t.name)
+        values.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(numpy_helper.to_array(t))))
+        t.ClearField("raw_data")
+        t.data_location = onnx.TensorProto.EXTERNAL
+        entry = t.external_data.add()
+        entry.key, entry.value = "location", "in-memory"
+    return names, values
 
 
 @dataclass
