@@ -117,8 +117,8 @@ def _save_cpu_graph(art: QuantizedArtifact) -> QuantizedArtifact:
     """Write :data:`CPU_GRAPH` beside ``art.onnx_path``: the same values with UINT8 activations
     (:func:`pipeline.quant.qdq.uint8_activations`), and prove it loads."""
     path = Path(art.onnx_path)
-    model = onnx.load(str(path))
-    qdq.uint8_activations(model)
+    model = onnx.load(str(path), load_external_data=False)  # external weights are copied one at a time
+    qdq.uint8_activations(model)  # zero points are small: always inline
     cpu = path.with_name(CPU_GRAPH)
     onnx_io.save_model_atomic(model, cpu, base_dir=path.parent)
     onnx_io.require_loadable(str(cpu), "quantize")
