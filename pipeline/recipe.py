@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from pipeline.datasets.schema import DataSource
 from pipeline.model_source import ModelSourceSpec, legacy_problem
-from pipeline.recipe_problems import ConstraintErrors, Problem
+from pipeline.recipe_legacy import RENAMED_KINDS, refuse_old_fields
+from pipeline.recipe_problems import ConstraintErrors
 
 Precision = Literal["fp8", "int8", "fp16", "fp32"]
 CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
@@ -26,8 +25,6 @@ InstanceKind = Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"]
 #: Model kinds, named after the field's tasks; each has an adapter in pipeline/models/<kind>/
 #: (pipeline.models.registry maps kind -> adapter; tests check the two lists agree).
 ModelKind = Literal["text-generation", "sentence-embedding", "image-classification", "generic"]
-#: Kind names of older recipes -> their new name (refused, with the new form in the message).
-RENAMED_KINDS = {"causal-lm": "text-generation", "encoder": "sentence-embedding"}
 TritonTarget = Literal["auto", "tensorrt", "onnxruntime", "python-onnxruntime"]
 
 
@@ -87,58 +84,6 @@ class ExportConfig(Strict):
     )
 
 
-def _flow(value: object) -> str:
-    """``value`` as one line of YAML flow style, keys in their given order."""
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 20).strip()
-
-
-def _refuse_old_fields(data: object, at: tuple[str, ...], fields: Sequence[str]) -> object:
-    """A section mapping of an older recipe shape fails here, each old field with its
-    new form (``dataset`` + ``split`` -> ``data``, flat ``gates``, ``metric``).
-
-    Raises:
-        ConstraintErrors: (loc, message) per old field found, ``loc`` from the recipe root.
-    """
-    if not isinstance(data, dict):
-        return data
-    problems: list[Problem] = []
-    old = [k for k in ("dataset", "split") if k in data and k in fields]
-    if old:
-        new: dict = {"type": "corpus", "name": data.get("dataset", "lee_background")}
-        if isinstance(data.get("split"), dict):
-            new["split"] = data["split"]
-        problems.append(((*at, old[0]), f"{' and '.join(old)} were replaced by a data source (types corpus, text, "
-                         f"jsonl, pairs, images, npz); write data: {_flow(new)}"))
-    if "metric" in fields and "metric" in data:
-        problems.append(((*at, "metric"), "removed: it was never read (the model kind decides what validate "
-                         "measures); delete it"))
-    if "gates" in fields and isinstance(data.get("gates"), dict):
-        problems.append(((*at, "gates"), f"flat gate fields were replaced by a list of {{metric: <name>, max: <x>}} "
-                         f"or {{metric: <name>, min: <x>}}; write gates: {_flow(_gate_list(data['gates']))}"))
-    if problems:
-        raise ConstraintErrors(problems)
-    return data
-
-
-#: Flat gate fields of older recipes -> (metric, bound) of the gate that replaces each.
-OLD_GATE_FIELDS = {
-    "max_relative_perplexity_increase": ("relative_perplexity_increase", "max"),
-    "min_token_agreement": ("token_agreement", "min"),
-    "max_spearman_drop": ("spearman_drop_max", "max"),
-    "min_mean_cosine": ("mean_cosine", "min"),
-}
-
-
-def _gate_list(flat: dict) -> list[dict]:
-    """The gate list equivalent to an older recipe's flat ``gates`` mapping (unknown fields skipped)."""
-    out = []
-    for field, value in flat.items():
-        if field in OLD_GATE_FIELDS and value is not None:
-            metric, bound = OLD_GATE_FIELDS[field]
-            out.append({"metric": metric, bound: value})
-    return out
-
-
 class CalibrationConfig(Strict):
     method: CalibrationMethod = Field("max", description="how each activation's amax is taken over the calibration "
                                       "batches (pipeline.quant.calibrate.collect_amax)")
@@ -152,7 +97,7 @@ class CalibrationConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _old_shape(cls, data: object) -> object:
-        return _refuse_old_fields(data, ("quantize", "calibration"), ("dataset", "split"))
+        return refuse_old_fields(data, ("quantize", "calibration"), ("dataset", "split"))
 
     @model_validator(mode="after")
     def _name_data(self) -> "CalibrationConfig":
@@ -388,7 +333,7 @@ class ValidateConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _old_shape(cls, data: object) -> object:
-        return _refuse_old_fields(data, ("validate",), ("dataset", "split", "metric", "gates"))
+        return refuse_old_fields(data, ("validate",), ("dataset", "split", "metric", "gates"))
 
     @model_validator(mode="after")
     def _name_data(self) -> "ValidateConfig":

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import RecipeError
 from pipeline.model_source import SOURCE_KEYS
-from pipeline.recipe import OLD_GATE_FIELDS, Recipe
+from pipeline.recipe import Recipe
+from pipeline.recipe_legacy import OLD_GATE_FIELDS
 from pipeline.recipe_checks import constraint_problems
 from pipeline.recipe_problems import ConstraintErrors, Problem, dotted
 

@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     "pipeline.faults": BASE, "pipeline.interrupts": BASE, "pipeline.memory": BASE,
     "pipeline.provenance": BASE, "pipeline.onnx_io": BASE,
     # the recipe (problems, schema, per-kind gate metrics, checks, loader) and what it reads
-    "pipeline.recipe_problems": GROUND, "pipeline.recipe": GROUND, "pipeline.recipe_checks": GROUND,
+    "pipeline.recipe_problems": GROUND, "pipeline.recipe": GROUND, "pipeline.recipe_legacy": GROUND, "pipeline.recipe_checks": GROUND,
     "pipeline.recipe_kinds": GROUND,
     "pipeline.recipe_load": GROUND, "pipeline.gates": GROUND, "pipeline.serving_targets": GROUND,
     "pipeline.datasets": GROUND, "pipeline.model_source": GROUND,
@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "pipeline.compare": TOOLKITS, "pipeline.graph_checks": TOOLKITS, "pipeline.export_checks": TOOLKITS,
     "pipeline.ort_sessions": TOOLKITS, "pipeline.runners": TOOLKITS, "pipeline.feeds": TOOLKITS,
     "pipeline.profiles": TOOLKITS, "pipeline.engine_backends": TOOLKITS, "pipeline.engine_report": TOOLKITS,
+    "pipeline.engine_builder": TOOLKITS, "pipeline.engine_stamp": TOOLKITS, "pipeline.engine_trtexec": TOOLKITS,
     "pipeline.context": TOOLKITS, "pipeline.text_data": TOOLKITS,
     "pipeline.quant": TOOLKITS, "pipeline.triton": TOOLKITS, "pipeline.metrics": TOOLKITS,
     "pipeline.models": KINDS,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import serving_targets
+from pipeline import engine_stamp, serving_targets
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 from test_build_stage import DECODE, INPUTS, PROFILE, make_recipe, write_onnx
@@ -154,7 +154,7 @@ def test_matching_machine_builds_engine_and_stamp(tmp_path, machine):
 
 def test_missing_serving_declaration_is_refused(tmp_path, machine):
     machine()
-    with pytest.raises(build.ServingRuntimeError, match="does not declare triton.serving") as err:
+    with pytest.raises(engine_stamp.ServingRuntimeError, match="does not declare triton.serving") as err:
         run(tmp_path, recipe_with(tmp_path, None))
     assert "TensorRT 10.8.0.43 and a NVIDIA H100 80GB HBM3 (compute capability 9.0)" in str(err.value)
     assert str(err.value).endswith(
@@ -165,7 +165,7 @@ def test_missing_serving_declaration_is_refused(tmp_path, machine):
 def test_local_tensorrt_differing_from_the_declared_one_is_refused(tmp_path, machine, monkeypatch):
     machine(version="11.1.0.5")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(build.ServingRuntimeError, match="refusing to build") as err:
+    with pytest.raises(engine_stamp.ServingRuntimeError, match="refusing to build") as err:
         run(tmp_path, recipe_with(tmp_path, H100))
     msg = str(err.value)
     assert "tensorrt_version: this machine has '11.1.0.5', the serving runtime " \
@@ -184,7 +184,7 @@ def test_only_the_build_number_may_differ(tmp_path, machine):
 
 def test_explicit_tensorrt_version_names_a_known_container(tmp_path, machine):
     machine(version="10.9.0.34")
-    with pytest.raises(build.ServingRuntimeError) as err:
+    with pytest.raises(engine_stamp.ServingRuntimeError) as err:
         run(tmp_path, recipe_with(tmp_path, {"tensorrt": "10.8.0", "gpu": "H100"}))
     assert "tensorrt_version: this machine has '10.9.0.34', the serving runtime has '10.8.0'" in str(err.value)
     assert "inside nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3" in str(err.value)
@@ -192,7 +192,7 @@ def test_explicit_tensorrt_version_names_a_known_container(tmp_path, machine):
 
 def test_other_compute_capability_than_declared_is_refused(tmp_path, machine):
     machine(capability=(8, 9), name="NVIDIA L40S")
-    with pytest.raises(build.ServingRuntimeError) as err:
+    with pytest.raises(engine_stamp.ServingRuntimeError) as err:
         run(tmp_path, recipe_with(tmp_path, H100))
     assert "compute_capability: this machine has '8.9', the serving GPU 'H100' has '9.0'" in str(err.value)
     script = tmp_path / "build" / "trtexec.sh"  # outside the working folder: absolute, no docker example
@@ -211,7 +211,7 @@ def test_same_capability_other_gpu_model_builds_with_a_warning(tmp_path, machine
 
 def test_fp8_on_compute_capability_8_6_is_refused(tmp_path, machine):
     machine(version="10.8.0.43", capability=(8, 6), name="NVIDIA A10")
-    with pytest.raises(build.ServingRuntimeError) as err:
+    with pytest.raises(engine_stamp.ServingRuntimeError) as err:
         run(tmp_path, recipe_with(tmp_path, {"container": "25.01-trtllm-python-py3", "gpu": "A10"}, "fp8"))
     assert "FP8 needs compute capability >= 8.9; this GPU (NVIDIA A10) has compute capability 8.6" in str(err.value)
     assert FakeBuilder.built == []
@@ -219,7 +219,7 @@ def test_fp8_on_compute_capability_8_6_is_refused(tmp_path, machine):
 
 def test_fp8_for_a_declared_gpu_below_8_9_is_refused(tmp_path, machine):
     machine()
-    with pytest.raises(build.ServingRuntimeError) as err:
+    with pytest.raises(engine_stamp.ServingRuntimeError) as err:
         run(tmp_path, recipe_with(tmp_path, {"container": "25.01-trtllm-python-py3", "gpu": "A100"}, "fp8"))
     assert "FP8 needs compute capability >= 8.9; the serving GPU (A100) has compute capability 8.0" in str(err.value)
 

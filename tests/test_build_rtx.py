@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import engine_backends, engine_report, serving_targets
+from pipeline import engine_backends, engine_builder, engine_report, engine_stamp, serving_targets
 from pipeline.artifacts import ResolvedProfile, TensorSpec
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, RecipeError
 from pipeline.recipe import Recipe
@@ -97,7 +97,7 @@ def test_rtx_stamp_is_refused_for_tensorrt_plan(tmp_path):
     art = build.build_from_onnx(rtx_recipe(tmp_path, [PREFILL]), write_qdq_matmuls(tmp_path / "q.onnx"), QDQ_INPUTS,
                     tmp_path / "build")
     h100 = serving_targets.Target("10.8.0.43", "9.0", "H100")
-    result = build.check_stamp(stamp_of(art), h100, "whatever")
+    result = engine_stamp.check_stamp(stamp_of(art), h100, "whatever")
     assert len(result.errors) == 1
     assert result.errors[0].startswith("backend: engine built by TensorRT-RTX 1.7")
     assert "Triton's tensorrt_plan backend (datacenter TensorRT 10.8.0.43) cannot load; serve the ONNX graph" in result.errors[0]
@@ -108,18 +108,18 @@ def test_inconsistent_profile_is_refused_by_the_real_builder():
     trt = backend.module()
     builder = trt.Builder(trt.Logger(trt.Logger.ERROR))
     prof = ResolvedProfile("decode", {"x": {"min": [1, 8], "opt": [1, 4], "max": [1, 16]}})
-    with pytest.raises(build.EngineBuildError, match=r"build.profiles 'decode': TensorRT rejected the optimization "
+    with pytest.raises(engine_builder.EngineBuildError, match=r"build.profiles 'decode': TensorRT rejected the optimization "
                                                       r"profile \(x min \[1, 8\] opt \[1, 4\] max \[1, 16\]\); each "
                                                       r"axis needs min <= opt <= max"):
-        build.add_profile(backend, builder, builder.create_builder_config(), prof, ["x"])
+        engine_builder.add_profile(backend, builder, builder.create_builder_config(), prof, ["x"])
 
 
 def test_parser_refusal_of_a_model_node_is_exit_2(tmp_path):
     recipe = rtx_recipe(tmp_path, [BATCH], targets=["sm86"])
-    with pytest.raises(build.EngineBuildError) as err:
+    with pytest.raises(engine_builder.EngineBuildError) as err:
         build.build_from_onnx(recipe, write_unbuildable(tmp_path / "bad.onnx"), [TensorSpec("x", "float32", ["batch", 16])],
                   tmp_path / "build")
-    assert err.value.exit_code == EXIT_BAD_INPUT and not isinstance(err.value, build.InsertedNodeRejected)
+    assert err.value.exit_code == EXIT_BAD_INPUT and not isinstance(err.value, engine_builder.InsertedNodeRejected)
     msg = str(err.value)
     assert "TensorRT-RTX 1.7.1.116 ONNX parser rejected" in msg
     assert "node 'to_string' (Cast): " in msg and "Unsupported data type for the Cast operator" in msg
@@ -129,7 +129,7 @@ def test_parser_refusal_of_a_model_node_is_exit_2(tmp_path):
 
 def test_parser_refusal_of_a_node_the_pipeline_inserted_is_exit_3(tmp_path):
     exported = write_unbuildable(tmp_path / "exported.onnx", cast_name="original")  # has no node 'to_string'
-    with pytest.raises(build.InsertedNodeRejected) as err:
+    with pytest.raises(engine_builder.InsertedNodeRejected) as err:
         build.build_from_onnx(rtx_recipe(tmp_path, [BATCH]), write_unbuildable(tmp_path / "bad.onnx"),
                   [TensorSpec("x", "float32", ["batch", 16])], tmp_path / "build", source_onnx=exported)
     assert err.value.exit_code == EXIT_INTERNAL

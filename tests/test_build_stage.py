@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ProfileError
-from pipeline import fsutil, serving_targets
+from pipeline import engine_builder, engine_stamp, engine_trtexec, fsutil, serving_targets
 from pipeline.recipe import Recipe
 from pipeline.stages import build
 
@@ -118,10 +118,10 @@ def test_trtexec_script_text_single_profile(tmp_path):
 def test_trtexec_script_is_valid_sh_that_passes_names_through(tmp_path):
     recipe = make_recipe(tmp_path, [PROFILE])
     [res] = build.profiles.resolve_profiles(list(recipe.build.profiles), INPUTS)
-    argv = build.trtexec_command(
+    argv = engine_trtexec.trtexec_command(
         tmp_path / "m.onnx", tmp_path / "m.plan", [res], build.dynamic_inputs(INPUTS), recipe.build, tmp_path / "c"
     )
-    script = build.write_trtexec_script(tmp_path / "t.sh", argv)
+    script = engine_trtexec.write_trtexec_script(tmp_path / "t.sh", argv)
     # run the script with a "trtexec" that prints its argv, one per line
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -137,7 +137,7 @@ def test_trtexec_script_is_valid_sh_that_passes_names_through(tmp_path):
 def test_trtexec_one_group_per_profile(tmp_path):
     recipe = make_recipe(tmp_path, [PROFILE, DECODE])
     resolved = build.profiles.resolve_profiles(list(recipe.build.profiles), INPUTS)
-    argv = build.trtexec_command(
+    argv = engine_trtexec.trtexec_command(
         Path("/m.onnx"), Path("/m.plan"), resolved, ["input_ids"], recipe.build, Path("/c.cache")
     )
     assert argv[4:12] == [
@@ -156,8 +156,8 @@ def test_trtexec_rejects_names_it_cannot_express(tmp_path):
     recipe = make_recipe(tmp_path, [PROFILE])
     [res] = build.profiles.resolve_profiles(list(recipe.build.profiles), INPUTS)
     res.shapes["a,b"] = res.shapes["input_ids"]
-    with pytest.raises(build.EngineBuildError, match=r"'a,b'"):
-        build.trtexec_command(Path("/m"), Path("/p"), [res], ["a,b"], recipe.build, Path("/c"))
+    with pytest.raises(engine_builder.EngineBuildError, match=r"'a,b'"):
+        engine_trtexec.trtexec_command(Path("/m"), Path("/p"), [res], ["a,b"], recipe.build, Path("/c"))
 
 
 def test_dynamic_inputs_are_those_with_a_non_static_axis():
@@ -245,9 +245,9 @@ def test_run_rejects_shape_tensor_inputs(tmp_path):
 
 def test_run_rejects_inputs_that_differ_from_the_graph(tmp_path):
     onnx_path = write_onnx(tmp_path / "m.onnx")
-    with pytest.raises(build.EngineBuildError, match=r"has inputs \['input_ids', 'mask:0', 'scale'\]"):
+    with pytest.raises(engine_builder.EngineBuildError, match=r"has inputs \['input_ids', 'mask:0', 'scale'\]"):
         build.build_from_onnx(make_recipe(tmp_path, [PROFILE]), onnx_path, INPUTS[:2], tmp_path / "b")
-    with pytest.raises(build.EngineBuildError, match="not found"):
+    with pytest.raises(engine_builder.EngineBuildError, match="not found"):
         build.build_from_onnx(make_recipe(tmp_path, [PROFILE]), str(tmp_path / "nope.onnx"), INPUTS, tmp_path / "b")
 
 
@@ -267,22 +267,22 @@ TARGET = serving_targets.Target("10.13.0.35", "9.0", "H200")
 
 
 def test_check_stamp_accepts_a_matching_engine():
-    result = build.check_stamp(STAMP, TARGET, "abc123")
+    result = engine_stamp.check_stamp(STAMP, TARGET, "abc123")
     assert (result.errors, result.warnings) == ([], [])
 
 
 def test_check_stamp_lists_every_mismatch():
     stamp = {**STAMP, "tensorrt_version": "10.8.0.43", "compute_capability": "8.9", "gpu_name": "NVIDIA L40S"}
-    [trt, cap] = build.check_stamp(stamp, TARGET, "abc123").errors
+    [trt, cap] = engine_stamp.check_stamp(stamp, TARGET, "abc123").errors
     assert trt.startswith("tensorrt_version: engine has '10.8.0.43', the serving runtime has '10.13.0.35'")
     assert cap.startswith("compute_capability: engine has '8.9', the serving GPU 'H200' has '9.0'")
     assert "GPU architecture" in cap and cap.endswith("; rebuild the engine")
-    [changed] = build.check_stamp(STAMP, TARGET, "def456").errors
+    [changed] = engine_stamp.check_stamp(STAMP, TARGET, "def456").errors
     assert changed.startswith("recipe_hash: engine has 'abc123', the recipe 'def456'")
 
 
 def test_check_stamp_warns_for_another_gpu_of_the_same_capability():
-    result = build.check_stamp(STAMP, serving_targets.Target("10.13.0", "9.0", "H100"), "abc123")
+    result = engine_stamp.check_stamp(STAMP, serving_targets.Target("10.13.0", "9.0", "H100"), "abc123")
     assert result.errors == []
     [warning] = result.warnings
     assert warning.startswith("gpu_name: engine has 'NVIDIA H200', the serving GPU is 'H100': same compute capability 9.0")
@@ -290,7 +290,7 @@ def test_check_stamp_warns_for_another_gpu_of_the_same_capability():
 
 def test_check_stamp_reports_missing_fields():
     stamp = {k: v for k, v in STAMP.items() if k not in ("compute_capability", "gpu_name")}
-    result = build.check_stamp(stamp, TARGET, "abc123")
+    result = engine_stamp.check_stamp(stamp, TARGET, "abc123")
     assert result.errors == [
         "compute_capability: missing from the engine stamp; rebuild the engine",
         "gpu_name: missing from the engine stamp; rebuild the engine",
@@ -310,7 +310,7 @@ def test_file_sha256_matches_hashlib(tmp_path):
 
 @pytest.mark.skipif(not trt_and_gpu_present(), reason="needs the tensorrt wheel and a CUDA GPU")
 def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
-    here = build.local_target()
+    here = engine_stamp.local_target()
     data = make_recipe(tmp_path, [PROFILE, DECODE]).model_dump(by_alias=True)
     trt = ".".join(map(str, serving_targets.tensorrt_triple(here.tensorrt)))
     data["triton"]["serving"] = {"tensorrt": trt, "gpu": here.gpu_name, "compute_capability": here.compute_capability}
@@ -320,6 +320,6 @@ def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
     assert Path(art.engine_path).stat().st_size > 0
     assert (tmp_path / "cache" / "tiny.cache").stat().st_size > 0
     stamp = json.loads(Path(art.stamp_path).read_text())
-    assert build.check_stamp(stamp, build.local_target(), recipe.engine_hash).errors == []
+    assert engine_stamp.check_stamp(stamp, engine_stamp.local_target(), recipe.engine_hash).errors == []
     assert stamp["onnx_sha256"] == fsutil.sha256_file(tmp_path / "model.onnx")
     assert shlex.split(Path(art.trtexec_cmd_path).read_text().split("\n", 2)[2].replace("\\\n", " "))[0] == "trtexec"

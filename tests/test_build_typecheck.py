@@ -1,4 +1,4 @@
-"""mypy checks pipeline/stages/build.py against the TensorRT type stubs (tensorrt-stubs).
+"""mypy checks the engine build (pipeline/engine_builder.py, pipeline/stages/build.py) against the TensorRT type stubs (tensorrt-stubs).
 
 tensorrt-stubs 10.13 installs a bare ``tensorrt/__init__.pyi`` without a
 ``py.typed`` marker, which mypy skips (PEP 561: "missing library stubs or
@@ -109,7 +109,8 @@ def test_mypy_resolves_the_generated_tensorrt_rtx_stubs(mypy_env, tmp_path):
 
 
 def test_build_stage_typechecks_against_tensorrt_stubs(mypy_env):
-    out = _mypy(mypy_env, "pipeline/stages/build.py", "pipeline/serving_targets.py", "pipeline/stages/triton.py",
+    out = _mypy(mypy_env, "pipeline/stages/build.py", "pipeline/engine_builder.py", "pipeline/engine_stamp.py",
+                "pipeline/engine_trtexec.py", "pipeline/serving_targets.py", "pipeline/stages/triton.py",
                 "pipeline/runners.py", "pipeline/engine_backends.py", "pipeline/engine_report.py")
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from conftest import ROOT
+from pipeline import engine_stamp
 from pipeline.artifacts import BuildArtifact
 from pipeline.errors import TritonConfigError
 from pipeline.recipe_load import load_recipe
-from pipeline.stages import build
 from pipeline.stages.triton import check_engine
 
 SERVING = {"container": "25.01-trtllm-python-py3", "gpu": "H100"}  # TensorRT 10.8.0.43, compute capability 9.0
@@ -37,8 +37,8 @@ def no_local_tensorrt(monkeypatch):
     def refuse():
         raise AssertionError("check_engine consulted the local tensorrt / GPU")
 
-    monkeypatch.setattr(build, "tensorrt_version", refuse)
-    monkeypatch.setattr(build, "gpu_info", refuse)
+    monkeypatch.setattr(engine_stamp, "tensorrt_version", refuse)
+    monkeypatch.setattr(engine_stamp, "gpu_info", refuse)
 
 
 def test_matching_stamp_is_accepted(tmp_path):

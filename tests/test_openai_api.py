@@ -16,16 +16,9 @@ from starlette.requests import ClientDisconnect
 from tokenizers import Tokenizer
 
 from pipeline.errors import PipelineError
-from pipeline.serve.openai_api import (
-    ApiError,
-    ClosingStreamingResponse,
-    CompletionRequest,
-    StopText,
-    is_loopback,
-    parse_request,
-    resolve_api_key,
-    triton_inputs,
-)
+from pipeline.serve.openai_api import ClosingStreamingResponse, is_loopback, resolve_api_key
+from pipeline.serve.openai_bridge import StopText, triton_inputs
+from pipeline.serve.openai_requests import ApiError, CompletionRequest, parse_request
 from pipeline.triton.config import GENERATE_INPUTS
 from serve_tiny import context_build, llm_artifacts, llm_recipe, tiny_metaspace
 
@@ -664,7 +657,7 @@ def test_a_client_gone_from_a_fast_non_streamed_generation_is_noticed():
     stops and its Triton request is closed, long before the last piece."""
     import asyncio
 
-    from pipeline.serve.openai_api import ApiError, _until_disconnect
+    from pipeline.serve.openai_bridge import until_disconnect
 
     state = {"sent": 0, "closed": False}
 
@@ -682,7 +675,7 @@ def test_a_client_gone_from_a_fast_non_streamed_generation_is_noticed():
             return True
 
     async def consume():
-        return [p async for p in _until_disconnect(Gone(), pieces(), poll_s=0.02)]
+        return [p async for p in until_disconnect(Gone(), pieces(), poll_s=0.02)]
 
     with pytest.raises(ApiError) as e:
         asyncio.run(consume())

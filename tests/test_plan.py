@@ -12,6 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.plan import capacity as P
+from pipeline.plan import formulas as F
+from pipeline.plan import render as R
 from pipeline.artifacts import to_jsonable
 from pipeline.context import Progress, StageContext
 from pipeline.errors import PipelineError
@@ -26,28 +28,28 @@ LAYERS, KV_HEADS, HEAD_DIM, FP32 = 2, 2, 8, 4
 
 
 def test_kv_per_token_counts_kv_heads_not_query_heads():
-    assert P.kv_bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, FP32) == 2 * 2 * 2 * 8 * 4 == 256
-    assert P.kv_bytes_per_token(LAYERS, 4, HEAD_DIM, FP32) == 512  # MHA with 4 KV heads: twice the cache
-    assert P.kv_bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, 2) == 128  # FP16 cache
+    assert F.kv_bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, FP32) == 2 * 2 * 2 * 8 * 4 == 256
+    assert F.kv_bytes_per_token(LAYERS, 4, HEAD_DIM, FP32) == 512  # MHA with 4 KV heads: twice the cache
+    assert F.kv_bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, 2) == 128  # FP16 cache
 
 
 def test_kv_at_limit_and_max_concurrent_sequences():
-    assert P.kv_bytes_at_limit(256, max_context=10, max_batch=3) == 7680
+    assert F.kv_bytes_at_limit(256, max_context=10, max_batch=3) == 7680
     # (10_000 - 1_000 - 1_000) / (256 x 10) = 3.125 -> 3 sequences
-    assert P.max_concurrent_sequences(10_000, 1_000, 1_000, 2_560) == 3
-    assert P.max_concurrent_sequences(1_500, 1_000, 1_000, 2_560) == 0  # weights + workspace do not fit
+    assert F.max_concurrent_sequences(10_000, 1_000, 1_000, 2_560) == 3
+    assert F.max_concurrent_sequences(1_500, 1_000, 1_000, 2_560) == 0  # weights + workspace do not fit
     with pytest.raises(ValueError, match="kv_per_sequence"):
-        P.max_concurrent_sequences(10_000, 0, 0, 0)
+        F.max_concurrent_sequences(10_000, 0, 0, 0)
 
 
 def test_decode_roofline_mbu_prefill_and_ridge():
     # 1 GB/s over 1 MB of weights + 256 B x 1000 tokens of KV = 1.256 MB per step -> 796.18 tokens/s
-    assert P.decode_roofline(1e9, 1_000_000, 256_000) == pytest.approx(1e9 / 1_256_000)
-    assert P.mbu(398.09, 1_000_000, 256_000, 1e9) == pytest.approx(0.5, rel=1e-4)
+    assert F.decode_roofline(1e9, 1_000_000, 256_000) == pytest.approx(1e9 / 1_256_000)
+    assert F.mbu(398.09, 1_000_000, 256_000, 1e9) == pytest.approx(0.5, rel=1e-4)
     # 2 x 250 params x 4 tokens / (1000 B + 256 B x 4) = 2000 / 2024 FLOP/byte
-    assert P.prefill_intensity(250, 4, 1_000, 256) == pytest.approx(2000 / 2024)
-    assert P.ridge_point(1e12, 1e9) == 1000
-    assert P.weight_bytes(135_000_000, 1) == 135_000_000 and P.weight_bytes(10, 4) == 40
+    assert F.prefill_intensity(250, 4, 1_000, 256) == pytest.approx(2000 / 2024)
+    assert F.ridge_point(1e12, 1e9) == 1000
+    assert F.weight_bytes(135_000_000, 1) == 135_000_000 and F.weight_bytes(10, 4) == 40
 
 
 def test_replicas_by_littles_law_on_the_roofline():
@@ -56,16 +58,16 @@ def test_replicas_by_littles_law_on_the_roofline():
     # request = 1.01 + 10 x 1.08 = 11.81 ms; 1000 req/s x 11.81 ms = 11.81 in flight / 4 -> 3 replicas.
     kw = dict(prompt=10, output=10, max_batch=8, memory_sequences=100, ttft_s=1.0, weights=1_000_000,
               kv_per_token=1_000, parameters=1_000, bandwidth_bps=1e9, peak_flops=1e15)
-    est = P.replicas_for_rate(1000, tpot_s=1.09e-3, **kw)
+    est = F.replicas_for_rate(1000, tpot_s=1.09e-3, **kw)
     assert (est.batch, est.replicas) == (4, 3)
     assert est.step_ms == pytest.approx(1.08) and est.prefill_ms == pytest.approx(1.01)
     assert est.request_s == pytest.approx(0.01181)
     assert est.requests_per_s_per_replica == pytest.approx(4 / 0.01181)
-    capped = P.replicas_for_rate(1000, tpot_s=1.09e-3, **{**kw, "max_batch": 2})
+    capped = F.replicas_for_rate(1000, tpot_s=1.09e-3, **{**kw, "max_batch": 2})
     assert (capped.batch, capped.replicas) == (2, math.ceil(1000 * (0.00101 + 10 * 0.00104) / 2))
-    slow = P.replicas_for_rate(1000, tpot_s=0.5e-3, **kw)
+    slow = F.replicas_for_rate(1000, tpot_s=0.5e-3, **kw)
     assert slow.replicas is None and "slo.tpot_ms" in slow.reason
-    no_room = P.replicas_for_rate(1000, tpot_s=1.0, **{**kw, "memory_sequences": 0})
+    no_room = F.replicas_for_rate(1000, tpot_s=1.0, **{**kw, "memory_sequences": 0})
     assert no_room.replicas is None and "memory" in no_room.reason
 
 
@@ -131,7 +133,7 @@ def test_kv_formula_matches_present_bytes_of_the_tiny_llama(tiny_built):
     facts = P.model_facts(recipe)
     # tests/tiny.py: 2 layers, 2 KV heads (GQA under 4 query heads), head_dim 32 / 4 = 8, FP32
     assert (facts.layers, facts.kv_heads, facts.head_dim, facts.kv_bytes_per_element) == (2, 2, 8, 4)
-    per_token = P.kv_bytes_per_token(facts.layers, facts.kv_heads, facts.head_dim, facts.kv_bytes_per_element)
+    per_token = F.kv_bytes_per_token(facts.layers, facts.kv_heads, facts.head_dim, facts.kv_bytes_per_element)
     for batch, sequence, past in ((1, 4, 0), (3, 1, 6), (2, 5, 9)):
         got = present_kv_bytes(facts.export_onnx, batch, sequence, past)
         assert got["bytes"] == per_token * (past + sequence) * batch, (batch, sequence, past)
@@ -167,7 +169,7 @@ def test_plan_files_are_strict_and_cite_every_gpu(tiny_built, tmp_path):
         plan = P.build_plan(recipe, rate=5.0, bandwidth=BANDWIDTH)
     finally:
         (run_dir / "bench" / "bench.json").unlink()
-    paths = P.write_plan(plan, tmp_path / "plan")
+    paths = R.write_plan(plan, tmp_path / "plan")
     data = _strict(paths["json"].read_text())
     assert [r["gpu"]["name"] for r in data["gpus"]] == [g.name for g in GPUS]
     for row in data["gpus"]:

@@ -47,10 +47,32 @@ STDERR_KEYS: tuple[str, ...] = ("perplexity_ratio", "kld_mean", "top1_agreement"
 _KLD_PERCENTILES = {"kld_p50": 50.0, "kld_p90": 90.0, "kld_p99": 99.0, "kld_p999": 99.9}
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis of ``[positions, vocab]``."""
+def log_softmax64(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis of ``[positions, vocab]`` logits: z - logsumexp(z), so
+    ``-log_softmax64(z)[t]`` is bit for bit the NLL :func:`pipeline.models.text_generation.metrics.mean_nll`
+    sums."""
     lg = logits.astype(np.float64)
     return lg - logsumexp(lg, axis=-1, keepdims=True)
+
+
+def reference_terms(log_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(p, sum_v p log p)`` of a reference log-softmax ``log_p`` float64 ``[n, V]``:
+    float64 ``[n, V]`` and ``[n]``. What :func:`kl_from_reference` needs of the reference,
+    so a reference scored against many candidates is exponentiated once."""
+    p = np.exp(log_p)
+    return p, (p * log_p).sum(axis=-1)
+
+
+def kl_from_reference(p: np.ndarray, neg_entropy: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+    """Per-token KL(ref || cand) = sum_v p log p - sum_v p log q, in nats: float64 ``[n]``.
+
+    ``p`` ``[n, V]`` (float32 or float64) and ``neg_entropy`` ``[n]`` from :func:`reference_terms`;
+    ``log_q`` float64 ``[n, V]`` the candidate's :func:`log_softmax64`. Both sums reduce the same
+    way, so identical logits give exactly 0. The one KL kernel of the package: the validate
+    stage's :class:`QualityAccumulator` and the accuracy-budget search
+    (:mod:`pipeline.quant.sensitivity`) both use it.
+    """
+    return neg_entropy - (p * log_q).sum(axis=-1)
 
 
 class QualityAccumulator:
@@ -109,13 +131,14 @@ class QualityAccumulator:
         out: dict[str, list[np.ndarray]] = {k: [] for k in self._parts}
         for lo in range(0, len(targets), self.chunk):
             sl = slice(lo, lo + self.chunk)
-            lr, lc = _log_softmax(ref[sl]), _log_softmax(cand[sl])
+            lr, lc = log_softmax64(ref[sl]), log_softmax64(cand[sl])
+            kld = kl_from_reference(*reference_terms(lr), lc)
             tgt = targets[sl, None]
             pick_r = np.take_along_axis(lr, tgt, axis=-1)[:, 0]
             pick_c = np.take_along_axis(lc, tgt, axis=-1)[:, 0]
             out["nll_ref"].append(-pick_r)
             out["nll_cand"].append(-pick_c)
-            out["kld"].append((np.exp(lr) * (lr - lc)).sum(axis=-1))
+            out["kld"].append(kld)
             out["dp"].append(np.exp(pick_c) - np.exp(pick_r))
             out["same"].append(ref[sl].argmax(-1) == cand[sl].argmax(-1))
         return {k: np.concatenate(v) for k, v in out.items()}

@@ -18,7 +18,7 @@ the engine keeps the quantized GEMM weights at 1 byte and the rest at the
 graph's type (FP16 for fp16 recipes, else FP32: strongly typed TensorRT keeps
 the ONNX types).
 
-Formulas (units: bytes, seconds, FLOP; sources in :data:`FORMULAS`):
+Formulas (units: bytes, seconds, FLOP; :mod:`pipeline.plan.formulas`, sources in its ``FORMULAS``):
 
 * weights = parameters x bytes per element (per tensor, summed);
 * KV per token = 2 x layers x kv_heads x head_dim x bytes (K and V; kv_heads,
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,139 +50,22 @@ import numpy as np
 import onnx
 
 from pipeline.errors import PipelineError
+from pipeline.plan.formulas import (
+    FORMULAS,
+    decode_roofline,
+    kv_bytes_at_limit,
+    kv_bytes_per_token,
+    max_concurrent_sequences,
+    mbu,
+    prefill_intensity,
+    replicas_for_rate,
+    ridge_point,
+)
 from pipeline.plan.gpus import GPU, GPUS
+from pipeline.plan.render import write_plan
 from pipeline.recipe import Recipe
 
 DEFAULT_RATE = 10.0  # req/s, when --rate is not given: the recipe's serve section has no request rate
-
-FORMULAS: dict[str, dict[str, str]] = {
-    "weights": {
-        "expression": "sum over weight tensors of elements x bytes per element",
-        "source": "definition; bytes per element from the served graph's ONNX dtypes and the quantize "
-                  "stage's quantized-node list (FP8/INT8 = 1 byte on a GPU)"},
-    "kv_per_token": {
-        "expression": "2 x layers x kv_heads x head_dim x bytes",
-        "source": "Pope et al. 2022, 'Efficiently Scaling Transformer Inference' (KV cache size); kv_heads < "
-                  "query heads under GQA: Ainslie et al. 2023, 'GQA: Training Generalized Multi-Query "
-                  "Transformer Models from Multi-Head Checkpoints'"},
-    "kv_at_limit": {
-        "expression": "kv_per_token x max_context x max_batch",
-        "source": "the KV cache of max_batch sequences, each at the profile's max context"},
-    "max_concurrent_sequences": {
-        "expression": "floor((memory - weights - workspace) / (kv_per_token x max_context))",
-        "source": "Kwon et al. 2023, 'Efficient Memory Management for Large Language Model Serving with "
-                  "PagedAttention' (the KV cache fills the memory left after weights and workspace)"},
-    "decode_roofline": {
-        "expression": "tokens/s per sequence <= bandwidth / (weights + kv_per_token x context); "
-                      "MBU = measured tokens/s x (weights + kv_per_token x context) / bandwidth",
-        "source": "Databricks 2023, 'LLM Inference Performance Engineering: Best Practices' (MBU); "
-                  "Williams, Waterman, Patterson 2009, 'Roofline', CACM 52(4)"},
-    "prefill_intensity": {
-        "expression": "2 x parameters x tokens / (weights + kv_per_token x tokens) FLOP/byte vs ridge = "
-                      "peak FLOP/s / bandwidth",
-        "source": "2N FLOPs per token forward: Kaplan et al. 2020, 'Scaling Laws for Neural Language "
-                  "Models'; ridge point: Williams et al. 2009, 'Roofline'"},
-    "replicas": {
-        "expression": "ceil(rate x (prefill + output_tokens x step(B)) / B), B = largest batch <= max batch "
-                      "and memory with step(B) = max((weights + B x KV per sequence) / bandwidth, "
-                      "2 x parameters x B / peak) <= slo.tpot",
-        "source": "Little's law (Little 1961, 'A Proof for the Queuing Formula L = lambda W') on the roofline "
-                  "step time: an ESTIMATE (100 % of peak bandwidth and FLOP/s; prefill interference ignored)"},
-}
-
-
-# --- the formulas ---------------------------------------------------------------------------------
-
-
-def weight_bytes(elements: int, bytes_per_element: float) -> int:
-    """Weights = parameters x bytes per element (bytes)."""
-    return int(round(elements * bytes_per_element))
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-    """KV cache bytes of one token of one sequence: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
-    return 2 * layers * kv_heads * head_dim * bytes_per_element
-
-
-def kv_bytes_at_limit(per_token: int, max_context: int, max_batch: int) -> int:
-    """KV cache bytes of ``max_batch`` sequences at ``max_context`` tokens each."""
-    return per_token * max_context * max_batch
-
-
-def max_concurrent_sequences(memory_bytes: float, weights: int, workspace: int, kv_per_sequence: int) -> int:
-    """Sequences whose KV cache fits next to the weights and workspace: floor((mem - w - ws) / kv); 0 if none.
-
-    Raises:
-        ValueError: ``kv_per_sequence`` is not positive.
-    """
-    if kv_per_sequence <= 0:
-        raise ValueError(f"kv_per_sequence must be > 0, got {kv_per_sequence}")
-    return max(0, math.floor((memory_bytes - weights - workspace) / kv_per_sequence))
-
-
-def decode_roofline(bandwidth_bps: float, weights: int, kv_read: int) -> float:
-    """Upper bound on one sequence's decode tokens/s: every step reads all weights and its KV cache once."""
-    return bandwidth_bps / (weights + kv_read)
-
-
-def mbu(tokens_per_s: float, weights: int, kv_read: int, bandwidth_bps: float) -> float:
-    """Model bandwidth utilisation: bytes a step must read x steps/s over the peak bandwidth (0..1)."""
-    return tokens_per_s * (weights + kv_read) / bandwidth_bps
-
-
-def prefill_intensity(parameters: int, tokens: int, weights: int, kv_per_token: int) -> float:
-    """Arithmetic intensity (FLOP/byte) of a ``tokens``-token prefill: 2N FLOPs per token over the
-    weights read once plus the KV written."""
-    return 2 * parameters * tokens / (weights + kv_per_token * tokens)
-
-
-def ridge_point(peak_flops: float, bandwidth_bps: float) -> float:
-    """FLOP/byte above which a kernel is compute bound on this GPU (roofline ridge)."""
-    return peak_flops / bandwidth_bps
-
-
-def step_seconds(batch: int, weights: int, kv_per_sequence: int, parameters: int,
-                 bandwidth_bps: float, peak_flops: float) -> float:
-    """Roofline time of one decode step of ``batch`` sequences: max(memory time, compute time)."""
-    return max((weights + batch * kv_per_sequence) / bandwidth_bps, 2 * parameters * batch / peak_flops)
-
-
-@dataclass
-class ReplicaEstimate:
-    """Replicas for ``rate`` req/s; ``batch`` sequences per replica; ``reason`` when the SLO is unreachable."""
-
-    rate: float
-    replicas: int | None
-    batch: int
-    step_ms: float
-    prefill_ms: float
-    request_s: float
-    requests_per_s_per_replica: float
-    reason: str = ""
-
-
-def replicas_for_rate(rate: float, *, prompt: int, output: int, max_batch: int, memory_sequences: int,
-                      tpot_s: float, ttft_s: float, weights: int, kv_per_token: int, parameters: int,
-                      bandwidth_bps: float, peak_flops: float) -> ReplicaEstimate:
-    """Replicas needed for ``rate`` requests/s of ``prompt`` + ``output`` tokens (see FORMULAS["replicas"]).
-
-    ``memory_sequences``: sequences at ``prompt + output`` context that fit in memory.
-    """
-    kv_seq = kv_per_token * (prompt + output)
-    prefill = max(2 * parameters * prompt / peak_flops, (weights + kv_per_token * prompt) / bandwidth_bps)
-    cap = min(max_batch, memory_sequences)
-    batch = max((b for b in range(1, cap + 1)
-                 if step_seconds(b, weights, kv_seq, parameters, bandwidth_bps, peak_flops) <= tpot_s), default=0)
-    step = step_seconds(max(batch, 1), weights, kv_seq, parameters, bandwidth_bps, peak_flops)
-    request = prefill + output * step
-    reason = ("no sequence fits in memory" if cap < 1 else
-              f"one decode step takes {step * 1e3:.3g} ms > slo.tpot_ms" if batch < 1 else
-              f"prefill takes {prefill * 1e3:.3g} ms > slo.ttft_ms" if prefill > ttft_s else "")
-    if reason:
-        return ReplicaEstimate(rate, None, batch, step * 1e3, prefill * 1e3, request, 0.0, reason)
-    return ReplicaEstimate(rate, math.ceil(round(rate * request / batch, 9)), batch, step * 1e3, prefill * 1e3,
-                           request, batch / request)
-
 
 # --- inputs from the build ------------------------------------------------------------------------
 
@@ -444,113 +326,6 @@ def build_plan(recipe: Recipe, *, rate: float | None = None, prompt: int | None 
         "this_machine": {**cpu_row(f, bandwidth or copy_bandwidth(), measured, psutil.virtual_memory().total),
                          "kv_check": kv_check(f)},
     }
-
-
-# --- output ---------------------------------------------------------------------------------------
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f}"
-
-
-def render_markdown(plan: dict) -> str:
-    """plan.md: the per-GPU table, this machine's measured check, the formulas and their sources."""
-    m, req = plan["model"], plan["request"]
-    lines = [
-        f"# Capacity plan: {plan['recipe']}", "",
-        f"{plan['label']}.", "",
-        f"Model: {m['parameters']:,} parameters ({m['quantized_parameters']:,} in {m['precision']} GEMMs), "
-        f"{m['layers']} layers x {m['kv_heads']} KV heads x head_dim {m['head_dim']}, KV {m['kv_dtype']}; "
-        f"max batch {m['max_batch']}, max context {m['max_context']} tokens, workspace {_mb(m['workspace_bytes'])} MB.",
-        f"Request: {req['prompt_tokens']} prompt + {req['output_tokens']} output tokens at {req['rate_per_s']:g} req/s "
-        f"({req['rate_source']}); SLO TTFT <= {req['slo']['ttft_ms']:g} ms, TPOT <= {req['slo']['tpot_ms']:g} ms.", "",
-        "| GPU | memory GB | bandwidth GB/s | weights MB | KV/token KB | KV at limit MB | max concurrent seqs "
-        "| decode roofline tok/s/seq @max ctx | prefill FLOP/B vs ridge | replicas (estimate) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    for r in plan["gpus"]:
-        g, p, rep = r["gpu"], r["prefill"], r["replicas"]
-        replicas = (f"{rep['replicas']} ({rep['requests_per_s_per_replica']:,.0f} req/s each at batch {rep['batch']})"
-                    if rep["replicas"] is not None else f"n/a: {rep['reason']}")
-        lines.append(
-            f"| {g['name']} | {g['memory_gb']:g} | {g['bandwidth_gbs']:,g} | {_mb(r['weights_bytes'])} "
-            f"| {r['kv_bytes_per_token'] / 1e3:,.2f} | {_mb(r['kv_bytes_at_limit'])} | {r['max_concurrent_sequences']:,} "
-            f"| {r['decode_roofline_tokens_per_s_at_max_context']:,.0f} "
-            f"| {p['intensity_flop_per_byte']:,.0f} vs {p['ridge_flop_per_byte']:,.0f} ({p['peak']}): {p['bound']} bound "
-            f"| {replicas} |")
-    lines += ["", f"max concurrent seqs: what memory holds at max context; one engine batch is capped at "
-                  f"max batch {m['max_batch']} (build profile 0 / triton.max_batch_size).",
-              "", "Sources: " + "; ".join(f"{r['gpu']['name']}: {r['gpu']['source']} <{r['gpu']['url']}>"
-                                            for r in plan["gpus"]) + "."]
-    notes = [f"{r['gpu']['name']}: {n}" for r in plan["gpus"] for n in r["notes"]]
-    lines += [f"- {n}" for n in notes]
-    lines += ["", *render_machine(plan["this_machine"], m), "", "## Formulas", ""]
-    lines += [f"- **{k}**: {v['expression']}. Source: {v['source']}." for k, v in plan["formulas"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def render_machine(t: dict, m: dict) -> list[str]:
-    """This machine's measured lines: bandwidth, KV bytes check, decode tokens/s vs roofline (MBU)."""
-    bw, kv = t["bandwidth"], t["kv_check"]
-    lines = [
-        "## This machine (CPU, measured)", "",
-        f"- Copy bandwidth: {bw['median_gbs']:.2f} GB/s (median of {bw['repeats']} runs, {bw['size_mib']} MiB, "
-        f"{bw['method']}).",
-        f"- Served weights ({'FP16' if m['precision'] == 'fp16' else 'FP32 after load-time dequantization'}): "
-        f"{_mb(t['weights_bytes'])} MB; decode roofline at "
-        f"max context {t['decode_roofline_tokens_per_s_at_max_context']:.1f} tok/s per sequence.",
-        f"- KV check: present.* of one ONNX Runtime run at batch {kv['batch']}, {kv['tokens']} tokens = "
-        f"{kv['bytes']:,} bytes; formula {kv['formula_bytes']:,} bytes ({'match' if kv['match'] else 'MISMATCH'}).",
-    ]
-    for c in t["measured"]:
-        lines.append(f"- Decode ({c['what']}, context ~{c['context']:.0f}): {c['tokens_per_s']:.2f} tok/s measured vs "
-                     f"{c['roofline_tokens_per_s']:.2f} roofline ({_mb(c['bytes_per_step'])} MB per step): "
-                     f"MBU {100 * c['mbu']:.0f} %.")
-    if not t["measured"]:
-        lines.append("- Decode: no measurement (no bench/bench.json; run `pipeline bench` or pass --measure).")
-    return lines
-
-
-def plot(plan: dict, path: Path) -> None:
-    """PNG: decode roofline tokens/s per sequence and max concurrent sequences, per GPU (log scales)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["gpu"]["name"] for r in plan["gpus"]]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.bar(names, [r["decode_roofline_tokens_per_s_at_max_context"] for r in plan["gpus"]], color="tab:blue")
-    machine = plan["this_machine"]
-    ax1.bar(["this CPU\n(measured GB/s)"], [machine["decode_roofline_tokens_per_s_at_max_context"]], color="tab:gray")
-    for case in machine["measured"]:
-        ax1.plot(["this CPU\n(measured GB/s)"], [case["tokens_per_s"]], "o", color="tab:red",
-                 label=f"measured {case['tokens_per_s']:.1f} tok/s (ctx {case['context']:.0f})")
-    if machine["measured"]:
-        ax1.legend(fontsize=8)
-    ax1.set_yscale("log")
-    ax1.set_title(f"decode roofline, tokens/s per sequence\n(batch 1, context {plan['model']['max_context']})")
-    ax2.bar(names, [max(r["max_concurrent_sequences"], 1) for r in plan["gpus"]], color="tab:orange")
-    ax2.set_yscale("log")
-    ax2.set_title("max concurrent sequences at max context\n(memory - weights - workspace) / KV per sequence")
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"{plan['recipe']}: estimates from published peak figures")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def write_plan(plan: dict, out_dir: Path) -> dict[str, Path]:
-    """Write plan.json (strict JSON), plan.md and plan.png into ``out_dir``; returns their paths."""
-    from pipeline.manifest import write_json_atomic
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "plan.json", "md": out_dir / "plan.md", "png": out_dir / "plan.png"}
-    write_json_atomic(paths["json"], plan)
-    paths["md"].write_text(render_markdown(plan))
-    plot(plan, paths["png"])
-    return paths
 
 
 # --- command line ---------------------------------------------------------------------------------

@@ -34,9 +34,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from scipy.special import log_softmax, logsumexp
 
 from pipeline.errors import QuantizationError
+from pipeline.metrics.llm_quality import kl_from_reference, log_softmax64, reference_terms
 from pipeline.onnx_io import PROTOBUF_LIMIT
 from pipeline.quant import qdq
 
@@ -296,10 +296,8 @@ def _reference_part(logits: np.ndarray, ids: np.ndarray) -> tuple:
     neg_h = np.empty(len(lg))
     nll = np.empty(len(lg))
     for lo in range(0, len(lg), _CHUNK):
-        lp = log_softmax(lg[lo : lo + _CHUNK].astype(np.float64), axis=-1)
-        p = np.exp(lp)
-        prob[lo : lo + _CHUNK] = p
-        neg_h[lo : lo + _CHUNK] = (p * lp).sum(axis=-1)
+        lp = log_softmax64(lg[lo : lo + _CHUNK])
+        prob[lo : lo + _CHUNK], neg_h[lo : lo + _CHUNK] = reference_terms(lp)
         nll[lo : lo + _CHUNK] = -np.take_along_axis(lp, tg[lo : lo + _CHUNK, None], axis=1)[:, 0]
     return prob, neg_h, nll, lg.argmax(axis=1), tg
 
@@ -308,17 +306,16 @@ def _score_against(lg: np.ndarray, ref: Reference, row: int) -> tuple[float, flo
     """Summed KL(ref || cand), summed candidate NLL and top-1 matches of candidate logits
     float ``[n, V]`` against reference rows ``row .. row + n``.
 
-    KL per token = sum_v p log p - (sum_v p z_v - logsumexp(z)) with z the candidate
-    logits: no candidate log-softmax is materialized; float64 in blocks of :data:`_CHUNK` rows.
+    KL per token from :func:`pipeline.metrics.llm_quality.kl_from_reference`, float64 in blocks of
+    :data:`_CHUNK` rows.
     """
     kl = nll = 0.0
     for lo in range(0, len(lg), _CHUNK):
-        z = lg[lo : lo + _CHUNK].astype(np.float64)
+        z = lg[lo : lo + _CHUNK]
         r = slice(row + lo, row + lo + len(z))
-        lse = logsumexp(z, axis=-1)
-        cross = np.einsum("ij,ij->i", ref.prob[r], z) - lse
-        kl += float((ref.neg_entropy[r] - cross).sum())
-        nll += float((lse - np.take_along_axis(z, ref.targets[r, None], axis=1)[:, 0]).sum())
+        lq = log_softmax64(z)
+        kl += float(kl_from_reference(ref.prob[r], ref.neg_entropy[r], lq).sum())
+        nll -= float(np.take_along_axis(lq, ref.targets[r, None], axis=1)[:, 0].sum())
     agree = int((lg.argmax(axis=1) == ref.top1[row : row + len(lg)]).sum())
     return kl, nll, agree
 

@@ -148,7 +148,7 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
             per mismatch.
     """
     from pipeline import serving_targets
-    from pipeline.stages import build
+    from pipeline import engine_stamp
 
     if b.stamp_path is None or not Path(b.stamp_path).is_file():
         raise TritonConfigError(f"engine {b.engine_path}: no engine_stamp.json beside it; rebuild the engine")
@@ -160,7 +160,7 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
             )
         target = serving_targets.declared_target(recipe.triton.serving)
     stamp = json.loads(Path(b.stamp_path).read_text())
-    result = build.check_stamp(stamp, target, recipe.engine_hash)
+    result = engine_stamp.check_stamp(stamp, target, recipe.engine_hash)
     if result.errors:
         raise TritonConfigError(
             f"engine {b.engine_path} refused for deployment:\n  " + "\n  ".join(result.errors + result.warnings)
