@@ -24,7 +24,10 @@ Exit codes (pipeline.errors):
   else ``./pipeline-error.log``.
 * 4: environment: lock held, server failed to start, storage or network error (any
   ENOSPC, EDQUOT, EROFS or EXDEV, under whatever error it surfaced as, names the
-  folder), a published repository that fails verification.
+  folder), out of memory (a MemoryError, ENOMEM or an allocator failure: names the stage, its
+  peak resident memory and this machine's), a published repository that fails verification.
+  The kernel's OOM killer ends the process with SIGKILL, which no program can catch: the
+  shell then reports 137 (``make``: ``Error 137``).
 * 130: interrupted (Ctrl-C / SIGTERM); finished stages are kept.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ import traceback
 from pathlib import Path
 
 from pipeline import interrupts
+from pipeline.memory import memory_fault
 from pipeline.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
@@ -313,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug: exit 3, traceback to a file, one line on the console
         if storage_fault(e) is not None:  # unless the file system refused a write: exit 4
             return _storage_error(e)
+        oom = memory_fault(e)  # or memory ran out: exit 4
+        if oom is not None:
+            print(f"error: {oom}", file=sys.stderr)
+            return oom.exit_code
         return _internal_error(args, e)
 
 

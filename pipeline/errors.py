@@ -84,6 +84,11 @@ class RepositoryCorrupt(EnvironmentFault):
     """A published repository differs from its ``repository.json`` or is half-published."""
 
 
+class MemoryFault(EnvironmentFault):
+    """The process ran out of memory (a ``MemoryError``, ``ENOMEM``, or an allocator's failure in
+    ONNX Runtime or torch): exit 4, with the stage, its peak resident memory and this machine's."""
+
+
 class StorageFault(EnvironmentFault):
     """The file system refused a write: full (ENOSPC), over quota (EDQUOT), read-only
     (EROFS), or a rename across file systems (EXDEV)."""

@@ -7,10 +7,24 @@ the block's own maximum.
 """
 from __future__ import annotations
 
+import errno
 import resource
 import threading
 
 import psutil
+
+from pipeline.errors import MemoryFault
+
+#: what an allocation failure says inside an exception that is not a MemoryError
+#: (ONNX Runtime's C++ ``std::bad_alloc`` / arena, torch's CPU allocator)
+OOM_MESSAGES = ("bad_alloc", "Failed to allocate memory", "can't allocate memory", "not enough memory")
+#: what holds memory in each stage, as the advice of a :class:`MemoryFault`
+STAGE_HINTS = {
+    "export": "export holds the FP32 weights and torch's exporter state",
+    "quantize": "quantize holds the calibration statistics and the accuracy-budget search's sessions; "
+                "lower quantize.calibration / tuning batches, or pin a tuning result (make tune) elsewhere",
+    "validate": "validate holds the FP32 and the candidate sessions together; lower the eval split",
+}
 
 
 class PeakRSS:
@@ -49,3 +63,36 @@ class PeakRSS:
 
 def _hwm_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def out_of_memory(exc: BaseException | None) -> BaseException | None:
+    """The allocation failure in ``exc`` or its ``__cause__`` / ``__context__`` chain: a
+    ``MemoryError``, an ``OSError`` with ``ENOMEM``, or an exception whose message holds one of
+    :data:`OOM_MESSAGES`; else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+            return exc
+        if not isinstance(exc, MemoryFault) and any(m in str(exc) for m in OOM_MESSAGES):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def memory_fault(exc: BaseException, stage: str | None = None, peak_mib: float | None = None) -> MemoryFault | None:
+    """A :class:`MemoryFault` (exit 4) for an allocation failure in ``exc`` (:func:`out_of_memory`),
+    naming ``stage``, its peak resident memory (MiB) and this machine's total and available
+    memory (``psutil.virtual_memory``), with what the stage holds; None for any other error."""
+    cause = out_of_memory(exc)
+    if cause is None:
+        return None
+    vm = psutil.virtual_memory()
+    first = (str(cause).splitlines() or [""])[0][:200]
+    where = f"stage {stage}" if stage else "the run"
+    peak = f"; peak resident memory {peak_mib:,.0f} MiB" if peak_mib else ""
+    hint = STAGE_HINTS.get(stage or "", "")
+    return MemoryFault(f"{where}: out of memory ({type(cause).__name__}: {first}){peak}; this machine has "
+                       f"{vm.total / 2**30:.1f} GiB, {vm.available / 2**30:.1f} GiB available now. "
+                       + (f"{hint[0].upper()}{hint[1:]}. " if hint else "")
+                       + "Free memory (other jobs), or run on a machine with more")

@@ -35,7 +35,7 @@ from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
 from pipeline.errors import InternalError, LockHeld
 from pipeline.faults import fault_point
-from pipeline.memory import PeakRSS
+from pipeline.memory import PeakRSS, memory_fault
 from pipeline.provenance import code_hash, portable
 from pipeline.recipe import Recipe
 
@@ -340,15 +340,16 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
     # The old record goes first: a crash while the stage rewrites its files must not leave a
     # record that a later run with the old key would trust.
     (ctx.run_dir / stage.name / "stage.json").unlink(missing_ok=True)
-    start = time.perf_counter()
+    start, mem = time.perf_counter(), PeakRSS()
     try:
-        with PeakRSS() as mem:
+        with mem:
             fault_point(f"stage:{stage.name}:start")
             art = stage.fn(ctx, *(arts[d] for d in stage.deps))
             fault_point(f"stage:{stage.name}:end")
     except (Exception, KeyboardInterrupt) as e:
-        err = _named_ort_error(e, stage.name)
-        man["stages"][stage.name] = M.stage_record("failed", f"{type(err).__name__}: {err}", time.perf_counter() - start)
+        err = memory_fault(e, stage.name, mem.peak_mib) or _named_ort_error(e, stage.name)
+        man["stages"][stage.name] = M.stage_record("failed", f"{type(err).__name__}: {err}", time.perf_counter() - start,
+                                                   mem.peak_mib)
         M.write_run_outputs(man, ctx.run_dir)
         if err is not e:
             raise err from e

@@ -164,6 +164,37 @@ def test_full_disk_during_export_exits_4(tmp_path, capsys, monkeypatch):
     assert "internal error" not in err
 
 
+def test_out_of_memory_in_a_stage_exits_4_naming_the_stage_and_memory(tmp_path, capsys, monkeypatch):
+    """An allocation failure (here ENOMEM at the quantize stage's start) is exit 4, not a bug's 3:
+    the message names the stage, its peak resident memory, this machine's memory and what the
+    stage holds; the manifest records the failed stage."""
+    path = onnx_workspace(tmp_path, byte_graph())
+    monkeypatch.setenv("PIPELINE_FAULT_ERRNO", "ENOMEM")
+    monkeypatch.setenv("PIPELINE_FAULT", "stage:quantize:start")
+    rc = cli.main(["build", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 4 and "internal error" not in err, err
+    assert "error: stage quantize: out of memory (OSError: [Errno 12]" in err, err
+    assert "peak resident memory" in err and "GiB available now" in err and "calibration" in err, err
+    record = json.loads((tmp_path / "artifacts" / "onnx-source" / "manifest.json").read_text())
+    assert record["stages"]["quantize"]["status"] == "failed" and "MemoryFault: stage quantize: out of memory" in record["stages"]["quantize"]["reason"]
+
+
+def test_allocation_failures_are_memory_faults_and_other_errors_are_not():
+    from pipeline.memory import memory_fault
+
+    ort_like = RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while "
+                            "running MatMul node. Name:'m' Status Message: std::bad_alloc")
+    wrapped = ValueError("validate failed")
+    wrapped.__cause__ = MemoryError()
+    for exc in (MemoryError(), ort_like, wrapped, OSError(errno.ENOMEM, "Cannot allocate memory")):
+        fault = memory_fault(exc, "validate", 1234.0)
+        assert fault is not None and fault.exit_code == 4, exc
+        assert str(fault).startswith("stage validate: out of memory (") and "1,234 MiB" in str(fault)
+    assert memory_fault(RuntimeError("shape mismatch")) is None
+    assert memory_fault(OSError(errno.ENOSPC, "full")) is None
+
+
 def test_a_refused_run_keeps_the_published_record_and_serve_names_the_gate(tmp_path, capsys):
     """A passing build, then ``serve`` of the recipe with a gate it cannot pass: exit 1 with the
     failed gate's row and what model_repository/ still holds (repository.json's recipe hash and
