@@ -9,6 +9,7 @@ transformers). Prints, per phase (in order of first appearance), its peak
 RSS and the RSS when it ended, against the FP32 weight bytes.
 
     .venv/bin/python benchmarks/stage_memory.py --recipe recipes/fp8-llm.yaml --stage export
+    .venv/bin/python benchmarks/stage_memory.py --stage quantize --tune   # the accuracy-budget search
 """
 from __future__ import annotations
 
@@ -74,11 +75,13 @@ def main() -> None:
     ap.add_argument("--stage", default="export")
     ap.add_argument("--workspace", type=Path, help="work folder (earlier stages cached there); default: a new one")
     ap.add_argument("--min-mib", type=float, default=50, help="hide phases whose peak is below this")
+    ap.add_argument("--tune", action="store_true",
+                    help="--stage quantize: calibrate and search anew, ignoring a pinned result (make tune)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pipeline.onnx_io import files_on_disk_bytes
     from pipeline.recipe_load import load_recipe
-    from pipeline.runner import run_pipeline
+    from pipeline.runner import run_pipeline, run_tune
 
     with tempfile.TemporaryDirectory(prefix="trtpipe-stage-mem-") as tmp:
         ws = args.workspace or Path(tmp)
@@ -86,6 +89,8 @@ def main() -> None:
                                                  "output_dir": str(ws / "model_repository")})
         start = psutil.Process().memory_info().rss
         with Timeline() as tl:
+            if args.tune:
+                run_tune(recipe, Path(args.recipe), quiet=True)
             arts = run_pipeline(recipe, Path(args.recipe), quiet=True, only=[args.stage]).artifacts
         weights = files_on_disk_bytes(arts["export"].onnx_path)
     gib = 2**30

@@ -38,6 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 from pipeline.errors import QuantizationError
 from pipeline.metrics.llm_quality import kl_from_reference, log_softmax64, reference_terms
 from pipeline.onnx_io import PROTOBUF_LIMIT
+from pipeline.ort_sessions import SharedWeights
 from pipeline.quant import qdq
 
 #: metrics a trial measures (and an accuracy budget may name), and whether lower is better
@@ -82,18 +83,21 @@ SWITCH_PREFIX = "quant_switch_"
 
 def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes: dict[str, list[str]],
                  amax: dict[str, float], fmt: qdq.QFormat, per_channel: bool,
-                 weight_cache: dict | None = None) -> tuple[onnx.ModelProto, dict[str, str]]:
+                 weight_cache: dict | None = None, shared: SharedWeights | None = None
+                 ) -> tuple[onnx.ModelProto, dict[str, str]]:
     """One graph for every trial: each target GEMM reads ``Where(s, DQ(Q(x)), x)`` and
     ``Where(s, DQ(w_q), w)``, ``s`` a bool scalar graph input of its group (True: quantized).
 
     Activation Q/DQ and quantized weights are the ones :func:`pipeline.quant.qdq.insert_qdq`
     writes, so with a group's switch on its GEMMs see the same values as in that graph.
-    Memory: the FP32 weights plus their quantized copies (1 byte per FP8/INT8 value).
+    Memory: the FP32 weights plus their quantized copies (1 byte per FP8/INT8 value); with
+    ``shared``, the FP32 weights are its placeholders (:meth:`SharedWeights.strip`), not a copy.
 
     Args:
         model: FP32 graph with its weights loaded (not modified).
         targets: the quantizable GEMMs; group_nodes: group -> node names (every target in one group).
         amax, fmt, per_channel, weight_cache: as :func:`pipeline.quant.qdq.insert_qdq`.
+        shared: the FP32 weights of ``model`` held once for every session (None: copied into the graph).
 
     Returns:
         ``(graph, {group: switch input name})``.
@@ -106,9 +110,9 @@ def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes:
     if missing:
         raise QuantizationError(f"sensitivity: GEMMs {missing[:3]} belong to no group")
     switches = {g: f"{SWITCH_PREFIX}{i}" for i, g in enumerate(group_nodes)}
-    model = copy.deepcopy(model)
+    inits = {i.name: i for i in model.graph.initializer}
+    model = shared.strip(model) if shared is not None else copy.deepcopy(model)
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
     by_node = {t.node: t for t in targets}
     new_inits: list = []
     nodes: list = []
@@ -201,6 +205,13 @@ class TrialRunner:
     _weights: dict = field(default_factory=dict)
     _ref: Reference | None = None
     _switch: tuple[ort.InferenceSession, dict[str, str]] | None = None
+    _shared: SharedWeights | None = None
+
+    def shared(self) -> SharedWeights:
+        """The FP32 weights of :attr:`model`, held once for every switch-graph session."""
+        if self._shared is None:
+            self._shared = SharedWeights(self.model)
+        return self._shared
 
     def reference(self) -> Reference:
         """The FP32 statistics (computed on first use).
@@ -248,6 +259,7 @@ class TrialRunner:
             names = sorted(excluded_groups)
             return hit if hit.excluded_groups == names else dataclasses.replace(hit, excluded_groups=names)
         start = time.perf_counter()
+        self.reference()  # before the switch graph's session: the FP32 one is released first
         sess, switches = self._switched()
         metrics = self.score(sess, switches, off, feeds)
         windows = sum(int(f["input_ids"].shape[0]) for f in feeds)
@@ -276,8 +288,8 @@ class TrialRunner:
         if self._switch is None:
             per_node = {t.node: [t.node] for t in self.targets}
             graph, switches = switch_graph(self.model, self.targets, per_node, self.amax, self.fmt,
-                                           self.per_channel, self._weights)
-            self._switch = (_session(graph, consume=True), switches)
+                                           self.per_channel, self._weights, self.shared())
+            self._switch = (_session(graph, consume=True, shared=self.shared()), switches)
         return self._switch
 
 
@@ -329,26 +341,30 @@ def thread_noise(runner: TrialRunner, metric: str, batches: int = 1) -> float:
     base = runner.measure([], batches)
     per_node = {t.node: [t.node] for t in runner.targets}
     graph, switches = switch_graph(runner.model, runner.targets, per_node, runner.amax, runner.fmt,
-                                   runner.per_channel, runner._weights)
+                                   runner.per_channel, runner._weights, runner.shared())
     threads = 1 if (ort.SessionOptions().intra_op_num_threads or 0) != 1 else 2
-    sess = _session(graph, threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    sess = _session(graph, threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL, shared=runner.shared())
     del graph
     other = runner.score(sess, switches, set(), runner.feeds[:batches])
     return abs(other[metric] - base.metrics[metric])
 
 
-def _session(model: onnx.ModelProto, threads: int = 0, level=None, *, consume: bool = False) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, threads: int = 0, level=None, *, consume: bool = False,
+             shared: SharedWeights | None = None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of an in-memory graph, at the level validate uses for FP8 Q/DQ
     (basic: exact simulated quantization; :mod:`pipeline.ort_sessions`) unless ``level`` says another;
     ``threads`` intra-op threads (0: ONNX Runtime's default, one per core).
 
     A graph at or over protobuf's 2 GiB (the switch graph of a ~0.5 B model: FP32 and quantized
     weights) cannot be serialized: its large initializers go to ONNX Runtime beside the proto
-    (``add_external_initializers``). ``consume``: ``model`` may be emptied of them (else a copy is)."""
+    (``add_external_initializers``). ``consume``: ``model`` may be emptied of them (else a copy is).
+    ``shared``: ``model``'s FP32 weights are its placeholders (:meth:`SharedWeights.session`)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if level is None else level
+    if shared is not None:  # the proto then holds the quantized weights alone (< 2 GiB below ~8 B parameters)
+        return shared.session(model, opts)
     values = []
     if model.ByteSize() >= PROTOBUF_LIMIT:
         if not consume:
