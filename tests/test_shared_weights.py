@@ -1,0 +1,52 @@
+"""ort_sessions.SharedWeights: many in-memory sessions of variants of one graph read its FP32
+weights from one copy, and compute what a session of the whole graph computes."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.ort_sessions import SharedWeights
+
+
+def _graph(w: np.ndarray, b: np.ndarray) -> onnx.ModelProto:
+    """y = Relu(x @ Transpose(w) + b): a Transpose of a weight, which ONNX Runtime's transpose
+    optimizer and constant folding would rewrite from the weight's values."""
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["h"]),
+             helper.make_node("Add", ["h", "b"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", w.shape[1]])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", w.shape[0]])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def _opts(level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = level
+    return opts
+
+
+def test_sessions_share_the_weights_and_compute_what_the_whole_graph_computes():
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((96, 64)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
+    model = _graph(w, b)
+    before = model.SerializeToString()
+    shared = SharedWeights(model, min_bytes=1024)
+    assert list(shared.arrays) == ["w"]  # b (384 bytes) stays in the graph
+    stripped = shared.strip(model)
+    assert model.SerializeToString() == before  # the source graph is not touched
+    assert stripped.ByteSize() < model.ByteSize() - w.nbytes // 2
+    [ph] = [t for t in stripped.graph.initializer if t.name == "w"]
+    assert ph.data_location == TensorProto.EXTERNAL and not ph.raw_data and list(ph.dims) == [96, 64]
+
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    whole = ort.InferenceSession(before, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                  ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        got = shared.session(stripped, _opts(level)).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
+        assert np.abs(got).max() > 0.1  # the weights, not the placeholder's zeros
+    assert shared.values["w"].data_ptr() == shared.arrays["w"].ctypes.data  # one copy, read in place
