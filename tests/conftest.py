@@ -23,8 +23,21 @@ def llm_overrides(ws: Path, **extra) -> dict:
 
 
 @pytest.fixture(scope="session")
-def fp8_llm_run(llm_workspace):
-    """The real fp8-llm recipe, end to end, into a temporary workspace."""
+def smollm2_export(llm_workspace) -> Path:
+    """The export stage of the real fp8-llm recipe (SmolLM2-135M), made once per session: the
+    flagship run below continues from it, and int8-llm, whose model and export section are the
+    same (the same stage key), starts from its cache record. Returns the stage folder."""
+    from pipeline.recipe_load import load_recipe
+    from pipeline.runner import run_pipeline
+
+    path = ROOT / "recipes" / "fp8-llm.yaml"
+    run_pipeline(load_recipe(path, llm_overrides(llm_workspace)), path, quiet=True, only=["export"])
+    return llm_workspace / "artifacts" / "fp8-llm" / "export"
+
+
+@pytest.fixture(scope="session")
+def fp8_llm_run(llm_workspace, smollm2_export):
+    """The real fp8-llm recipe, end to end, into a temporary workspace (export from :func:`smollm2_export`)."""
     from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
 

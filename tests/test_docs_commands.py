@@ -3,7 +3,7 @@
 Every fenced ``sh`` / ``console`` / ``bash`` block, and every untagged block that looks like a
 command, carries one tag (docs/README.md): ``runnable`` blocks are run here, line by line, from
 the repository root; ``e2e``, ``gpu`` and ``external`` ones are covered elsewhere or need a GPU
-or outside services.
+or outside services; ``bench`` ones are benchmarks (they print speed and memory, nothing to assert).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-TAGS = {"runnable", "e2e", "gpu", "external"}
+TAGS = {"runnable", "e2e", "gpu", "external", "bench"}
 SHELLS = {"sh", "console", "bash", "shell"}
 _FENCE = re.compile(r"^```(\S*)\s*(.*)$")
 _EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
