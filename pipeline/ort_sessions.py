@@ -174,8 +174,31 @@ class SharedWeights:
                 self.arrays[t.name] = numpy_helper.to_array(t)
         self.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
         self._dir = tempfile.TemporaryDirectory(prefix="pipeline-shared-weights-")
-        with open(Path(self._dir.name) / self.PLACEHOLDER, "wb") as f:  # sparse: no disk, no memory
-            f.truncate(max((a.nbytes for a in self.arrays.values()), default=0))
+        self._size = 0
+        self._grow(max((a.nbytes for a in self.arrays.values()), default=0))
+
+    def _grow(self, nbytes: int) -> None:
+        """The placeholder file covers ``nbytes`` (sparse: no disk, no memory)."""
+        if nbytes > self._size:
+            with open(Path(self._dir.name) / self.PLACEHOLDER, "wb") as f:
+                f.truncate(nbytes)
+            self._size = nbytes
+
+    def add(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        """Share one more float32 ``array`` under ``name``; returns its placeholder initializer,
+        for a graph that :meth:`session` runs (e.g. a weight's dequantized values, computed once
+        rather than by a DequantizeLinear node in every run)."""
+        self.arrays[name] = np.ascontiguousarray(array, dtype=np.float32)
+        self.values[name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[name])
+        self._grow(self.arrays[name].nbytes)
+        return self._placeholder(name, list(array.shape))
+
+    def _placeholder(self, name: str, dims: list[int]) -> onnx.TensorProto:
+        ph = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=dims,
+                              data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", self.PLACEHOLDER), ("offset", "0"), ("length", str(self.arrays[name].nbytes))):
+            ph.external_data.add(key=key, value=value)
+        return ph
 
     def strip(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """A copy of ``model`` whose shared initializers are placeholders (every other field and
@@ -187,11 +210,7 @@ class SharedWeights:
             if t.name not in self.arrays:
                 out.graph.initializer.add().CopyFrom(t)
                 continue
-            ph = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
-                                           data_location=onnx.TensorProto.EXTERNAL)
-            for key, value in (("location", self.PLACEHOLDER), ("offset", "0"),
-                               ("length", str(self.arrays[t.name].nbytes))):
-                ph.external_data.add(key=key, value=value)
+            out.graph.initializer.append(self._placeholder(t.name, list(t.dims)))
         return out
 
     def session(self, model: onnx.ModelProto, opts: ort.SessionOptions) -> ort.InferenceSession:

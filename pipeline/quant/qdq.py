@@ -257,8 +257,10 @@ def _act_qdq(name: str, amax: dict[str, float], fmt: QFormat, nodes: list, inits
     return dq
 
 
-def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, nodes: list, inits: list,
-               base_dir: str, cache: dict | None = None) -> str:
+def quantized_weight(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, base_dir: str = "",
+                     cache: dict | None = None) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """``(q, scale, axis)`` of target ``t``'s weight ``w`` (:func:`quantize_weight`), from ``cache``
+    (keyed by weight, format and axis) when it holds them."""
     axis = t.weight_axis if per_channel else None
     key = (w.name, fmt.name, fmt.weights().qmax, axis)
     if cache is not None and key in cache:
@@ -267,6 +269,20 @@ def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, 
         q, scale = quantize_weight(_weight_array(w, base_dir), fmt.weights(), axis)
         if cache is not None:
             cache[key] = (q, scale)
+    return q, scale, axis
+
+
+def dequantized(q: np.ndarray, scale: np.ndarray, axis: int | None) -> np.ndarray:
+    """float32 ``q * scale`` (zero point 0, ``scale`` along ``axis``): DequantizeLinear's values,
+    each one float32 product as ONNX Runtime computes it."""
+    if axis is not None:
+        scale = np.expand_dims(scale, tuple(i for i in range(q.ndim) if i != axis))
+    return q.astype(np.float32) * scale.astype(np.float32)
+
+
+def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, nodes: list, inits: list,
+               base_dir: str, cache: dict | None = None) -> str:
+    q, scale, axis = quantized_weight(w, t, fmt, per_channel, base_dir, cache)
     zp_shape = () if axis is None else scale.shape
     qi = numpy_helper.from_array(q, f"{w.name}_quantized")
     si = numpy_helper.from_array(scale, f"{w.name}_scale")

@@ -135,8 +135,10 @@ def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes:
             if t.act not in done_act:
                 done_act[t.act] = qdq._act_qdq(t.act, amax, fmt, nodes, new_inits)
             if t.weight not in done_w:
-                done_w[t.weight] = qdq._weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, "",
-                                                  weight_cache)
+                done_w[t.weight] = (_shared_dq(inits[t.weight], t, fmt, per_channel, weight_cache, shared, new_inits)
+                                    if shared is not None else
+                                    qdq._weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, "",
+                                                   weight_cache))
             node.input[0] = select(t.act, done_act[t.act], sw)
             node.input[1] = select(t.weight, done_w[t.weight], sw)
         nodes.append(node)
@@ -145,6 +147,19 @@ def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes:
     g.initializer.extend(new_inits)
     g.input.extend(helper.make_tensor_value_info(name, TensorProto.BOOL, []) for name in switches.values())
     return model, switches
+
+
+def _shared_dq(w: onnx.TensorProto, t: qdq.Target, fmt: qdq.QFormat, per_channel: bool, cache: dict | None,
+               shared: SharedWeights, inits: list) -> str:
+    """The name of ``w``'s quantize-dequantized values, computed once and shared
+    (:func:`pipeline.quant.qdq.dequantized`), in place of a DequantizeLinear that every run would
+    recompute and whose FP32 output ONNX Runtime would hold for every weight at once."""
+    name = f"{w.name}_dequantized"
+    if name not in shared.arrays:
+        inits.append(shared.add(name, qdq.dequantized(*qdq.quantized_weight(w, t, fmt, per_channel, "", cache))))
+    else:
+        inits.append(shared._placeholder(name, list(shared.arrays[name].shape)))
+    return name
 
 
 @dataclass
