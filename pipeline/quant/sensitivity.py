@@ -120,11 +120,12 @@ def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes:
     done_w: dict[str, str] = {}
     chosen: dict[tuple[str, str], str] = {}
 
-    def select(name: str, quantized: str, switch: str) -> str:
+    def select(name: str, quantized: str, switch: str, after: str | None = None) -> str:
         key = (name, switch)
         if key not in chosen:
             chosen[key] = f"{name}_{switch}"
-            nodes.append(helper.make_node("Where", [switch, quantized, name], [chosen[key]],
+            cond = switch if after is None else _gated(switch, after, nodes, chosen)
+            nodes.append(helper.make_node("Where", [cond, quantized, name], [chosen[key]],
                                           name=f"{name}_{switch}_Where"))
         return chosen[key]
 
@@ -140,13 +141,31 @@ def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes:
                                     qdq._weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, "",
                                                    weight_cache))
             node.input[0] = select(t.act, done_act[t.act], sw)
-            node.input[1] = select(t.weight, done_w[t.weight], sw)
+            node.input[1] = select(t.weight, done_w[t.weight], sw, after=t.act)
         nodes.append(node)
     del g.node[:]
     g.node.extend(nodes)
-    g.initializer.extend(new_inits)
+    g.initializer.extend(new_inits + [numpy_helper.from_array(np.array(-1, np.int64), NEVER)])
     g.input.extend(helper.make_tensor_value_info(name, TensorProto.BOOL, []) for name in switches.values())
     return model, switches
+
+
+#: int64 -1, a size no tensor has: ``Size(x) == NEVER`` is False, computed from ``x``
+NEVER = "quant_switch_never"
+
+
+def _gated(switch: str, act: str, nodes: list, done: dict) -> str:
+    """``switch`` as a value computed from the GEMM's activation ``act``: Or(switch, Size(act) ==
+    :data:`NEVER`). A weight's Where on it runs once the activation exists; on the bare graph input
+    ONNX Runtime runs every weight's Where at the start and holds all their outputs (one more copy
+    of the FP32 weights) until their GEMMs have run."""
+    key = (act, switch, "gate")
+    if key not in done:
+        size, empty, done[key] = f"{act}_{switch}_size", f"{act}_{switch}_empty", f"{act}_{switch}_gate"
+        nodes += [helper.make_node("Size", [act], [size], name=f"{size}_Size"),
+                  helper.make_node("Equal", [size, NEVER], [empty], name=f"{empty}_Equal"),
+                  helper.make_node("Or", [switch, empty], [done[key]], name=f"{done[key]}_Or")]
+    return done[key]
 
 
 def _shared_dq(w: onnx.TensorProto, t: qdq.Target, fmt: qdq.QFormat, per_channel: bool, cache: dict | None,
