@@ -35,7 +35,7 @@ from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
 from pipeline.errors import InternalError, LockHeld
 from pipeline.faults import fault_point
-from pipeline.memory import PeakRSS, memory_fault
+from pipeline.memory import PeakRSS, memory_fault, release_freed
 from pipeline.provenance import code_hash, portable
 from pipeline.recipe import Recipe
 
@@ -354,6 +354,7 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
         if err is not e:
             raise err from e
         raise
+    release_freed()  # the next stage's peak starts from what this one still holds
     status = getattr(art, "status", "ok")
     note = getattr(art, "reason", "") or getattr(art, "summary", "")
     record = M.stage_record(status, note, time.perf_counter() - start, mem.peak_mib)
