@@ -163,11 +163,14 @@ def main() -> None:
     ap.add_argument("--limit-gib", type=float, default=21.0, help="stop a build whose RSS passes this (GiB)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
+    from pipeline.memory import release_freed
+
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         for size in args.sizes.split(","):
             ws = Path(tmp) / size
             model_dir, params = make_model(size, ws / "model")
+            release_freed()  # the random model's pages, before the build's process needs the memory
             recipe = write_recipe(size, model_dir, ws)
             rows[size] = {"params": params, "weights": weight_bytes(model_dir),
                           **build(recipe, ws, int(args.limit_gib * 2**30))}

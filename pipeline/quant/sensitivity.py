@@ -136,7 +136,7 @@ def switch_graph(model: onnx.ModelProto, targets: list[qdq.Target], group_nodes:
             if t.act not in done_act:
                 done_act[t.act] = qdq._act_qdq(t.act, amax, fmt, nodes, new_inits)
             if t.weight not in done_w:
-                done_w[t.weight] = (_shared_dq(inits[t.weight], t, fmt, per_channel, weight_cache, shared, new_inits)
+                done_w[t.weight] = (_shared_dq(inits[t.weight], t, fmt, per_channel, shared, new_inits)
                                     if shared is not None else
                                     qdq._weight_dq(inits[t.weight], t, fmt, per_channel, nodes, new_inits, "",
                                                    weight_cache))
@@ -168,14 +168,15 @@ def _gated(switch: str, act: str, nodes: list, done: dict) -> str:
     return done[key]
 
 
-def _shared_dq(w: onnx.TensorProto, t: qdq.Target, fmt: qdq.QFormat, per_channel: bool, cache: dict | None,
+def _shared_dq(w: onnx.TensorProto, t: qdq.Target, fmt: qdq.QFormat, per_channel: bool,
                shared: SharedWeights, inits: list) -> str:
     """The name of ``w``'s quantize-dequantized values, computed once and shared
     (:func:`pipeline.quant.qdq.dequantized`), in place of a DequantizeLinear that every run would
     recompute and whose FP32 output ONNX Runtime would hold for every weight at once."""
     name = f"{w.name}_dequantized"
     if name not in shared.arrays:
-        inits.append(shared.add(name, qdq.dequantized(*qdq.quantized_weight(w, t, fmt, per_channel, "", cache))))
+        # not through ``cache``: the quantized copy would stay beside the shared values (0.25 x W more)
+        inits.append(shared.add(name, qdq.dequantized(*qdq.quantized_weight(w, t, fmt, per_channel, ""))))
     else:
         inits.append(shared._placeholder(name, list(shared.arrays[name].shape)))
     return name
