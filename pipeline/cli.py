@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.exit_code in (EXIT_BAD_INPUT, EXIT_INTERNAL) and storage_fault(e) is not None:
             return _storage_error(e)
         if e.exit_code == EXIT_INTERNAL:
-            return _internal_error(args, e)
+            return _oom_error(e) or _internal_error(args, e)
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -317,11 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug: exit 3, traceback to a file, one line on the console
         if storage_fault(e) is not None:  # unless the file system refused a write: exit 4
             return _storage_error(e)
-        oom = memory_fault(e)  # or memory ran out: exit 4
-        if oom is not None:
-            print(f"error: {oom}", file=sys.stderr)
-            return oom.exit_code
-        return _internal_error(args, e)
+        return _oom_error(e) or _internal_error(args, e)  # or memory ran out: exit 4
+
+
+def _oom_error(exc: BaseException) -> int | None:
+    """Print an allocation failure under ``exc`` (:func:`pipeline.memory.memory_fault`); its exit
+    code (4), or None when ``exc`` is not one."""
+    oom = memory_fault(exc)
+    if oom is None:
+        return None
+    print(f"error: {oom}", file=sys.stderr)
+    return oom.exit_code
 
 
 def _storage_error(exc: BaseException) -> int:

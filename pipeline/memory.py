@@ -19,7 +19,8 @@ from pipeline.errors import MemoryFault
 
 #: what an allocation failure says inside an exception that is not a MemoryError
 #: (ONNX Runtime's C++ ``std::bad_alloc`` / arena, torch's CPU allocator)
-OOM_MESSAGES = ("bad_alloc", "Failed to allocate memory", "can't allocate memory", "not enough memory")
+OOM_MESSAGES = ("bad_alloc", "Failed to allocate memory", "can't allocate memory", "not enough memory",
+                "out of memory", "OutOfMemory", "Memory allocation failed")
 #: what holds memory in each stage, as the advice of a :class:`MemoryFault`
 STAGE_HINTS = {
     "export": "export holds the FP32 weights and torch's exporter state",
@@ -82,7 +83,8 @@ def release_freed() -> None:
 def out_of_memory(exc: BaseException | None) -> BaseException | None:
     """The allocation failure in ``exc`` or its ``__cause__`` / ``__context__`` chain: a
     ``MemoryError``, an ``OSError`` with ``ENOMEM``, or an exception whose message holds one of
-    :data:`OOM_MESSAGES`; else None."""
+    :data:`OOM_MESSAGES` (CPU and CUDA allocators of ONNX Runtime, torch and TensorRT); else
+    None. A ``raise ... from None`` ends the chain."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -90,7 +92,7 @@ def out_of_memory(exc: BaseException | None) -> BaseException | None:
             return exc
         if not isinstance(exc, MemoryFault) and any(m in str(exc) for m in OOM_MESSAGES):
             return exc
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
 
 

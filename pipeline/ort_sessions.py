@@ -134,9 +134,14 @@ def ort_session(path: str, level: str | None = None) -> ort.InferenceSession:
 # Above 2 GiB, ORT's transpose optimizer and constant folding fold a Transpose of
 # a large weight (a tied lm_head reading the embedding) into a new initializer
 # that ORT then refuses to embed (its 2 GiB limit for in-memory initializers).
-#: ONNX Runtime graph optimizers (basic level) that rewrite initializers from their values: constant
-#: folding, and the transpose optimizer, which transposes a constant weight in place.
-WEIGHT_READING_OPTIMIZERS = ["TransposeOptimizer", "ConstantFolding"]
+#: ONNX Runtime graph optimizers that rewrite initializers from their values: constant folding,
+#: the transpose optimizer (transposes a constant weight in place), the Conv fusions with a
+#: following BatchNormalization / Mul / Add, the NCHWc layout transformer and the MatMul scale fusion.
+WEIGHT_READING_OPTIMIZERS = ["TransposeOptimizer", "ConstantFolding", "ConvBNFusion", "ConvMulFusion",
+                             "ConvAddFusion", "NchwcTransformer", "MatMulScaleFusion"]
+#: ops whose presence turns a shared session's optimizations off altogether: ONNX Runtime also folds
+#: a BatchNormalization into the MatMul before it, an optimizer without a name to disable.
+_FUSED_WITH_WEIGHTS = {"Conv", "ConvTranspose", "BatchNormalization"}
 
 
 class SharedWeights:
@@ -148,7 +153,8 @@ class SharedWeights:
     :meth:`strip` left a placeholder: external data in a sparse file of zeros that ONNX Runtime
     validates and never reads. ONNX Runtime puts the arrays in after its graph optimizations, so
     the optimizers that rewrite initializer values (:data:`WEIGHT_READING_OPTIMIZERS`), which
-    would read the placeholder's zeros, are off (a Transpose or DequantizeLinear of a weight then
+    would read the placeholder's zeros, are off, no level above basic runs, and a graph with a
+    Conv or BatchNormalization runs unoptimized (a Transpose or DequantizeLinear of a weight then
     runs each time, with the values it would have folded to);
     weight prepacking is off too (a prepacked copy of every weight per session is what sharing
     saves), so the GEMM kernels may differ from a prepacking session's in the last bits; and the
@@ -218,6 +224,11 @@ class SharedWeights:
         these names are placeholders) reading the shared arrays; ``opts`` gets the overrides."""
         opts.add_session_config_entry("session.disable_prepacking", "1")
         opts.enable_cpu_mem_arena = False
+        basic = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        if any(n.op_type in _FUSED_WITH_WEIGHTS for n in model.graph.node):
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        elif int(opts.graph_optimization_level) > int(basic):  # extended / all fuse weights too (attention, scales)
+            opts.graph_optimization_level = basic
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", self._dir.name)
         names = {t.name for t in model.graph.initializer}
         for name, value in self.values.items():
@@ -243,7 +254,7 @@ def _copy_fields(src, dst, skip: str) -> None:
             setattr(dst, fd.name, value)
 
 
-_LARGE_MODEL_DISABLED = WEIGHT_READING_OPTIMIZERS
+_LARGE_MODEL_DISABLED = ["TransposeOptimizer", "ConstantFolding"]
 
 
 def load_session(path: str | Path, source: Path | None = None):

@@ -33,7 +33,7 @@ from pipeline import artifacts as A
 from pipeline import interrupts
 from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
-from pipeline.errors import InternalError, LockHeld
+from pipeline.errors import EXIT_INTERNAL, InternalError, LockHeld, PipelineError
 from pipeline.faults import fault_point
 from pipeline.memory import PeakRSS, memory_fault, release_freed
 from pipeline.provenance import code_hash, portable
@@ -347,7 +347,7 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
             art = stage.fn(ctx, *(arts[d] for d in stage.deps))
             fault_point(f"stage:{stage.name}:end")
     except (Exception, KeyboardInterrupt) as e:
-        err = memory_fault(e, stage.name, mem.peak_mib) or _named_ort_error(e, stage.name)
+        err = _memory_fault(e, stage.name, mem.peak_mib) or _named_ort_error(e, stage.name)
         man["stages"][stage.name] = M.stage_record("failed", f"{type(err).__name__}: {err}", time.perf_counter() - start,
                                                    mem.peak_mib)
         M.write_run_outputs(man, ctx.run_dir)
@@ -361,6 +361,14 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
     man["stages"][stage.name] = {**record, "cache_hit": False}
     _commit(ctx.run_dir / stage.name, key, art, record)
     return art
+
+
+def _memory_fault(e: BaseException, stage: str, peak_mib: float):
+    """A MemoryFault (exit 4) for an allocation failure, unless the error is one of ours with an
+    exit code of its own (a gate, bad input, the environment): those keep it."""
+    if isinstance(e, PipelineError) and e.exit_code != EXIT_INTERNAL:
+        return None
+    return memory_fault(e, stage, peak_mib)
 
 
 def _named_ort_error(e: BaseException, stage: str) -> BaseException:

@@ -193,6 +193,27 @@ def test_allocation_failures_are_memory_faults_and_other_errors_are_not():
         assert str(fault).startswith("stage validate: out of memory (") and "1,234 MiB" in str(fault)
     assert memory_fault(RuntimeError("shape mismatch")) is None
     assert memory_fault(OSError(errno.ENOSPC, "full")) is None
+    assert memory_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is not None
+    assert memory_fault(ValueError("memory layout of 'x' is not contiguous")) is None
+    try:  # `raise ... from None` ends the chain: a recipe error raised while handling one is not an OOM
+        try:
+            raise MemoryError()
+        except MemoryError:
+            raise ValueError("quantize.tuning: no window") from None
+    except ValueError as e:
+        assert memory_fault(e) is None
+
+
+def test_errors_with_their_own_exit_code_keep_it_whatever_they_say():
+    """The runner turns an allocation failure into exit 4, but not a gate (1), bad input (2) or an
+    environment error (4) of ours whose message happens to name memory."""
+    from pipeline.errors import GateFailed, InternalError, RecipeError
+    from pipeline.runner import _memory_fault
+
+    for exc in (GateFailed("plan: not enough memory for the KV cache"), RecipeError("out of memory hint")):
+        assert _memory_fault(exc, "validate", 1.0) is None
+    internal = InternalError("onnxruntime failed: std::bad_alloc")
+    assert _memory_fault(internal, "validate", 1.0).exit_code == 4
 
 
 def test_a_refused_run_keeps_the_published_record_and_serve_names_the_gate(tmp_path, capsys):

@@ -50,3 +50,35 @@ def test_sessions_share_the_weights_and_compute_what_the_whole_graph_computes():
         np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
         assert np.abs(got).max() > 0.1  # the weights, not the placeholder's zeros
     assert shared.values["w"].data_ptr() == shared.arrays["w"].ctypes.data  # one copy, read in place
+
+
+def _conv_graph(rng, tail: str) -> onnx.ModelProto:
+    """Conv with a shared weight, then ``tail`` (Mul / BatchNormalization by constants): ONNX Runtime
+    fuses those into the Conv's weight from its values."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 6])
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 8, 3, 3)).astype(np.float32), "wc")]
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"], pads=[1, 1, 1, 1])]
+    if tail == "Mul":
+        inits.append(numpy_helper.from_array(rng.standard_normal((16, 1, 1)).astype(np.float32), "s"))
+        nodes.append(helper.make_node("Mul", ["c", "s"], ["y"]))
+    else:
+        for name in ("g", "b", "m"):
+            inits.append(numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), name))
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 2, 16).astype(np.float32), "v"))
+        nodes.append(helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_weights_that_onnx_runtime_would_fuse_are_still_read_from_the_shared_copy():
+    """Found by review: Conv + Mul / BatchNormalization fusions read the placeholder's zeros."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 8, 6, 6)).astype(np.float32)
+    for tail in ("Mul", "BatchNormalization"):
+        model = _conv_graph(rng, tail)
+        whole = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        shared = SharedWeights(model, min_bytes=1024)
+        assert list(shared.arrays) == ["wc"]
+        for level in (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+            got = shared.session(shared.strip(model), _opts(level)).run(None, {"x": x})[0]
+            np.testing.assert_allclose(got, whole, rtol=1e-4, atol=1e-4, err_msg=f"{tail} at {level}")
