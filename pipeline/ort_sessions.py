@@ -131,9 +131,6 @@ def ort_session(path: str, level: str | None = None) -> ort.InferenceSession:
                                 disabled_optimizers=_large_model_optimizers(path))
 
 
-# Above 2 GiB, ORT's transpose optimizer and constant folding fold a Transpose of
-# a large weight (a tied lm_head reading the embedding) into a new initializer
-# that ORT then refuses to embed (its 2 GiB limit for in-memory initializers).
 #: ONNX Runtime graph optimizers that rewrite initializers from their values: constant folding,
 #: the transpose optimizer (transposes a constant weight in place), the Conv fusions with a
 #: following BatchNormalization / Mul / Add, the NCHWc layout transformer and the MatMul scale fusion.
@@ -154,10 +151,10 @@ class SharedWeights:
     validates and never reads. ONNX Runtime puts the arrays in after its graph optimizations, so
     the optimizers that rewrite initializer values (:data:`WEIGHT_READING_OPTIMIZERS`), which
     would read the placeholder's zeros, are off, no level above basic runs, and a graph with a
-    Conv or BatchNormalization runs unoptimized (a Transpose or DequantizeLinear of a weight then
-    runs each time, with the values it would have folded to);
-    weight prepacking is off too (a prepacked copy of every weight per session is what sharing
-    saves), so the GEMM kernels may differ from a prepacking session's in the last bits; and the
+    Conv or BatchNormalization runs unoptimized (a Transpose of a weight then runs each time, with
+    the values it would have folded to). Weight prepacking is off too (a prepacked copy of every
+    weight per session is what sharing saves), so the GEMM kernels may differ from a prepacking
+    session's in the last bits; and the
     CPU memory arena is off, so a run's activations are freed after it instead of held at their
     peak (SmolLM2-135M's switch graph at 8 x 128 tokens: 1.4 GiB held with the arena, none
     without, at the same speed). Measured here (onnxruntime 1.31.1, a 64 MiB MatMul weight, three
@@ -254,6 +251,9 @@ def _copy_fields(src, dst, skip: str) -> None:
             setattr(dst, fd.name, value)
 
 
+# Above 2 GiB, ORT's transpose optimizer and constant folding fold a Transpose of
+# a large weight (a tied lm_head reading the embedding) into a new initializer
+# that ORT then refuses to embed (its 2 GiB limit for in-memory initializers).
 _LARGE_MODEL_DISABLED = ["TransposeOptimizer", "ConstantFolding"]
 
 
