@@ -194,9 +194,11 @@ class SharedWeights:
         self.arrays[name] = np.ascontiguousarray(array, dtype=np.float32)
         self.values[name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[name])
         self._grow(self.arrays[name].nbytes)
-        return self._placeholder(name, list(array.shape))
+        return self.placeholder(name, list(array.shape))
 
-    def _placeholder(self, name: str, dims: list[int]) -> onnx.TensorProto:
+    def placeholder(self, name: str, dims: list[int]) -> onnx.TensorProto:
+        """The graph's stand-in for shared array ``name``: FLOAT ``dims``, external data in the
+        sparse placeholder file."""
         ph = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=dims,
                               data_location=onnx.TensorProto.EXTERNAL)
         for key, value in (("location", self.PLACEHOLDER), ("offset", "0"), ("length", str(self.arrays[name].nbytes))):
@@ -213,7 +215,7 @@ class SharedWeights:
             if t.name not in self.arrays:
                 out.graph.initializer.add().CopyFrom(t)
                 continue
-            out.graph.initializer.append(self._placeholder(t.name, list(t.dims)))
+            out.graph.initializer.append(self.placeholder(t.name, list(t.dims)))
         return out
 
     def session(self, model: onnx.ModelProto, opts: ort.SessionOptions) -> ort.InferenceSession:

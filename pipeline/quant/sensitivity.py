@@ -178,7 +178,7 @@ def _shared_dq(w: onnx.TensorProto, t: qdq.Target, fmt: qdq.QFormat, per_channel
         # not through ``cache``: the quantized copy would stay beside the shared values (0.25 x W more)
         inits.append(shared.add(name, qdq.dequantized(*qdq.quantized_weight(w, t, fmt, per_channel, ""))))
     else:
-        inits.append(shared._placeholder(name, list(shared.arrays[name].shape)))
+        inits.append(shared.placeholder(name, list(shared.arrays[name].shape)))
     return name
 
 
