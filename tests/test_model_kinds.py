@@ -93,8 +93,8 @@ def test_stages_import_no_kind_specific_module():
 
 
 #: Files outside models/ that may name a kind: the per-kind facts table, the schema (its list of
-#: kinds and their old names) and the per-kind gate-metric lists.
-KIND_TABLES = ("pipeline/recipe_kinds.py", "pipeline/recipe.py", "pipeline/gates.py")
+#: kinds), the older recipe shapes (the kinds' old names) and the per-kind gate-metric lists.
+KIND_TABLES = ("pipeline/recipe_kinds.py", "pipeline/recipe.py", "pipeline/recipe_legacy.py", "pipeline/gates.py")
 KIND_NEEDLES = ("model.kind ==", "model.kind !=", "model.kind in", "model.kind not in", '"causal-lm"',
                 '"text-generation"', '"sentence-embedding"', '"image-classification"', '"generic"')
 
