@@ -104,16 +104,21 @@ STORAGE_ERRNOS = {
 }
 
 
-def storage_oserror(exc: BaseException | None) -> OSError | None:
-    """The first OSError with an errno of :data:`STORAGE_ERRNOS` in ``exc`` or its
-    ``__cause__`` / ``__context__`` chain, or None."""
+def causes(exc: BaseException | None, *, past_from_none: bool = True):
+    """``exc`` then each exception it was raised from (``__cause__``, else ``__context__``), each
+    once; with ``past_from_none=False`` a ``raise ... from None`` ends the chain."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+        yield exc
+        suppressed = exc.__suppress_context__ and not past_from_none
+        exc = exc.__cause__ or (None if suppressed else exc.__context__)
+
+
+def storage_oserror(exc: BaseException | None) -> OSError | None:
+    """The first OSError with an errno of :data:`STORAGE_ERRNOS` in ``exc`` or its
+    ``__cause__`` / ``__context__`` chain, or None."""
+    return next((e for e in causes(exc) if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS), None)
 
 
 def storage_fault(exc: BaseException, folder: str | os.PathLike | None = None,

@@ -15,7 +15,7 @@ import threading
 
 import psutil
 
-from pipeline.errors import MemoryFault
+from pipeline.errors import MemoryFault, causes
 
 #: what an allocation failure says inside an exception that is not a MemoryError
 #: (ONNX Runtime's C++ ``std::bad_alloc`` / arena, torch's CPU allocator)
@@ -85,15 +85,13 @@ def out_of_memory(exc: BaseException | None) -> BaseException | None:
     ``MemoryError``, an ``OSError`` with ``ENOMEM``, or an exception whose message holds one of
     :data:`OOM_MESSAGES` (CPU and CUDA allocators of ONNX Runtime, torch and TensorRT); else
     None. A ``raise ... from None`` ends the chain."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
-            return exc
-        if not isinstance(exc, MemoryFault) and any(m in str(exc) for m in OOM_MESSAGES):
-            return exc
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-    return None
+    return next((e for e in causes(exc, past_from_none=False) if _is_oom(e)), None)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+        return True
+    return not isinstance(exc, MemoryFault) and any(m in str(exc) for m in OOM_MESSAGES)
 
 
 def memory_fault(exc: BaseException, stage: str | None = None, peak_mib: float | None = None) -> MemoryFault | None:

@@ -237,7 +237,6 @@ class TrialRunner:
     reference_session: ort.InferenceSession | None
     trials: list[Trial] = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
-    _weights: dict = field(default_factory=dict)
     _ref: Reference | None = None
     _switch: tuple[ort.InferenceSession, dict[str, str]] | None = None
     _shared: SharedWeights | None = None
@@ -323,8 +322,8 @@ class TrialRunner:
         if self._switch is None:
             per_node = {t.node: [t.node] for t in self.targets}
             graph, switches = switch_graph(self.model, self.targets, per_node, self.amax, self.fmt,
-                                           self.per_channel, self._weights, self.shared())
-            self._switch = (_session(graph, consume=True, shared=self.shared()), switches)
+                                           self.per_channel, shared=self.shared())
+            self._switch = (_session(graph, shared=self.shared()), switches)
         return self._switch
 
 
@@ -376,7 +375,7 @@ def thread_noise(runner: TrialRunner, metric: str, batches: int = 1) -> float:
     base = runner.measure([], batches)
     per_node = {t.node: [t.node] for t in runner.targets}
     graph, switches = switch_graph(runner.model, runner.targets, per_node, runner.amax, runner.fmt,
-                                   runner.per_channel, runner._weights, runner.shared())
+                                   runner.per_channel, shared=runner.shared())
     threads = 1 if (ort.SessionOptions().intra_op_num_threads or 0) != 1 else 2
     sess = _session(graph, threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL, shared=runner.shared())
     del graph
