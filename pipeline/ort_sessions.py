@@ -163,17 +163,26 @@ class SharedWeights:
     Args:
         model: the graph whose FP32 initializers of ``min_bytes`` or more (float32, stored in the
             proto) are shared; it is not modified.
+        weights_dir: the folder of ``model``'s external data when it was loaded without it
+            (``onnx.load(..., load_external_data=False)``): every external float32 initializer is
+            then shared as a read-only memory map of its file (page cache, no copy in this
+            process's heap), and other external initializers are read into :meth:`strip`'s copy.
     """
 
     PLACEHOLDER = "shared-weights.zeros"
 
-    def __init__(self, model: onnx.ModelProto, min_bytes: int = 1 << 20):
+    def __init__(self, model: onnx.ModelProto, min_bytes: int = 1 << 20, weights_dir: str | Path | None = None):
         from onnx import numpy_helper
 
         self.arrays: dict[str, np.ndarray] = {}
+        self._weights_dir = weights_dir
         for t in model.graph.initializer:
-            if (t.data_type == onnx.TensorProto.FLOAT and t.data_location != onnx.TensorProto.EXTERNAL
-                    and 4 * int(np.prod(t.dims)) >= min_bytes):
+            if t.data_type != onnx.TensorProto.FLOAT:
+                continue
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                if weights_dir is not None:
+                    self.arrays[t.name] = _mapped(t, Path(weights_dir))
+            elif 4 * int(np.prod(t.dims)) >= min_bytes:
                 self.arrays[t.name] = numpy_helper.to_array(t)
         self.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
         self._dir = tempfile.TemporaryDirectory(prefix="pipeline-shared-weights-")
@@ -212,10 +221,17 @@ class SharedWeights:
         _copy_fields(model, out, skip="graph")
         _copy_fields(model.graph, out.graph, skip="initializer")
         for t in model.graph.initializer:
-            if t.name not in self.arrays:
-                out.graph.initializer.add().CopyFrom(t)
+            if t.name in self.arrays:
+                out.graph.initializer.append(self.placeholder(t.name, list(t.dims)))
                 continue
-            out.graph.initializer.append(self.placeholder(t.name, list(t.dims)))
+            copied = out.graph.initializer.add()
+            copied.CopyFrom(t)
+            if t.data_location == onnx.TensorProto.EXTERNAL and self._weights_dir is not None:
+                from onnx.external_data_helper import load_external_data_for_tensor
+
+                load_external_data_for_tensor(copied, str(self._weights_dir))  # a small non-float one
+                copied.data_location = onnx.TensorProto.DEFAULT
+                del copied.external_data[:]
         return out
 
     def session(self, model: onnx.ModelProto, opts: ort.SessionOptions) -> ort.InferenceSession:
@@ -237,6 +253,16 @@ class SharedWeights:
                                     disabled_optimizers=WEIGHT_READING_OPTIMIZERS)
         sess._pipeline_shared = self  # the arrays (and the placeholder file) outlive the session
         return sess
+
+
+def _mapped(t: onnx.TensorProto, folder: Path) -> np.ndarray:
+    """External float32 initializer ``t`` as a read-only memory map of its file in ``folder``
+    (a copy when its offset is not 4-byte aligned)."""
+    info = {e.key: e.value for e in t.external_data}
+    shape = tuple(int(d) for d in t.dims)
+    arr = np.memmap(folder / info["location"], dtype=np.float32, mode="r", offset=int(info.get("offset", 0)),
+                    shape=shape or (1,))
+    return arr if arr.flags.aligned and shape else np.array(arr).reshape(shape)
 
 
 def _copy_fields(src, dst, skip: str) -> None:

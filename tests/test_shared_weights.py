@@ -82,3 +82,32 @@ def test_weights_that_onnx_runtime_would_fuse_are_still_read_from_the_shared_cop
         for level in (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
             got = shared.session(shared.strip(model), _opts(level)).run(None, {"x": x})[0]
             np.testing.assert_allclose(got, whole, rtol=1e-4, atol=1e-4, err_msg=f"{tail} at {level}")
+
+
+def test_weights_left_on_disk_are_memory_mapped_not_copied(tmp_path):
+    """A graph loaded without its external data: the float weights are read-only maps of the data
+    file (no copy in the heap), a non-float external initializer is read into the stripped copy,
+    and a session computes what the whole graph computes."""
+    rng = np.random.default_rng(1)
+    w, b = rng.standard_normal((96, 64)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
+    model = _graph(w, b)
+    shape = numpy_helper.from_array(np.array([-1, 96], np.int64), "shape")  # a non-float initializer
+    model.graph.initializer.append(shape)
+    model.graph.node.append(helper.make_node("Reshape", ["y", "shape"], ["z"]))
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 96]))
+    whole_graph = model.SerializeToString()
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    lazy = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+
+    shared = SharedWeights(lazy, weights_dir=tmp_path)
+    assert sorted(shared.arrays) == ["b", "w"]  # every external float32 one, whatever its size
+    assert all(isinstance(a, np.memmap) and not a.flags.writeable for a in shared.arrays.values())
+    stripped = shared.strip(lazy)
+    [inlined] = [t for t in stripped.graph.initializer if t.name == "shape"]
+    assert inlined.data_location == TensorProto.DEFAULT and list(numpy_helper.to_array(inlined)) == [-1, 96]
+
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    whole = ort.InferenceSession(whole_graph, providers=["CPUExecutionProvider"]).run(["z"], {"x": x})[0]
+    got = shared.session(stripped, _opts()).run(["z"], {"x": x})[0]
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
+    assert shared.values["w"].data_ptr() == shared.arrays["w"].ctypes.data

@@ -334,7 +334,8 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         raise QuantizationError(f"quantize.tuning.data: {tun.data.describe()} gives no window of {cal.seq_len} tokens")
     grouping = q.sensitivity.groups if q.sensitivity else "per_block"
     runner = S.TrialRunner(model, targets, S.groups(targets, grouping), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path))
+                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path),
+                           weights_dir=str(Path(exp.onnx_path).parent))  # for weights not loaded into ``model``
     metric = q.accuracy_budget.metric if q.accuracy_budget else "kld_mean"
     half = max(1, len(feeds) // 2)  # the ranking pass: half the windows (~40 % of the search's time saved)
     with ctx.progress.step(f"sensitivity: {len(runner.group_nodes)} groups ({grouping}) on {tun.data.describe()}"):
@@ -357,9 +358,10 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
     res.tolerance = {"value": tol.value, "tie": tol.tie, "noise": tol.noise}
     _write(ctx.stage_dir, res, list(q.exclude.nodes))
     if res.status != "met":
+        weights = runner.weights_dir  # tensors not loaded into ``model`` are read from there
         best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
-                              q.per_channel_weights)
-        onnx_io.save_model_atomic(best, ctx.stage_dir / "budget_best.onnx")
+                              q.per_channel_weights, base_dir=weights)
+        onnx_io.save_model_atomic(best, ctx.stage_dir / "budget_best.onnx", base_dir=weights)
         if res.status == "limit reached" and passes(q.accuracy_budget, res.metrics):
             raise GateFailed(
                 f"quantize.accuracy_budget: the search stopped at tuning.max_trials ({tun.max_trials}) or "

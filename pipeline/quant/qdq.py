@@ -258,15 +258,17 @@ def _act_qdq(name: str, amax: dict[str, float], fmt: QFormat, nodes: list, inits
 
 
 def quantized_weight(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, base_dir: str = "",
-                     cache: dict | None = None) -> tuple[np.ndarray, np.ndarray, int | None]:
+                     cache: dict | None = None, values: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, int | None]:
     """``(q, scale, axis)`` of target ``t``'s weight ``w`` (:func:`quantize_weight`), from ``cache``
-    (keyed by weight, format and axis) when it holds them."""
+    (keyed by weight, format and axis) when it holds them; ``values``: ``w``'s float32 values
+    when the caller holds them (else read from ``w``, or from ``base_dir`` when external)."""
     axis = t.weight_axis if per_channel else None
     key = (w.name, fmt.name, fmt.weights().qmax, axis)
     if cache is not None and key in cache:
         q, scale = cache[key]
     else:
-        q, scale = quantize_weight(_weight_array(w, base_dir), fmt.weights(), axis)
+        q, scale = quantize_weight(_weight_array(w, base_dir) if values is None else values, fmt.weights(), axis)
         if cache is not None:
             cache[key] = (q, scale)
     return q, scale, axis

@@ -176,7 +176,8 @@ def _shared_dq(w: onnx.TensorProto, t: qdq.Target, fmt: qdq.QFormat, per_channel
     name = f"{w.name}_dequantized"
     if name not in shared.arrays:
         # not through ``cache``: the quantized copy would stay beside the shared values (0.25 x W more)
-        inits.append(shared.add(name, qdq.dequantized(*qdq.quantized_weight(w, t, fmt, per_channel, ""))))
+        values = shared.arrays.get(w.name)
+        inits.append(shared.add(name, qdq.dequantized(*qdq.quantized_weight(w, t, fmt, per_channel, "", values=values))))
     else:
         inits.append(shared.placeholder(name, list(shared.arrays[name].shape)))
     return name
@@ -216,7 +217,8 @@ class TrialRunner:
     session of :func:`switch_graph` (built on the first trial).
 
     Args:
-        model: the FP32 graph (smoothed, if SmoothQuant is on) with its weights loaded.
+        model: the FP32 graph (smoothed, if SmoothQuant is on), with its weights loaded or with
+            ``weights_dir``.
         targets: all quantizable GEMMs; ``group_nodes`` maps group -> node names.
         amax: per-tensor activation amax of every target's input (calibration).
         fmt, per_channel: the quantization format and weight granularity.
@@ -224,6 +226,8 @@ class TrialRunner:
         logits: ``(session, feeds) -> float32 [b, seq, vocab]``.
         reference_session: an ONNX Runtime session of the FP32 reference graph; used
             once for :meth:`reference`, then released.
+        weights_dir: the folder of ``model``'s external data when it was loaded without it: the
+            weights are then memory-mapped from there (:class:`pipeline.ort_sessions.SharedWeights`).
     """
 
     model: onnx.ModelProto
@@ -235,6 +239,7 @@ class TrialRunner:
     feeds: list[dict[str, np.ndarray]]
     logits: Callable[[ort.InferenceSession, dict], np.ndarray]
     reference_session: ort.InferenceSession | None
+    weights_dir: str | None = None
     trials: list[Trial] = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
     _ref: Reference | None = None
@@ -244,7 +249,7 @@ class TrialRunner:
     def shared(self) -> SharedWeights:
         """The FP32 weights of :attr:`model`, held once for every switch-graph session."""
         if self._shared is None:
-            self._shared = SharedWeights(self.model)
+            self._shared = SharedWeights(self.model, weights_dir=self.weights_dir)
         return self._shared
 
     def reference(self) -> Reference:

@@ -184,9 +184,10 @@ def _op(node: onnx.NodeProto | None) -> str:
 def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target], batches: list[dict[str, np.ndarray]],
             channel_amax: dict[str, np.ndarray] | None = None
             ) -> tuple[onnx.ModelProto, list[Target], str, dict, dict[str, np.ndarray]]:
-    """The quantize stage's SmoothQuant step (``quantize.smoothquant``), with the weights loaded.
+    """The quantize stage's SmoothQuant step (``quantize.smoothquant``).
 
-    Loads ``model``'s weights from beside ``src``; with ``quantize.smoothquant`` set,
+    Without ``quantize.smoothquant``, returns ``model`` as given (weights not loaded). With it,
+    loads ``model``'s weights from beside ``src``,
     collects per-channel input amax over ``batches``, smooths the inputs of the
     MatMul targets in ``kept`` and writes the smoothed FP32 graph to
     ``<stage>/smoothed_fp32.onnx`` (per-tensor calibration then runs on it).
@@ -209,10 +210,10 @@ def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target], batches: list[
     from pipeline import onnx_io
     from pipeline.quant import calibrate, qdq
 
-    load_external_data_for_model(model, str(Path(src).parent))
     sq = ctx.recipe.quantize.smoothquant
     if sq is None:
         return model, kept, str(src), {}, {}
+    load_external_data_for_model(model, str(Path(src).parent))
     mm = [t for t in kept if t.weight_axis == 1 and t.node in {n.name for n in model.graph.node if n.op_type == "MatMul"}]
     acts = sorted({t.act for t in mm})
     with ctx.progress.step(f"smoothquant: per-channel amax of {len(acts)} GEMM inputs, alpha {sq.alpha}"):

@@ -70,7 +70,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
     pinned = ctx.pin.pinned if ctx.pin is not None else None
     cal_src, extra, chan = src, {}, {}
-    if q.smoothquant is not None or q.tuning is not None:  # issue 10: weights loaded, FP32 graph smoothed
+    if q.smoothquant is not None:  # issue 10: weights loaded, FP32 graph smoothed
         model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
             ctx, src, model, kept, batches, pin.channel_amax(pinned) if pinned and q.smoothquant else None)
         extra = {"smoothquant": smooth_info} if smooth_info else {}
