@@ -61,8 +61,11 @@ tune: $(STAMP) $(DATA_$(RECIPE))
 check: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline check recipes/$(RECIPE).yaml
 
+# The suite on every core (pytest-xdist; tests/conftest.py keeps tests that share a costly fixture on
+# one worker). At most 4 workers: each may hold a model and its ONNX Runtime sessions (~4 GB).
+TEST_WORKERS ?= auto
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses=4 --dist loadgroup --no-loadscope-reorder
 
 # Regenerate docs/reference/recipe.md from the recipe schema (tests/test_docs_reference.py checks it is current).
 docs: $(STAMP)

@@ -1,4 +1,8 @@
-"""Shared fixtures. The fp8-llm end-to-end run is made once per session."""
+"""Shared fixtures, and how the suite is split across pytest-xdist's workers.
+
+The fp8-llm end-to-end run is made once per session. ``make test`` runs the suite on every core
+(``-n auto --dist loadgroup``); :func:`pytest_collection_modifyitems` keeps the tests that share a
+costly fixture on one worker and hands out the slowest groups first."""
 from __future__ import annotations
 
 import os
@@ -11,6 +15,38 @@ MOTO_BUCKET = "models"  # the bucket moto_s3 creates
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+#: Tests using these session fixtures (the real SmolLM2 export and fp8-llm run) share one worker.
+SMOLLM2_FIXTURES = {"llm_workspace", "smollm2_export", "fp8_llm_run"}
+#: Groups started first, slowest first (CI durations), so that no worker ends long after the other.
+SLOW_FIRST = ["smollm2", "test_causal_lm_matrix.py", "test_publish_integrity.py", "test_runs.py",
+              "test_shared_repository.py", "test_budget.py", "test_bench_openai.py", "test_bench_tiny.py",
+              "test_recipe_data.py", "test_reproducible_bytes.py", "test_external_data.py"]
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The worker group of ``item``: its own ``xdist_group`` mark's; ``smollm2`` for the real-model
+    tests; its module's file name when it uses a module-scoped fixture (built once per module);
+    else None (any worker)."""
+    if (mark := item.get_closest_marker("xdist_group")) is not None:
+        return mark.args[0]
+    if SMOLLM2_FIXTURES & set(item.fixturenames):
+        return "smollm2"
+    defs = getattr(item, "_fixtureinfo", None)
+    scopes = [d.scope for ds in (defs.name2fixturedefs.values() if defs else []) for d in ds]
+    return item.path.name if "module" in scopes or "class" in scopes else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    groups = {}
+    for item in items:
+        group = groups[item.nodeid] = xdist_group(item)
+        if group and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    rank = {g: i for i, g in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: rank.get(groups[it.nodeid] or it.path.name, len(rank)))  # stable
 
 
 @pytest.fixture(scope="session")

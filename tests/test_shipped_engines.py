@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["int8-llm", "fp8-encoder"])
+@pytest.mark.parametrize("name", [pytest.param("int8-llm", marks=pytest.mark.xdist_group("smollm2")),  # its export
+                                  "fp8-encoder"])
 def test_shipped_recipe_builds_a_tensorrt_rtx_engine(name, tmp_path, request):
     from pipeline.recipe_load import load_recipe
     from pipeline.runner import run_pipeline
