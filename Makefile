@@ -87,7 +87,7 @@ bench: $(DEV_STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline bench recipes/$(RECIPE).yaml $(ARGS)
 
 bench-build: $(STAMP)
-	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml
+	$(PY) benchmarks/build_times.py --recipe recipes/$(RECIPE).yaml $(ARGS)
 
 # The cost curve against model size: random-weight Llama models of 135 M, 0.5 B and 1.1 B parameters
 # through fp8-llm's recipe; per stage wall time and peak RSS, the search's trials (ARGS='--sizes 135m,0.5b').

@@ -20,7 +20,10 @@ temp folder) goes through the same recipe shrunk to mechanics-test sizes: it
 takes the external-data path in every stage. For both models the quantize
 stage's peak RSS is printed next to the FP32 model size (target: <= 3x).
 
-    .venv/bin/python benchmarks/build_times.py --recipe recipes/fp8-llm.yaml
+    .venv/bin/python benchmarks/build_times.py --recipe recipes/fp8-llm.yaml [--before REV]
+
+``--before REV`` measures the memory table a second time with the code and recipe of git revision
+REV (checked out in a temporary worktree; the same venv) and prints both side by side.
 """
 from __future__ import annotations
 
@@ -60,26 +63,29 @@ _STAGE_DRIVERS = [
 ]
 
 
-def _stage_process(recipe: str, ws: Path, call: str) -> None:
+def _stage_process(recipe: str, ws: Path, call: str, code_dir: Path) -> None:
+    """``call`` in a fresh ``python -c`` run in ``code_dir``, whose ``pipeline`` package it imports."""
     code = ("import sys; from pathlib import Path; from pipeline.recipe_load import load_recipe; "
             "from pipeline.runner import run_pipeline, run_tune; path = Path(sys.argv[1]); "
             "recipe = load_recipe(path, {'work_dir': sys.argv[2], 'output_dir': sys.argv[3]}); " + call)
     proc = subprocess.run([sys.executable, "-c", code, recipe, str(ws / "artifacts"), str(ws / "model_repository")],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=code_dir)
     if proc.returncode != 0:
-        sys.exit(f"{call} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        sys.exit(f"{call} failed ({proc.returncode}) in {code_dir}:\n{proc.stderr[-3000:]}")
 
 
-def stage_memory(recipe: str, ws: Path, only: list[str] | None = None) -> list[tuple[str, float, float]]:
+def stage_memory(recipe: str, ws: Path, only: list[str] | None = None,
+                 code_dir: Path = Path.cwd()) -> list[tuple[str, float, float]]:
     """(stage, peak RSS MiB, wall s) of export, quantize calibrated (the pin ignored) and
     pinned, and validate (of the pinned model), each in a fresh process (earlier stages
-    from the stage cache)."""
+    from the stage cache), with the ``pipeline`` package and ``recipe`` of ``code_dir``."""
     rows = []
+    recipe = str((code_dir / recipe).resolve())
     run_dir = ws / "artifacts" / Path(recipe).stem
     for label, call in _STAGE_DRIVERS:
         if only and label not in only:
             continue
-        _stage_process(recipe, ws, call)
+        _stage_process(recipe, ws, call, code_dir)
         rec = json.loads((run_dir / label.split()[0] / "stage.json").read_text())["record"]
         rows.append((label, float(rec.get("peak_rss_mib") or 0), float(rec["wall_s"])))
     return rows
@@ -96,6 +102,32 @@ def memory_table(name: str, rows: list[tuple[str, float, float]], weight_bytes: 
         lines.append(f"{label:<22} {wall:>9.1f} {rss / 2**30:>15.2f} {rss / weight_bytes:>13.1f}x "
                      f"{'met' if rss <= aim else 'MISSED':>7}")
     return "\n".join(lines)
+
+
+def compare_table(name: str, before: list, after: list, weight_bytes: int, rev: str) -> str:
+    """Each stage's peak RSS (GiB and x the FP32 weight bytes) at ``rev`` and now, side by side."""
+    was = {label: mib for label, mib, _ in before}
+    gib = 2**30
+    lines = [f"{name}: peak RSS per stage at {rev} (before) and in this checkout (after), same machine, one run; "
+             f"FP32 weights W = {weight_bytes / gib:.2f} GiB",
+             f"{'stage':<22} {'before GiB':>11} {'x W':>6} {'after GiB':>10} {'x W':>6} {'after/before':>13}"]
+    for label, mib, _ in after:
+        b, a = was.get(label, 0.0) * 2**20, mib * 2**20
+        ratio = f"{a / b:.2f}" if b else "n/a"
+        lines.append(f"{label:<22} {b / gib:>11.2f} {b / weight_bytes:>5.1f}x {a / gib:>10.2f} "
+                     f"{a / weight_bytes:>5.1f}x {ratio:>13}")
+    return "\n".join(lines)
+
+
+def before_rows(rev: str, recipe: str, only: list[str] | None) -> list:
+    """The memory table's rows with the code and recipe of git revision ``rev`` (a worktree)."""
+    with tempfile.TemporaryDirectory(prefix="trtpipe-bench-before-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], check=True, capture_output=True)
+        try:
+            return stage_memory(recipe, Path(tmp) / "ws", only, code_dir=tree)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def make_large_llama(folder: Path) -> int:
@@ -180,6 +212,9 @@ def main() -> None:
     ap.add_argument("--memory-stages", type=lambda v: v.split(","),
                     help="comma-separated rows of the memory table to run (default: all): "
                          + ", ".join(label for label, _ in _STAGE_DRIVERS))
+    ap.add_argument("--before", metavar="REV",
+                    help="also measure the memory table with git revision REV's code and recipe (a worktree) and "
+                         "print both side by side")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="trtpipe-bench-mem-") as tmp:
@@ -187,6 +222,9 @@ def main() -> None:
         rows = stage_memory(args.recipe, ws, args.memory_stages)
         weights = files_bytes(ws / "artifacts" / Path(args.recipe).stem / "export" / "model.onnx")
     print(memory_table(Path(args.recipe).stem, rows, weights) + "\n")
+    if args.before:
+        old = before_rows(args.before, args.recipe, args.memory_stages)
+        print(compare_table(Path(args.recipe).stem, old, rows, weights, args.before) + "\n")
     if args.only_memory:
         return
     if args.only_large:

@@ -128,6 +128,7 @@ def report_markdown(man: dict) -> str:
                       f"{', '.join(rc['pushed']) or 'none'}; already there {', '.join(rc['present']) or 'none'}."]
         lines += [f"- warning: {w}" for w in rc["warnings"]]
     lines += tuning_lines(man.get("tuning"), man["recipe"].get("quantize", {}))
+    lines += speed_lines(man.get("metrics") or {}, (man.get("artifacts") or {}).get("quantize") or {})
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += _metric_rows(man["metrics"])
@@ -195,6 +196,22 @@ def tuning_lines(tuning: dict | None, quantize: dict) -> list[str]:
     what = "calibration and the accuracy-budget search" if quantize.get("accuracy_budget") else "calibration"
     return ["", f"Tuning: {what} ran on this machine ({tuning['reason']}); CPU kernels can move its result "
                 "in the last bits: `python -m pipeline tune <recipe>` pins it."]
+
+
+def speed_lines(metrics: dict, quantize: dict) -> list[str]:
+    """The report's line on ``speedup_vs_fp32``: the timed shape, and how many GEMMs run in the
+    quantized precision; the ones kept in high precision run at FP32 speed and bound the whole
+    graph's speedup (Amdahl's law)."""
+    speedup = metrics.get("speedup_vs_fp32")
+    if not isinstance(speedup, (int, float)) or not quantize.get("quantized_nodes"):
+        return []
+    done, kept = len(quantize["quantized_nodes"]), len(quantize.get("excluded_nodes") or [])
+    line = (f"Speed: {speedup:.2f}x FP32 ({metrics.get('speed_shape', '')}, median of {metrics.get('speed_runs')} "
+            f"interleaved runs, ONNX Runtime level '{metrics.get('speed_level')}'); {done} of {done + kept} GEMMs "
+            f"run in {quantize.get('precision')}")
+    if kept:
+        line += f"; the other {kept}, kept in high precision for accuracy, run at FP32 speed and bound the speedup"
+    return ["", line + "."]
 
 
 def add_report_section(run_dir: Path, title: str, markdown: str) -> None:

@@ -269,3 +269,21 @@ def test_a_huge_section_is_capped_with_a_pointer_to_its_file():
     assert f"... {2000 - len(kept)} more lines: the full section is in `quantize/budget.md`" in report
     lines = M.capped_section("\n".join(f"line {i}" for i in range(100)), None, max_lines=3)
     assert lines == "line 0\nline 1\nline 2\n\n... 97 more lines: the full section is in manifest.json (`sections`)"
+
+
+def test_the_speed_line_counts_the_gemms_left_in_high_precision():
+    """An INT8 speedup below what the INT8 GEMMs alone give is explained in numbers: the GEMMs
+    kept in high precision run at FP32 speed."""
+    metrics = {"speedup_vs_fp32": 1.404, "speed_shape": "batch 8 x 64 tokens", "speed_runs": 5, "speed_level": "all"}
+    quantize = {"precision": "int8", "quantized_nodes": [f"q{i}" for i in range(30)],
+                "excluded_nodes": [f"down_proj{i}" for i in range(6)]}
+    [_, line] = M.speed_lines(metrics, quantize)
+    assert line == ("Speed: 1.40x FP32 (batch 8 x 64 tokens, median of 5 interleaved runs, ONNX Runtime level 'all'); "
+                    "30 of 36 GEMMs run in int8; the other 6, kept in high precision for accuracy, run at FP32 speed "
+                    "and bound the speedup.")
+    assert M.speed_lines(metrics, {**quantize, "excluded_nodes": []})[1].endswith("30 of 30 GEMMs run in int8.")
+    assert M.speed_lines({}, quantize) == [] and M.speed_lines(metrics, {}) == []
+    man = _manifest(_results())
+    man["metrics"].update(metrics)
+    man["artifacts"] = {"quantize": quantize}
+    assert line in M.report_markdown(man)
