@@ -120,13 +120,21 @@ def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") 
     return "all"
 
 
-def ort_session(path: str, level: str | None = None) -> ort.InferenceSession:
+def ort_session(path: str, level: str | None = None, *, lean: bool = False) -> ort.InferenceSession:
     """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
     :func:`optimization_level`; ``level`` (a key of :data:`ORT_LEVELS`) overrides it, for
-    benchmarks only: validate and serving always use the graph's own."""
+    benchmarks only: validate and serving always use the graph's own.
+
+    ``lean``: no weight prepacking (a packed copy of each GEMM weight) and no CPU memory arena
+    (which keeps a run's peak activations): for sessions run a few times where memory matters
+    more than speed (the export's shape checks, the search's FP32 reference). The GEMM kernels
+    may then differ from a prepacking session's in the last bits."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ORT_LEVELS[level or optimization_level(path)]
+    if lean:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+        opts.enable_cpu_mem_arena = False
     return ort.InferenceSession(path, sess_options=opts, providers=providers(),
                                 disabled_optimizers=_large_model_optimizers(path))
 
@@ -286,7 +294,7 @@ _LARGE_MODEL_DISABLED = ["TransposeOptimizer", "ConstantFolding"]
 
 
 def load_session(path: str | Path, source: Path | None = None):
-    """An ONNX Runtime session for ``path`` (:func:`ort_session`).
+    """A lean ONNX Runtime session for ``path`` (:func:`ort_session` with ``lean``), for checks.
 
     Args:
         source: the ``model.source.onnx`` graph that ``path`` is a copy of, if any.
@@ -296,7 +304,7 @@ def load_session(path: str | Path, source: Path | None = None):
             source graph) and ONNX Runtime's message.
     """
     try:
-        return ort_session(str(path))
+        return ort_session(str(path), lean=True)  # checks: a few runs, memory before speed
     except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph / NotImplemented types
         copy = f" (copied to {path})" if source is not None and Path(path) != Path(source) else ""
         what = f"model.source.onnx {source}{copy}" if source is not None else f"the exported graph {path}"

@@ -64,6 +64,7 @@ def test_bench_measures_batching_on_and_off_plots_and_runs_aiperf(tmp_path):
         pytest.skip(f"aiperf: {aiperf['skipped']}")
     assert [a["concurrency"] for a in aiperf["levels"]] == [1, 2]
     for a in aiperf["levels"]:
-        assert a["time_to_first_token"]["p50"] > 0 and a["inter_token_latency"]["p50"] > 0
+        # ITL may be 0: on a loaded machine several streamed tokens can arrive in one read (CI saw 0.0)
+        assert a["time_to_first_token"]["p50"] > 0 and a["inter_token_latency"]["p50"] >= 0
         assert a["client_cpu"]["cpu_s"] > 0 and a["client_cpu"]["cores"] > 0  # AIPerf's own CPU, reported
     assert "TTFT p50 AIPerf" in markdown
