@@ -74,13 +74,14 @@ def main() -> int:
     exp = pickle.loads((run_dir / "export" / "export.pkl").read_bytes())  # written by benchmarks/budget_time.py
     q = recipe.quantize
     ctx = StageContext(recipe, path, run_dir, "quantize", Progress(False))
-    model, kept, _, amax, fmt = calibrated(ctx, exp)
+    model, kept, _, amax, fmt, weights_dir = calibrated(ctx, exp)
     v = recipe.validate_
     cal = q.calibration.model_copy(update={"samples": v.max_windows, "min_samples": 1, "seq_len": v.seq_len,
                                            "batch_size": 4})
     feeds = registry.adapter(recipe.model).calibration_feeds(exp, v.data, cal)
     runner = S.TrialRunner(model, kept, S.groups(kept, "per_gemm"), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path))
+                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, arena=False),
+                           weights_dir=weights_dir)
     order = ranking(json.loads(Path(args.budget_json).read_text()))
     out = {"validate": v.data.describe(), "windows": sum(int(f["input_ids"].shape[0]) for f in feeds),
            "seq_len": v.seq_len, "ranked_gemms": len(order), "points": []}

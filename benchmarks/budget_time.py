@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 def calibrated(ctx, exp) -> tuple:
     """What the quantize stage does before the search (pipeline/stages/quantize.py): the FP32
     graph (smoothed if the recipe says so), its quantizable and excluded GEMMs, the calibrated
-    activation amax and the format. Returns ``(model, kept, excluded, amax, fmt)``."""
+    activation amax and the format. Returns ``(model, kept, excluded, amax, fmt, weights_dir)``."""
     import onnx
 
     from pipeline.quant import calibrate, qdq, smoothquant
@@ -63,7 +63,7 @@ def calibrated(ctx, exp) -> tuple:
     model, kept, cal_src, *_ = smoothquant.prepare(ctx, src, model, kept, batches)
     amax = calibrate.collect_amax(cal_src, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
                                   q.calibration.percentile, scratch_dir=ctx.stage_dir)
-    return model, kept, excluded, amax, fmt
+    return model, kept, excluded, amax, fmt, str(Path(cal_src).parent)  # the last: where on-disk weights live
 
 
 def main() -> int:
@@ -111,13 +111,14 @@ def main() -> int:
     ctx = StageContext(recipe, path, run_dir, "quantize", progress)
     q = recipe.quantize
     t = time.perf_counter()
-    model, kept, excluded, amax, fmt = calibrated(ctx, exp)
+    model, kept, excluded, amax, fmt, weights_dir = calibrated(ctx, exp)
     times["calibration_s"] = time.perf_counter() - t
     t = time.perf_counter()
     status, result = "met", None
     try:
         chosen, result, sens = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
-                                           calibration_feeds=registry.adapter(recipe.model).calibration_feeds)
+                                           calibration_feeds=registry.adapter(recipe.model).calibration_feeds,
+                                           weights_dir=weights_dir)
     except Exception as e:  # GateFailed: report the numbers anyway
         status = f"{type(e).__name__}: {e}"
     times["sensitivity_and_search_s"] = time.perf_counter() - t

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def build(recipe: str, ws: Path) -> tuple[float, int, dict]:
     cmd = [sys.executable, "-m", "pipeline", "build", recipe, "--quiet",
@@ -120,14 +122,22 @@ def compare_table(name: str, before: list, after: list, weight_bytes: int, rev: 
 
 
 def before_rows(rev: str, recipe: str, only: list[str] | None) -> list:
-    """The memory table's rows with the code and recipe of git revision ``rev`` (a worktree)."""
+    """The memory table's rows with the code and recipe of git revision ``rev`` (a worktree; files
+    git ignores, such as rendered data under ``artifacts/``, are not in it)."""
+    try:
+        rel = Path(recipe).resolve().relative_to(ROOT)  # the same recipe file, as it was at ``rev``
+    except ValueError:
+        sys.exit(f"--before: the recipe {recipe} is not inside this repository ({ROOT}), so it has no revision {rev}")
     with tempfile.TemporaryDirectory(prefix="trtpipe-bench-before-") as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], check=True, capture_output=True)
+        git = subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], capture_output=True, text=True,
+                             cwd=ROOT)
+        if git.returncode != 0:
+            sys.exit(f"--before {rev}: git worktree add failed: {git.stderr.strip()}")
         try:
-            return stage_memory(recipe, Path(tmp) / "ws", only, code_dir=tree)
+            return stage_memory(str(rel), Path(tmp) / "ws", only, code_dir=tree)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], capture_output=True)
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], capture_output=True, cwd=ROOT)
 
 
 def make_large_llama(folder: Path) -> int:

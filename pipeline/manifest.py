@@ -199,17 +199,24 @@ def tuning_lines(tuning: dict | None, quantize: dict) -> list[str]:
 
 
 def speed_lines(metrics: dict, quantize: dict) -> list[str]:
-    """The report's line on ``speedup_vs_fp32``: the timed shape, and how many GEMMs run in the
-    quantized precision; the ones kept in high precision run at FP32 speed and bound the whole
-    graph's speedup (Amdahl's law)."""
+    """The report's line on ``speedup_vs_fp32``: the timed shape, and how many GEMMs carry the
+    quantized precision. INT8 at level 'all' runs integer GEMMs, so the ones kept in high precision
+    run at FP32 speed and bound the whole graph's speedup (Amdahl's law); FP8, and INT8 below 'all',
+    are simulated on a CPU (quantize, dequantize, FP32 GEMM), so there the quantized GEMMs are the
+    slower ones (``metrics.speed.speed_note``)."""
     speedup = metrics.get("speedup_vs_fp32")
     if not isinstance(speedup, (int, float)) or not quantize.get("quantized_nodes"):
         return []
     done, kept = len(quantize["quantized_nodes"]), len(quantize.get("excluded_nodes") or [])
-    line = (f"Speed: {speedup:.2f}x FP32 ({metrics.get('speed_shape', '')}, median of {metrics.get('speed_runs')} "
-            f"interleaved runs, ONNX Runtime level '{metrics.get('speed_level')}'); {done} of {done + kept} GEMMs "
-            f"run in {quantize.get('precision')}")
-    if kept:
+    precision, level = quantize.get("precision"), metrics.get("speed_level")
+    how = [str(metrics["speed_shape"])] if metrics.get("speed_shape") else []
+    how += [f"median of {metrics['speed_runs']} interleaved runs"] if metrics.get("speed_runs") else []
+    how += [f"ONNX Runtime level '{level}'"] if level else []
+    line = f"Speed: {speedup:.2f}x FP32" + (f" ({', '.join(how)})" if how else "")
+    line += f"; {done} of {done + kept} GEMMs run in {precision}"
+    if precision != "int8" or level != "all":
+        line += " Q/DQ, simulated on this CPU (quantize, dequantize, FP32 GEMM), so they are the slower ones"
+    elif kept:
         line += f"; the other {kept}, kept in high precision for accuracy, run at FP32 speed and bound the speedup"
     return ["", line + "."]
 

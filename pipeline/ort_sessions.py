@@ -120,21 +120,22 @@ def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") 
     return "all"
 
 
-def ort_session(path: str, level: str | None = None, *, lean: bool = False) -> ort.InferenceSession:
+def ort_session(path: str, level: str | None = None, *, prepack: bool = True,
+                arena: bool = True) -> ort.InferenceSession:
     """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
     :func:`optimization_level`; ``level`` (a key of :data:`ORT_LEVELS`) overrides it, for
     benchmarks only: validate and serving always use the graph's own.
 
-    ``lean``: no weight prepacking (a packed copy of each GEMM weight) and no CPU memory arena
-    (which keeps a run's peak activations): for sessions run a few times where memory matters
-    more than speed (the export's shape checks, the search's FP32 reference). The GEMM kernels
-    may then differ from a prepacking session's in the last bits."""
+    ``arena=False``: no CPU memory arena (which keeps a run's peak activations), for sessions run a
+    few times where memory matters more than speed; the results are the same. ``prepack=False``:
+    no prepacked copy of each GEMM weight; the GEMM kernels then differ from a prepacking
+    session's in the last bits (up to ~2e-6 relative), so a search whose result is pinned keeps it."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ORT_LEVELS[level or optimization_level(path)]
-    if lean:
+    if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
-        opts.enable_cpu_mem_arena = False
+    opts.enable_cpu_mem_arena = arena
     return ort.InferenceSession(path, sess_options=opts, providers=providers(),
                                 disabled_optimizers=_large_model_optimizers(path))
 
@@ -265,11 +266,19 @@ class SharedWeights:
 
 def _mapped(t: onnx.TensorProto, folder: Path) -> np.ndarray:
     """External float32 initializer ``t`` as a read-only memory map of its file in ``folder``
-    (a copy when its offset is not 4-byte aligned)."""
+    (a copy when its offset is not 4-byte aligned).
+
+    Raises:
+        ValueError: its location leaves ``folder``, or its ``length`` is not 4 bytes per element.
+    """
     info = {e.key: e.value for e in t.external_data}
     shape = tuple(int(d) for d in t.dims)
-    arr = np.memmap(folder / info["location"], dtype=np.float32, mode="r", offset=int(info.get("offset", 0)),
-                    shape=shape or (1,))
+    path = (folder / info["location"]).resolve()
+    if not path.is_relative_to(folder.resolve()):
+        raise ValueError(f"initializer {t.name}: external data location {info['location']!r} is outside {folder}")
+    if "length" in info and int(info["length"]) != 4 * int(np.prod(shape)):
+        raise ValueError(f"initializer {t.name}: external data length {info['length']} is not 4 x {shape} bytes")
+    arr = np.memmap(path, dtype="<f4", mode="r", offset=int(info.get("offset", 0)), shape=shape or (1,))
     return arr if arr.flags.aligned and shape else np.array(arr).reshape(shape)
 
 
@@ -294,7 +303,7 @@ _LARGE_MODEL_DISABLED = ["TransposeOptimizer", "ConstantFolding"]
 
 
 def load_session(path: str | Path, source: Path | None = None):
-    """A lean ONNX Runtime session for ``path`` (:func:`ort_session` with ``lean``), for checks.
+    """A lean ONNX Runtime session for ``path`` (:func:`ort_session`, no prepacking, no arena), for checks.
 
     Args:
         source: the ``model.source.onnx`` graph that ``path`` is a copy of, if any.
@@ -304,7 +313,7 @@ def load_session(path: str | Path, source: Path | None = None):
             source graph) and ONNX Runtime's message.
     """
     try:
-        return ort_session(str(path), lean=True)  # checks: a few runs, memory before speed
+        return ort_session(str(path), prepack=False, arena=False)  # checks: a few runs, memory before speed
     except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph / NotImplemented types
         copy = f" (copied to {path})" if source is not None and Path(path) != Path(source) else ""
         what = f"model.source.onnx {source}{copy}" if source is not None else f"the exported graph {path}"

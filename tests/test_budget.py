@@ -307,3 +307,20 @@ def test_a_graph_past_protobufs_limit_opens_with_its_initializers_beside_it(monk
     consumed = sensitivity._session(model, consume=True)
     assert model.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
     np.testing.assert_array_equal(consumed.run(None, x)[0], expected)
+
+
+def test_search_after_smoothquant_reads_the_smoothed_graphs_data_file(tiny, monkeypatch):
+    """With external data, SmoothQuant's saved graph refers to its own data file in the quantize
+    folder: the search's shared weights and the Q/DQ insertion read from there, not the export's."""
+    from pipeline import onnx_io
+
+    monkeypatch.setenv(onnx_io.THRESHOLD_ENV, "0")
+    ws, model_dir, _ = tiny
+    path = _recipe(ws / "sq", model_dir, **{"quantize.precision": "int8", "quantize.per_channel_weights": True,
+                                            "quantize.smoothquant": {"alpha": 0.8},
+                                            "quantize.accuracy_budget": {"metric": "kld_mean", "max": 10.0}})
+    result = run_pipeline(load_recipe(path), path, quiet=True, only=["export", "quantize"])
+    q = result.artifacts["quantize"]
+    stage = Path(q.onnx_path).parent
+    assert (stage / "smoothed_fp32.onnx.data").is_file() and q.calibration["accuracy_budget"]["status"] == "met"
+    assert onnx_io.check_loadable(Path(q.onnx_path)) is None

@@ -283,6 +283,10 @@ def test_the_speed_line_counts_the_gemms_left_in_high_precision():
                     "and bound the speedup.")
     assert M.speed_lines(metrics, {**quantize, "excluded_nodes": []})[1].endswith("30 of 30 GEMMs run in int8.")
     assert M.speed_lines({}, quantize) == [] and M.speed_lines(metrics, {}) == []
+    fp8 = M.speed_lines({"speedup_vs_fp32": 0.41}, {**quantize, "precision": "fp8"})[1]
+    assert fp8 == ("Speed: 0.41x FP32; 30 of 36 GEMMs run in fp8 Q/DQ, simulated on this CPU (quantize, "
+                   "dequantize, FP32 GEMM), so they are the slower ones.")
+    assert "simulated" in M.speed_lines({**metrics, "speed_level": "basic"}, quantize)[1]
     man = _manifest(_results())
     man["metrics"].update(metrics)
     man["artifacts"] = {"quantize": quantize}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.ort_sessions import SharedWeights
@@ -111,3 +112,20 @@ def test_weights_left_on_disk_are_memory_mapped_not_copied(tmp_path):
     got = shared.session(stripped, _opts()).run(["z"], {"x": x})[0]
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
     assert shared.values["w"].data_ptr() == shared.arrays["w"].ctypes.data
+
+
+def test_a_mapped_weight_outside_its_folder_or_of_the_wrong_length_is_refused(tmp_path):
+    w = np.ones((4, 8), np.float32)
+    onnx.save(_graph(w, np.zeros(4, np.float32)), tmp_path / "m.onnx", save_as_external_data=True,
+              location="m.onnx.data", size_threshold=0)
+    for key, value, message in (("location", "../m.onnx.data", "outside"), ("length", "12", "not 4 x")):
+        lazy = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+        [t] = [t for t in lazy.graph.initializer if t.name == "w"]
+        [entry] = [e for e in t.external_data if e.key == key]
+        entry.value = value
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        folder = tmp_path / "sub" if key == "location" else tmp_path
+        if key == "location":
+            (folder / "m.onnx.data").write_bytes((tmp_path / "m.onnx.data").read_bytes())
+        with pytest.raises(ValueError, match=f"initializer w: external data {key} .*{message}"):
+            SharedWeights(lazy, weights_dir=folder)

@@ -302,13 +302,16 @@ def check_data(recipe) -> None:
 
 
 def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: int, amax: dict[str, float],
-         fmt: qdq.QFormat, *, calibration_feeds) -> tuple[list[qdq.Target], BudgetResult | None, S.Sensitivity]:
+         fmt: qdq.QFormat, *, calibration_feeds, weights_dir: str) -> tuple[list[qdq.Target], BudgetResult | None,
+                                                                           S.Sensitivity]:
     """Sensitivity and (with ``quantize.accuracy_budget``) the budget search for the quantize stage.
 
     Args:
         ctx: the quantize stage context (``recipe.quantize.tuning``, ``sensitivity``, ``accuracy_budget``).
         exp: the export artifact (tokenizer, FP32 reference graph).
-        model: the FP32 graph to quantize (smoothed if SmoothQuant is on), weights loaded.
+        model: the FP32 graph to quantize (smoothed if SmoothQuant is on); weights loaded or on disk.
+        weights_dir: the folder ``model``'s on-disk weights refer to (the export's, or the
+            quantize stage's once SmoothQuant saved the smoothed graph with external data).
         targets: GEMMs the recipe leaves quantizable; ``forced``: GEMMs it excludes itself.
         amax: per-tensor amax of every target's input.
         calibration_feeds: ``(exp, data source, calibration config) -> list of feed dicts``, the
@@ -334,8 +337,8 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         raise QuantizationError(f"quantize.tuning.data: {tun.data.describe()} gives no window of {cal.seq_len} tokens")
     grouping = q.sensitivity.groups if q.sensitivity else "per_block"
     runner = S.TrialRunner(model, targets, S.groups(targets, grouping), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, lean=True),
-                           weights_dir=str(Path(exp.onnx_path).parent))  # for weights not loaded into ``model``
+                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, arena=False),
+                           weights_dir=weights_dir)
     metric = q.accuracy_budget.metric if q.accuracy_budget else "kld_mean"
     half = max(1, len(feeds) // 2)  # the ranking pass: half the windows (~40 % of the search's time saved)
     with ctx.progress.step(f"sensitivity: {len(runner.group_nodes)} groups ({grouping}) on {tun.data.describe()}"):

@@ -89,7 +89,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     found = None
     if q.tuning is not None and pinned is None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
         kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
-                                     calibration_feeds=registry.adapter(ctx.recipe.model).calibration_feeds)
+                                     calibration_feeds=registry.adapter(ctx.recipe.model).calibration_feeds,
+                                     weights_dir=str(Path(cal_src).parent))
         if found is not None:
             extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
     if pinned is None:
@@ -97,15 +98,16 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         extra["tuning"] = {"source": pin.SEARCHED if found else "calibrated", "reason": ctx.pin.reason if ctx.pin else ""}
     excluded = [t for t in targets if t.node not in {k.node for k in kept}]
     extra["quantized_fraction"] = len(kept) / len(targets)
-    model = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights, base_dir=str(src.parent), inplace=True)
-    graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
-    model = autocast.cast_rest(model, q.rest_precision, base_dir=str(src.parent))  # fp32: unchanged
+    weights = str(Path(cal_src).parent)  # where on-disk weights live: the export's, or the smoothed graph's
+    model = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights, base_dir=weights, inplace=True)
+    graph_checks.check_qdq_graph(model, base_dir=weights)
+    model = autocast.cast_rest(model, q.rest_precision, base_dir=weights)  # fp32: unchanged
     feeds_path = save_batches(ctx.stage_dir / CALIBRATION_FEEDS, batches)  # forward to validate's baselines
     info = {"method": q.calibration.method, "samples": int(sum(_rows(b) for b in batches)),
             "seq_len": q.calibration.seq_len, **shortfall, "amax": {k: round(v, 6) for k, v in amax.items()}, **extra}
     art = QuantizedArtifact(str(out), q.precision, [t.node for t in kept], [t.node for t in excluded], info,
                             calibration_feeds_path=str(feeds_path))
-    art = _save(art, model, src)
+    art = _save(art, model, Path(cal_src))
     return _save_cpu_graph(art) if q.reduce_range else art
 
 
