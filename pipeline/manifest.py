@@ -154,6 +154,8 @@ def gate_table(gates: list[dict]) -> list[str]:
         if g.get("within_noise"):
             verdict += ", within noise" + (f": ~{g['n_needed']:,} eval {g.get('n_unit') or 'units'} would resolve it"
                                            if g.get("n_needed") else " (on the bound)")
+        elif g.get("within_noise") is False and margin != "-":
+            verdict += ", clear of noise"  # |margin| >= gates.NOISE_SE standard errors
         bound = f"{g['op']} {_fmt(g['bound'])}" if g.get("bound") is not None else "-"
         rows.append(f"| {g['name']} | {g.get('metric', '-')} | {value} | {bound} | {margin} | {verdict} |")
         if g.get("stderr_method"):
