@@ -129,10 +129,10 @@ class TritonServer:
                 raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f}s ({paths}):\n{self._tail()}")
             time.sleep(0.25)
 
-    def stop(self, timeout_s: float = 30.0) -> int:
+    def stop(self, timeout_s: float = 45.0) -> int:
         """Stop the server and everything it started; idempotent.
 
-        SIGINT, up to ``timeout_s`` for a clean exit, then SIGKILL. Before the
+        SIGINT, up to ``timeout_s`` (longer than the exit timeout) for a clean exit, then SIGKILL. Before the
         exited server is reaped (so its pid, the process-group id, cannot be
         reused), any member left in its process group (python-backend stubs) is
         SIGKILLed. Then this server's shared-memory regions and backend folder
@@ -213,7 +213,7 @@ def start_server(
     explicit: bool = False,
     timeout_s: float = 120.0,
     workdir: str | Path | None = None,
-    exit_timeout_s: int = 10,
+    exit_timeout_s: int = 30,
     log_verbose: int = 0,
     shm_default_byte_size: int = 4 * 1024 * 1024,
     shm_growth_byte_size: int = 4 * 1024 * 1024,
@@ -231,8 +231,10 @@ def start_server(
         timeout_s: readiness deadline; the server is stopped when it passes.
         workdir: where the backend folder and ``tritonserver.log`` go; the log
             is kept after stop. Default: a temporary folder, removed by stop.
-        exit_timeout_s: how long tritonserver waits for in-flight requests and
-            open connections when stopped.
+        exit_timeout_s: how long tritonserver waits for in-flight requests,
+            open connections and model unloads when stopped (Triton's own default,
+            30 s: a python-backend model unloads in ~2 s, but more than 10 s was seen
+            on a CPU shared by several builds).
         shm_default_byte_size, shm_growth_byte_size: python backend shared
             memory per model instance (small: /dev/shm is often 64 MiB in containers).
         extra_args: more tritonserver flags.
