@@ -95,7 +95,8 @@ def section_markdown(stamp: dict[str, Any], quantized_count: int | None, warning
         ("Q/DQ layers kept", f"{net.get('qdq_layers', '?')} (ONNX graph: {stamp.get('onnx_qdq_nodes', '?')} "
                              "Q/DQ nodes)"),
         ("GEMMs with INT8/FP8 operands", f"{len(net.get('low_precision_gemms', {}))} of {net.get('gemms', '?')} "
-                                         f"(quantize stage: {'?' if quantized_count is None else quantized_count})"),
+                                         "engine matrix multiplies, attention's included (quantize stage: "
+                                         f"{'?' if quantized_count is None else quantized_count} weight GEMMs)"),
         ("timing cache", stamp["timing_cache"]),
         ("where it runs", stamp["runs_on"]),
     ]

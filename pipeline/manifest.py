@@ -10,6 +10,7 @@ from xml.sax.saxutils import escape, quoteattr
 from pipeline.fsutil import (  # noqa: F401  (re-exported: the stages and tests import them from here)
     REASON_SUFFIX, nonfinite_reason, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic)
 from pipeline.provenance import code_hash, cpu_description, cpu_model, tool_versions  # noqa: F401  (re-exported)
+from pipeline.recipe_checks import GENERATION_METRICS
 
 if TYPE_CHECKING:
     from pipeline.recipe import Recipe
@@ -132,6 +133,7 @@ def report_markdown(man: dict) -> str:
     if man.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += _metric_rows(man["metrics"])
+        lines += generation_note(man["metrics"], man.get("gates") or [])
     for title, section in man.get("sections", {}).items():  # added after the build, e.g. by `pipeline plan`
         lines += ["", f"## {title}", "", capped_section(section["markdown"], section.get("file"))]
     lines += ["", "## Versions", ""] + [f"- {k}: {v}" for k, v in man["versions"].items()]
@@ -232,6 +234,17 @@ def add_report_section(run_dir: Path, title: str, markdown: str) -> None:
     man = json.loads(path.read_text())
     man.setdefault("sections", {})[title] = {"markdown": markdown}
     write_outputs(man, run_dir)
+
+
+def generation_note(metrics: dict, gates: list[dict]) -> list[str]:
+    """Why ungated greedy-generation metrics may look low: after the first token that differs from
+    FP32's, a greedy continuation differs at every later position."""
+    shown = sorted(GENERATION_METRICS & set(metrics))
+    if not shown or any(g.get("metric") in GENERATION_METRICS for g in gates):
+        return []
+    return ["", f"{', '.join(shown)}: greedy generation compared with FP32's, not gated here. One token that "
+                "differs changes every token after it, so these fall fast under any quantization; the per-token "
+                "gates above (KL divergence, perplexity) measure the distributions themselves."]
 
 
 def _metric_rows(metrics: dict) -> list[str]:

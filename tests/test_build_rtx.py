@@ -62,7 +62,8 @@ def test_qdq_graph_builds_for_sm89_with_two_profiles(tmp_path):
     assert not (tmp_path / "cache" / "tiny.cache").exists()  # TensorRT-RTX: timing cache calls are no-ops
     assert stamp["timing_cache"].startswith("not used: TensorRT-RTX ignores timing caches")
     section = (tmp_path / "build" / engine_report.SECTION_FILE).read_text()
-    assert "| GEMMs with INT8/FP8 operands | 2 of 2 (quantize stage: 2) |" in section
+    assert ("| GEMMs with INT8/FP8 operands | 2 of 2 engine matrix multiplies, attention's included "
+            "(quantize stage: 2 weight GEMMs) |") in section
     assert "| backend | TensorRT-RTX 1.7" in section and "WARNING" not in section
     assert "| Q/DQ layers kept | 8 (ONNX graph: 8 Q/DQ nodes) |" in section
 

@@ -243,6 +243,10 @@ def test_report_opens_with_the_verdict_the_gate_table_and_the_stages(tmp_path):
     assert ("| max_relative_perplexity_increase | relative_perplexity_increase | 0.0114 ± 0.0032 | <= 0.01 | -0.44 | "
             "**FAIL**, within noise: ~127,896 eval tokens would resolve it |") in report
     assert "| min_mean_cosine | mean_cosine | 0.995 | >= 0.99 | - | pass |" in report
+    assert "not gated here" not in report  # no generation metric
+    gen = {"token_agreement": 0.38, "prompts_identical": 0}
+    assert M.generation_note(gen, [])[1].startswith("prompts_identical, token_agreement: greedy generation")
+    assert M.generation_note(gen, [{"metric": "token_agreement"}]) == []
     far = gates.evaluate([Gate(metric="relative_perplexity_increase", max=0.02)], _metrics(0.0092, 0.0032))
     assert "| 0.0092 ± 0.0032 | <= 0.02 | +3.38 | pass, clear of noise |" in M.report_markdown(_manifest(far))
     assert ("- standard error of relative_perplexity_increase: paired bootstrap over 24 eval windows, over 6120 eval "
