@@ -80,7 +80,7 @@ def main() -> int:
                                            "batch_size": 4})
     feeds = registry.adapter(recipe.model).calibration_feeds(exp, v.data, cal)
     runner = S.TrialRunner(model, kept, S.groups(kept, "per_gemm"), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, arena=False),
+                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, prepack=False, arena=False),
                            weights_dir=weights_dir)
     order = ranking(json.loads(Path(args.budget_json).read_text()))
     out = {"validate": v.data.describe(), "windows": sum(int(f["input_ids"].shape[0]) for f in feeds),

@@ -129,7 +129,8 @@ def ort_session(path: str, level: str | None = None, *, prepack: bool = True,
     ``arena=False``: no CPU memory arena (which keeps a run's peak activations), for sessions run a
     few times where memory matters more than speed; the results are the same. ``prepack=False``:
     no prepacked copy of each GEMM weight; the GEMM kernels then differ from a prepacking
-    session's in the last bits (up to ~2e-6 relative), so a search whose result is pinned keeps it."""
+    session's in the last bits (up to ~2e-6 relative; the search's reference runs so since
+    ``pin.SEARCH_VERSION`` 3)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ORT_LEVELS[level or optimization_level(path)]

@@ -337,7 +337,7 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         raise QuantizationError(f"quantize.tuning.data: {tun.data.describe()} gives no window of {cal.seq_len} tokens")
     grouping = q.sensitivity.groups if q.sensitivity else "per_block"
     runner = S.TrialRunner(model, targets, S.groups(targets, grouping), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, arena=False),
+                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, prepack=False, arena=False),
                            weights_dir=weights_dir)
     metric = q.accuracy_budget.metric if q.accuracy_budget else "kld_mean"
     half = max(1, len(feeds) // 2)  # the ranking pass: half the windows (~40 % of the search's time saved)
