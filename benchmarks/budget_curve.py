@@ -58,9 +58,8 @@ def main() -> int:
 
     from pipeline.context import Progress, StageContext
     from pipeline.models import registry
-    from pipeline.quant import sensitivity as S
+    from pipeline.quant import budget, sensitivity as S
     from pipeline.recipe_load import load_recipe
-    from pipeline.ort_sessions import ort_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "fp8-llm.yaml"))
@@ -80,7 +79,7 @@ def main() -> int:
                                            "batch_size": 4})
     feeds = registry.adapter(recipe.model).calibration_feeds(exp, v.data, cal)
     runner = S.TrialRunner(model, kept, S.groups(kept, "per_gemm"), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, prepack=False, arena=False),
+                           lambda sess, f: sess.run(["logits"], f)[0], budget.reference_session(exp.onnx_path),
                            weights_dir=weights_dir)
     order = ranking(json.loads(Path(args.budget_json).read_text()))
     out = {"validate": v.data.describe(), "windows": sum(int(f["input_ids"].shape[0]) for f in feeds),

@@ -28,5 +28,6 @@ def test_loadgroup_really_groups_on_this_worker(request, llm_workspace):
     and schedules by it; pytest 9.2 moved the node id where xdist 3.8 no longer renames it, and
     every group was silently split (two workers each built the real fp8-llm run)."""
     if not getattr(request.config.option, "loadgroup", False):
-        pytest.skip("not an xdist worker under --dist loadgroup")
+        pytest.skip("checks xdist's grouping, so it runs only on a pytest-xdist worker under --dist loadgroup "
+                    "(make test); in one process nothing is split")
     assert request.node.nodeid.endswith("@smollm2")

@@ -301,6 +301,14 @@ def check_data(recipe) -> None:
                              "validate.data": recipe.validate_.data})
 
 
+def reference_session(onnx_path: str):
+    """The search's FP32 reference session: no weight prepacking and no memory arena (run once,
+    then released; its GEMMs differ from a prepacking session's in the last bits, pin.SEARCH_VERSION 3)."""
+    from pipeline.ort_sessions import ort_session
+
+    return ort_session(onnx_path, prepack=False, arena=False)
+
+
 def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: int, amax: dict[str, float],
          fmt: qdq.QFormat, *, calibration_feeds, weights_dir: str) -> tuple[list[qdq.Target], BudgetResult | None,
                                                                            S.Sensitivity]:
@@ -326,8 +334,6 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         GateFailed: the budget is unreachable within the floor and limits, or the search stopped
             at a limit (the message then says whether what it reached meets the budget).
     """
-    from pipeline.ort_sessions import ort_session
-
     q = ctx.recipe.quantize
     check_data(ctx.recipe)
     tun = q.tuning
@@ -337,7 +343,7 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         raise QuantizationError(f"quantize.tuning.data: {tun.data.describe()} gives no window of {cal.seq_len} tokens")
     grouping = q.sensitivity.groups if q.sensitivity else "per_block"
     runner = S.TrialRunner(model, targets, S.groups(targets, grouping), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], ort_session(exp.onnx_path, prepack=False, arena=False),
+                           lambda sess, f: sess.run(["logits"], f)[0], reference_session(exp.onnx_path),
                            weights_dir=weights_dir)
     metric = q.accuracy_budget.metric if q.accuracy_budget else "kld_mean"
     half = max(1, len(feeds) // 2)  # the ranking pass: half the windows (~40 % of the search's time saved)

@@ -87,10 +87,11 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
             amax = calibrate.collect_amax(cal_src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
                                           scratch_dir=ctx.stage_dir)
     found = None
+    weights = str(Path(cal_src).parent)  # where on-disk weights live: the export's, or the smoothed graph's
     if q.tuning is not None and pinned is None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
         kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
                                      calibration_feeds=registry.adapter(ctx.recipe.model).calibration_feeds,
-                                     weights_dir=str(Path(cal_src).parent))
+                                     weights_dir=weights)
         if found is not None:
             extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
     if pinned is None:
@@ -98,7 +99,6 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         extra["tuning"] = {"source": pin.SEARCHED if found else "calibrated", "reason": ctx.pin.reason if ctx.pin else ""}
     excluded = [t for t in targets if t.node not in {k.node for k in kept}]
     extra["quantized_fraction"] = len(kept) / len(targets)
-    weights = str(Path(cal_src).parent)  # where on-disk weights live: the export's, or the smoothed graph's
     model = qdq.insert_qdq(model, kept, amax, fmt, q.per_channel_weights, base_dir=weights, inplace=True)
     graph_checks.check_qdq_graph(model, base_dir=weights)
     model = autocast.cast_rest(model, q.rest_precision, base_dir=weights)  # fp32: unchanged
