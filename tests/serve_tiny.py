@@ -209,3 +209,27 @@ def with_validate_greedy(served, new_tokens: int, change: dict[int, list[int]] |
     tokens = [reference(p, new_tokens)[0] for p in greedy["prompt_ids"]]
     greedy[served.artifacts["quantize"].precision] = [(change or {}).get(i, t) for i, t in enumerate(tokens)]
     return replace(served, artifacts={**served.artifacts, "validate": ValidationArtifact({}, [], greedy)})
+
+
+def stop_when_idle(server, model: str, timeout_s: float = 300.0) -> int:
+    """Stop ``server`` (a TritonServer) once ``model``'s scheduler has no generation active or
+    queued; its exit status. tritonserver drains requests in flight at shutdown for its exit
+    timeout only (30 s), so a generation still streaming (a long one, a late cancel) would fail
+    the exit status of an otherwise clean stop.
+
+    Raises:
+        AssertionError: still busy after ``timeout_s`` (the message has the statistics).
+    """
+    import time
+
+    from pipeline.serve.client import scheduler_statistics
+
+    deadline = time.monotonic() + timeout_s  # a bound on the wait, not a speed bound
+    stats = scheduler_statistics(server.grpc_url, model)
+    while stats and (stats["active"] or stats["queued"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stats = scheduler_statistics(server.grpc_url, model)
+    busy = stats and (stats["active"] or stats["queued"])
+    code = server.stop()
+    assert not busy, f"{model} still generating after {timeout_s:g} s: {stats}"
+    return code

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, llm_overrides
+from serve_tiny import stop_when_idle
 from test_openai_api import stack  # noqa: F401  (the tiny LM on a real tritonserver + the endpoint)
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -177,7 +178,7 @@ def smollm2(fp8_llm_run, llm_workspace):
         finally:
             endpoint.stop()
     finally:
-        code = server.stop()
+        code = stop_when_idle(server, served.generate_model)
     assert code == 0, server.logs()[-3000:]
 
 
