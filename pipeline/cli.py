@@ -231,8 +231,13 @@ def _plain(text: str) -> str:
     return text.replace("``", "")
 
 
+def _prog() -> str:
+    """The command as the user typed it: ``trtpipe`` (the console script) or ``python -m pipeline``."""
+    return "trtpipe" if Path(sys.argv[0]).name == "trtpipe" else "python -m pipeline"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline", description=_plain(__doc__.splitlines()[0]))
+    p = argparse.ArgumentParser(prog=_prog(), description=_plain(__doc__.splitlines()[0]))
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, help_, positional in COMMANDS:
         sp = sub.add_parser(name, help=help_)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 
 import pytest
 import yaml
@@ -172,3 +173,12 @@ def test_help_is_plain_text(capsys):
     out = capsys.readouterr().out
     assert "``" not in out
     assert "Command line: python -m pipeline build recipes/fp8-llm.yaml." in out
+
+
+def test_usage_names_the_command_the_user_typed(monkeypatch):
+    from pipeline.cli import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/trtpipe", "--help"])
+    assert build_parser().format_usage().startswith("usage: trtpipe ")
+    monkeypatch.setattr(sys, "argv", ["/repo/pipeline/__main__.py", "--help"])
+    assert build_parser().format_usage().startswith("usage: python -m pipeline ")
