@@ -354,37 +354,25 @@ class OnnxSource(_ModelSource):
 
 def external_data_files(graph: Path, where: str = "model.source") -> list[Path]:
     """The external data files the graph's tensors name (initializers and attribute
-    tensors, subgraphs included), sorted; each must exist and hold ``offset + length``
-    bytes for every tensor kept in it.
+    tensors, subgraphs included), sorted; each must be readable as
+    :func:`pipeline.onnx_io.external_data_problem` checks.
 
     Raises:
-        ModelFileError: the graph is not ONNX, a data file is missing, or one is shorter
-            than a tensor needs (names the tensor, the file, the bytes needed and present).
+        ModelFileError: the graph is not ONNX, or its external data is not readable (names
+            the tensor and the file: missing, outside the folder, short, wrong length).
     """
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    from pipeline.onnx_io import tensor_nbytes, tensors
+    from pipeline.onnx_io import external_data_problem, external_files
 
     try:
         model = onnx.load(str(graph), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends
         raise ModelFileError(f"{where}.onnx: {graph} is not an ONNX model ({type(e).__name__}: {e})") from None
-    sizes: dict[str, int] = {}
-    for t in (t for t in tensors(model) if uses_external_data(t)):
-        info = ExternalDataInfo(t)
-        path = graph.parent / info.location
-        if info.location not in sizes:
-            if not path.is_file():
-                raise ModelFileError(f"{where}.onnx: {graph} keeps weights in {info.location!r}, "
-                                     f"which is missing ({path})")
-            sizes[info.location] = path.stat().st_size
-        end = (info.offset or 0) + (info.length if info.length is not None else tensor_nbytes(t) or 0)
-        if end > sizes[info.location]:
-            raise ModelFileError(f"{where}.onnx: {graph}: tensor {t.name!r} needs bytes up to {end} of {path} "
-                                 f"(offset {info.offset or 0}), which has only {sizes[info.location]} bytes; "
-                                 "the file is truncated or from another export: copy it again with the graph")
-    return sorted(graph.parent / name for name in sizes)
+    problem = external_data_problem(model, graph)
+    if problem is not None:
+        raise ModelFileError(f"{where}.onnx: {problem}")
+    return sorted(graph.parent / name for name in external_files(model))
 
 
 def _tag(value: Any) -> str | None:

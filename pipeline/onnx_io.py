@@ -319,7 +319,8 @@ def check_loadable(path: str | Path) -> str | None:
 
     Checks that the graph parses and that each external-data location is a
     relative path inside the file's folder naming an existing file that holds
-    ``offset + length`` bytes for every tensor. Not ``onnx.checker``: it
+    ``offset + length`` bytes for every tensor, and that a declared ``length`` is
+    the size its dtype and shape need. Not ``onnx.checker``: it
     rejects graphs ONNX Runtime and TensorRT load (e.g. ORT's FP16 converter
     leaves nodes out of topological order).
     """
@@ -330,10 +331,15 @@ def check_loadable(path: str | Path) -> str | None:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError and others
         return f"{path}: does not parse as ONNX ({type(e).__name__}: {e})"
-    return _check_external(model, path)
+    return external_data_problem(model, path)
 
 
-def _check_external(model: onnx.ModelProto, path: Path) -> str | None:
+def external_data_problem(model: onnx.ModelProto, path: str | Path) -> str | None:
+    """None when every external-data tensor of ``model`` (loaded from ``path`` without its
+    data) is readable, else what is wrong, naming the tensor and the file: a location that
+    is absolute or leaves the graph's folder, a missing file, a declared ``length`` other
+    than its dtype and shape need, or a file shorter than ``offset + length``."""
+    path = Path(path)
     folder = path.parent.resolve()
     sizes: dict[Path, int] = {}
     for t in tensors(model):
@@ -348,13 +354,17 @@ def _check_external(model: onnx.ModelProto, path: Path) -> str | None:
             return f"{path}: tensor {t.name!r} has external data location {info.location!r} outside {folder}"
         if file not in sizes:
             if not file.is_file():
-                return f"{path}: tensor {t.name!r} needs external data file {file}, which does not exist"
+                return f"{path} keeps weights in {info.location!r}, which is missing ({file})"
             sizes[file] = file.stat().st_size
-        length = info.length if info.length is not None else tensor_nbytes(t) or 0
-        end = (info.offset or 0) + length
+        need = tensor_nbytes(t) if t.data_type != TensorProto.STRING else None
+        if info.length is not None and need is not None and info.length != need:
+            return (f"{path}: tensor {t.name!r} declares external data length {info.length} bytes but its "
+                    f"dtype and shape {list(t.dims)} need {need}")
+        end = (info.offset or 0) + (info.length if info.length is not None else need or 0)
         if sizes[file] < end:
-            return (f"{path}: external data file {file.name} has {sizes[file]} bytes but tensor {t.name!r} "
-                    f"needs bytes up to {end} (truncated or replaced)")
+            return (f"{path}: tensor {t.name!r} needs bytes up to {end} of {file} (offset {info.offset or 0}), "
+                    f"which has only {sizes[file]} bytes; the file is truncated or from another export: "
+                    "copy it again with the graph")
     return None
 
 

@@ -81,11 +81,18 @@ def test_check_loadable_names_what_is_wrong(tmp_path):
     data = tmp_path / "model.onnx.data"
     full = data.read_bytes()
     data.write_bytes(full[:-100])
-    assert "has 8092 bytes but tensor 'W' needs bytes up to 8192" in onnx_io.check_loadable(path)
+    assert "tensor 'W' needs bytes up to 8192 of" in onnx_io.check_loadable(path)
+    assert "which has only 8092 bytes" in onnx_io.check_loadable(path)
     with pytest.raises(EnvironmentFault, match="quantize: the ONNX file it wrote cannot be loaded"):
         onnx_io.require_loadable(path, "quantize")
+    data.write_bytes(full)
+    model = onnx.load(str(path), load_external_data=False)
+    next(e for e in model.graph.initializer[0].external_data if e.key == "length").value = "4096"
+    onnx.save(model, str(path))
+    assert ("tensor 'W' declares external data length 4096 bytes but its dtype and shape [64, 32] need 8192"
+            in onnx_io.check_loadable(path))
     data.unlink()
-    assert "model.onnx.data, which does not exist" in onnx_io.check_loadable(path)
+    assert "keeps weights in 'model.onnx.data', which is missing" in onnx_io.check_loadable(path)
     path.write_bytes(b"\x00not a protobuf")
     assert "does not parse as ONNX" in onnx_io.check_loadable(path)
     assert "no such file" in onnx_io.check_loadable(tmp_path / "absent.onnx")
