@@ -233,11 +233,13 @@ def _plain(text: str) -> str:
 
 def _prog() -> str:
     """The command as the user typed it: ``trtpipe`` (the console script) or ``python -m pipeline``."""
-    return "trtpipe" if Path(sys.argv[0]).name == "trtpipe" else "python -m pipeline"
+    return "trtpipe" if Path(sys.argv[0]).stem == "trtpipe" else "python -m pipeline"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=_prog(), description=_plain(__doc__.splitlines()[0]))
+    prog = _prog()
+    description = _plain(__doc__.splitlines()[0]).replace("python -m pipeline", prog)
+    p = argparse.ArgumentParser(prog=prog, description=description)
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, help_, positional in COMMANDS:
         sp = sub.add_parser(name, help=help_)
@@ -288,7 +290,7 @@ def _internal_error(args, exc: BaseException) -> int:
     for log in dict.fromkeys([_error_log(args), FALLBACK_LOG]):
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(f"python -m pipeline {' '.join(getattr(args, 'argv', []))}\n{text}")
+            log.write_text(f"{_prog()} {' '.join(getattr(args, 'argv', []))}\n{text}")
             where = f"traceback in {log}"
             break
         except OSError:

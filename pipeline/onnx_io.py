@@ -46,7 +46,9 @@ MIN_EXTERNAL_TENSOR = 1024  # bytes; smaller tensors stay inline (onnx's own def
 #: torch's dynamo exporter records each node's Python stack trace, absolute paths included.
 #: (``pkg.torch.onnx.name_scopes`` is kept: the quantize stage matches exclusions on it.)
 MACHINE_METADATA_KEYS = frozenset({"pkg.torch.onnx.stack_trace"})
-_FOUR_BIT = {TensorProto.INT4, TensorProto.UINT4, getattr(TensorProto, "FLOAT4E2M1", -1)}
+#: bits per element of the packed (sub-byte) element types, by ONNX type name (newer onnx has more)
+_PACKED_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4, "INT2": 2, "UINT2": 2, "FLOAT6E2M3": 6, "FLOAT6E3M2": 6}
+_PACKED = {getattr(TensorProto, name): bits for name, bits in _PACKED_BITS.items() if hasattr(TensorProto, name)}
 
 
 def external_data_threshold() -> int:
@@ -98,10 +100,13 @@ def _on_disk(t: TensorProto) -> bool:
 
 
 def tensor_nbytes(t: TensorProto) -> int | None:
-    """Bytes of the tensor's data from its dims and element type (None if unknown)."""
+    """Bytes of the tensor's data from its dims and element type (None if unknown or STRING);
+    packed types take ceil(elements x bits / 8) bytes, as onnx's ``pack_*`` helpers write them."""
     n = math.prod(t.dims)
-    if t.data_type in _FOUR_BIT:
-        return (n + 1) // 2
+    if t.data_type in _PACKED:
+        return -(-n * _PACKED[t.data_type] // 8)
+    if t.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+        return None
     try:
         return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
     except (KeyError, ValueError, TypeError):
@@ -303,8 +308,8 @@ def _fsync(path: Path) -> None:
 
 
 def external_files(model: onnx.ModelProto) -> set[str]:
-    """Relative locations of the external data files the graph refers to."""
-    return {edh.ExternalDataInfo(t).location for t in tensors(model) if edh.uses_external_data(t)}
+    """Relative locations of the external data files the graph refers to (normalized: ``./a`` is ``a``)."""
+    return {os.path.normpath(edh.ExternalDataInfo(t).location) for t in tensors(model) if edh.uses_external_data(t)}
 
 
 def files_on_disk_bytes(path: str | Path) -> int:
@@ -334,13 +339,22 @@ def check_loadable(path: str | Path) -> str | None:
     return external_data_problem(model, path)
 
 
+def relative_location(location: str) -> str | None:
+    """``location`` (an external data path) normalized, or None when it is empty, absolute or
+    leaves the graph's folder. Checked on the path as written, not resolved: a symlink inside
+    the folder (a hub cache's snapshot) may point anywhere."""
+    where = os.path.normpath(location) if location else ""
+    if not where or os.path.isabs(where) or where == ".." or where.startswith(".." + os.sep):
+        return None
+    return where
+
+
 def external_data_problem(model: onnx.ModelProto, path: str | Path) -> str | None:
     """None when every external-data tensor of ``model`` (loaded from ``path`` without its
     data) is readable, else what is wrong, naming the tensor and the file: a location that
     is absolute or leaves the graph's folder, a missing file, a declared ``length`` other
     than its dtype and shape need, or a file shorter than ``offset + length``."""
     path = Path(path)
-    folder = path.parent.resolve()
     sizes: dict[Path, int] = {}
     for t in tensors(model):
         if not edh.uses_external_data(t):
@@ -349,14 +363,16 @@ def external_data_problem(model: onnx.ModelProto, path: str | Path) -> str | Non
             info = edh.ExternalDataInfo(t)
         except ValueError as e:
             return f"{path}: tensor {t.name!r}: {e}"
-        file = (folder / info.location).resolve()
-        if not info.location or Path(info.location).is_absolute() or folder not in file.parents:
-            return f"{path}: tensor {t.name!r} has external data location {info.location!r} outside {folder}"
+        where = relative_location(info.location)
+        if where is None:
+            return (f"{path}: tensor {t.name!r} has external data location {info.location!r} outside "
+                    f"{path.parent} (a relative path inside the graph's folder is required)")
+        file = path.parent / where  # a symlink inside the folder (a hub cache's snapshot) is fine
         if file not in sizes:
             if not file.is_file():
-                return f"{path} keeps weights in {info.location!r}, which is missing ({file})"
+                return f"{path}: tensor {t.name!r} keeps its weights in {info.location!r}, which is missing ({file})"
             sizes[file] = file.stat().st_size
-        need = tensor_nbytes(t) if t.data_type != TensorProto.STRING else None
+        need = tensor_nbytes(t)
         if info.length is not None and need is not None and info.length != need:
             return (f"{path}: tensor {t.name!r} declares external data length {info.length} bytes but its "
                     f"dtype and shape {list(t.dims)} need {need}")

@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, ExportError, PipelineError
+from pipeline.onnx_io import relative_location
 
 
 def providers() -> list[str]:
@@ -274,12 +275,12 @@ def _mapped(t: onnx.TensorProto, folder: Path) -> np.ndarray:
     """
     info = {e.key: e.value for e in t.external_data}
     shape = tuple(int(d) for d in t.dims)
-    path = (folder / info["location"]).resolve()
-    if not path.is_relative_to(folder.resolve()):
+    where = relative_location(info["location"])
+    if where is None:
         raise ValueError(f"initializer {t.name}: external data location {info['location']!r} is outside {folder}")
     if "length" in info and int(info["length"]) != 4 * int(np.prod(shape)):
         raise ValueError(f"initializer {t.name}: external data length {info['length']} is not 4 x {shape} bytes")
-    arr = np.memmap(path, dtype="<f4", mode="r", offset=int(info.get("offset", 0)), shape=shape or (1,))
+    arr = np.memmap(folder / where, dtype="<f4", mode="r", offset=int(info.get("offset", 0)), shape=shape or (1,))
     return arr if arr.flags.aligned and shape else np.array(arr).reshape(shape)
 
 

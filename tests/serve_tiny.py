@@ -212,13 +212,14 @@ def with_validate_greedy(served, new_tokens: int, change: dict[int, list[int]] |
 
 
 def stop_when_idle(server, model: str, timeout_s: float = 300.0) -> int:
-    """Stop ``server`` (a TritonServer) once ``model``'s scheduler has no generation active or
-    queued; its exit status. tritonserver drains requests in flight at shutdown for its exit
-    timeout only (30 s), so a generation still streaming (a long one, a late cancel) would fail
-    the exit status of an otherwise clean stop.
+    """Stop ``server`` (a TritonServer) once ``model`` has no request in flight (its scheduler
+    statistics' ``inflight``); its exit status. tritonserver drains requests in flight at
+    shutdown for its exit timeout only (30 s), so a generation still streaming (a long one, a
+    late cancel) would fail the exit status of an otherwise clean stop.
 
     Raises:
-        AssertionError: still busy after ``timeout_s`` (the message has the statistics).
+        AssertionError: still busy after ``timeout_s`` (the message has the statistics and the
+            end of the server's log).
     """
     import time
 
@@ -226,10 +227,11 @@ def stop_when_idle(server, model: str, timeout_s: float = 300.0) -> int:
 
     deadline = time.monotonic() + timeout_s  # a bound on the wait, not a speed bound
     stats = scheduler_statistics(server.grpc_url, model)
-    while stats and (stats["active"] or stats["queued"]) and time.monotonic() < deadline:
+    while stats and stats.get("inflight") and time.monotonic() < deadline:
         time.sleep(0.2)
         stats = scheduler_statistics(server.grpc_url, model)
-    busy = stats and (stats["active"] or stats["queued"])
+    busy = bool(stats and stats.get("inflight"))
+    logs = server.logs()[-3000:] if busy else ""
     code = server.stop()
-    assert not busy, f"{model} still generating after {timeout_s:g} s: {stats}"
+    assert not busy, f"{model} still generating after {timeout_s:g} s: {stats}\n{logs}"
     return code

@@ -180,5 +180,6 @@ def test_usage_names_the_command_the_user_typed(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["/venv/bin/trtpipe", "--help"])
     assert build_parser().format_usage().startswith("usage: trtpipe ")
+    assert build_parser().description == "Command line: trtpipe build recipes/fp8-llm.yaml."
     monkeypatch.setattr(sys, "argv", ["/repo/pipeline/__main__.py", "--help"])
     assert build_parser().format_usage().startswith("usage: python -m pipeline ")

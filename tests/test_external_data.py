@@ -92,7 +92,7 @@ def test_check_loadable_names_what_is_wrong(tmp_path):
     assert ("tensor 'W' declares external data length 4096 bytes but its dtype and shape [64, 32] need 8192"
             in onnx_io.check_loadable(path))
     data.unlink()
-    assert "keeps weights in 'model.onnx.data', which is missing" in onnx_io.check_loadable(path)
+    assert "tensor 'W' keeps its weights in 'model.onnx.data', which is missing" in onnx_io.check_loadable(path)
     path.write_bytes(b"\x00not a protobuf")
     assert "does not parse as ONNX" in onnx_io.check_loadable(path)
     assert "no such file" in onnx_io.check_loadable(tmp_path / "absent.onnx")
@@ -181,3 +181,37 @@ def test_calibration_shortfall_is_reported(tmp_path, tiny_model, capsys):
     man = json.loads(result.manifest_path.read_text())
     assert expected in man["stages"]["quantize"]["reason"]
     assert expected in (result.manifest_path.parent / "report.md").read_text()
+
+
+def test_a_data_file_symlinked_from_a_hub_cache_is_readable(tmp_path):
+    """A hub cache's snapshot folder links model.onnx.data to ../../blobs/<hash>: the location
+    is inside the graph's folder even though the bytes live elsewhere."""
+    from pipeline.model_source import external_data_files
+
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    onnx_io.save_model_atomic(_matmul_model(1.0), tmp_path / "model.onnx", external_data=True)
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    (tmp_path / "model.onnx.data").rename(blobs / "abc123")
+    (tmp_path / "model.onnx").rename(snap / "model.onnx")
+    (snap / "model.onnx.data").symlink_to(Path("..") / ".." / "blobs" / "abc123")
+    assert onnx_io.check_loadable(snap / "model.onnx") is None
+    assert external_data_files(snap / "model.onnx") == [snap / "model.onnx.data"]
+    model = onnx.load(str(snap / "model.onnx"), load_external_data=False)
+    next(e for e in model.graph.initializer[0].external_data if e.key == "location").value = "../x.data"
+    onnx.save(model, str(snap / "model.onnx"))
+    assert "location '../x.data' outside" in onnx_io.check_loadable(snap / "model.onnx")
+
+
+@pytest.mark.parametrize("dtype,bits", [("INT4", 4), ("UINT4", 4), ("INT2", 2), ("FLOAT6E2M3", 6)])
+def test_packed_types_are_sized_as_onnx_writes_them(tmp_path, dtype, bits):
+    if not hasattr(TensorProto, dtype):
+        pytest.skip(f"onnx {onnx.__version__} has no {dtype}")
+    w = helper.make_tensor("W", getattr(TensorProto, dtype), [1000], b"\x00" * (1000 * bits // 8), raw=True)
+    assert onnx_io.tensor_nbytes(w) == 1000 * bits // 8
+    graph = helper.make_graph([helper.make_node("Identity", ["W"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", getattr(TensorProto, dtype), [1000])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25)], ir_version=11)
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="m.onnx.data", size_threshold=0)
+    assert onnx_io.check_loadable(tmp_path / "m.onnx") is None

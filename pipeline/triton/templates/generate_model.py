@@ -608,7 +608,8 @@ class TritonPythonModel:
     def stats(self):
         """Scheduler statistics: ``executions_by_batch_size`` {batch size (str): compute calls},
         ``steps``, ``mean_batch``, ``max_batch``, ``continuous_batching``, ``kv_cache_budget_tokens``
-        (None: unbounded), ``kv_bytes_per_token``, ``active``, ``queued``."""
+        (None: unbounded), ``kv_bytes_per_token``, ``active``, ``queued`` (continuous batching's
+        batch and queue), ``inflight`` (requests accepted and not yet answered in full, either mode)."""
         with self.stats_lock:
             histogram = dict(sorted(self.histogram.items()))
         steps = sum(histogram.values())
@@ -618,7 +619,7 @@ class TritonPythonModel:
             "kv_bytes_per_token": self.token_bytes,
             "executions_by_batch_size": {str(b): n for b, n in histogram.items()}, "steps": steps,
             "mean_batch": sum(b * n for b, n in histogram.items()) / steps if steps else 0.0,
-            "active": len(self.active), "queued": len(self.waiting),
+            "active": len(self.active), "queued": len(self.waiting), "inflight": len(self.inflight),
         }
 
     def _sequence(self, request, sender):
