@@ -9,9 +9,11 @@ Every call into TensorRT sits in a small annotated function so mypy checks it ag
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -141,7 +143,7 @@ def build_engine(
     """
     messages: list[str] = []
     start = time.perf_counter()
-    with PeakRSS() as mem:
+    with PeakRSS() as mem, no_collection():
         logger = make_logger(backend, messages)
         builder: trt.Builder = backend.module().Builder(logger)
         network = create_network(backend, builder)
@@ -164,6 +166,25 @@ def build_engine(
         cache_note = (f"not used: {backend.label} ignores timing caches (its timing-cache calls are deprecated "
                       f"no-ops), so build.timing_cache {timing_cache} was neither read nor written")
     return BuiltEngine(memoryview(plan), time.perf_counter() - start, mem.peak_mib, summary, cache_note)
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Collect garbage now, then hold Python's cyclic garbage collector off until the block ends.
+
+    TensorRT calls the Python logger while it holds its own locks. A collection started inside that
+    callback can free an earlier build's IBuilder (left in a reference cycle, e.g. by an exception's
+    traceback), whose destructor waits on the same lock: a deadlock, seen with TensorRT-RTX 1.7.1
+    (createInferBuilder -> PyLogger.log -> IBuilder dealloc -> pthread_mutex_lock). Objects whose
+    last reference goes are still freed at once; only cycles wait for the block's end."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def make_logger(backend: Backend, sink: list[str]) -> trt.ILogger:

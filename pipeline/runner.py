@@ -3,12 +3,14 @@
 Each module of :data:`STAGES` declares itself: ``NAME``, ``NEEDS`` (the stages whose
 artifacts it takes, in order), ``ARTIFACT`` (its artifact type), ``key_sections(recipe)``
 (what of the recipe it reads) and ``run(ctx, *needed_artifacts)``; optionally
-``key_extra(ctx)`` (more key inputs), ``GATED`` (skipped once a verdict failed) and
+``KEY_INPUTS`` (prefixes of the manifest inputs it reads; default all), ``key_extra(ctx)``
+(more key inputs), ``GATED`` (skipped once a verdict failed) and
 ``cached_problems(artifact, recipe_name)`` (why a cached artifact no longer counts). The
 runner knows no recipe section and no stage by name: it walks them.
 
 A stage's cache key hashes its recipe sections, its upstream stages' keys, the tool
-versions and its own code (the import closure of its module). A stage whose key matches the ``stage.json`` left by an
+versions, its own code (the import closure of its module) and the content of the input
+files it reads (a new tuning split re-runs quantize onward, not the export). A stage whose key matches the ``stage.json`` left by an
 earlier finished run (and whose files still exist) is not run again.
 ``stage.json`` is written last, atomically, so an interrupted stage is simply
 re-run next time.
@@ -80,6 +82,13 @@ class StageDef:
     def cached_problems(self, art: Any, recipe: Recipe) -> list[str]:
         check = getattr(self.module, "cached_problems", None)
         return check(art, recipe) if check else []
+
+    def key_inputs(self, inputs: dict[str, str | None]) -> dict[str, str | None]:
+        """The manifest inputs (name -> sha256) the stage reads itself: those named by the module's
+        ``KEY_INPUTS`` prefixes, every one when it declares none. What upstream stages read enters
+        through their keys."""
+        prefixes = getattr(self.module, "KEY_INPUTS", None)
+        return dict(inputs) if prefixes is None else {k: v for k, v in inputs.items() if k.startswith(tuple(prefixes))}
 
     @property
     def engine_free(self) -> bool:
@@ -222,12 +231,11 @@ def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple
     return arts["quantize"], run_dir / "quantize" / pin.CANDIDATE
 
 
-def _key_versions(versions: dict, inputs: dict) -> dict:
-    """What of :func:`pipeline.provenance.tool_versions` and the manifest's inputs enters stage
-    keys: tool versions and input hashes, never paths, the CPU or the whole package's code hash
-    (each stage adds its own code's, :func:`pipeline.provenance.code_hash`)."""
-    kept = {k: v for k, v in versions.items() if k not in ("trt-pipeline", "cpu")}
-    return {**kept, "inputs": {k: v.get("sha256") for k, v in inputs.items()}}
+def _key_versions(versions: dict) -> dict:
+    """What of :func:`pipeline.provenance.tool_versions` enters stage keys: tool versions, never
+    the CPU or the whole package's code hash (each stage adds its own code's,
+    :func:`pipeline.provenance.code_hash`, and the hashes of the inputs it reads, never their paths)."""
+    return {k: v for k, v in versions.items() if k not in ("trt-pipeline", "cpu")}
 
 
 #: tool versions that enter only the keys of stages that are not ENGINE_FREE
@@ -250,7 +258,8 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
 
     versions = M.tool_versions()
     man.update(M.new_manifest(recipe, recipe_path, versions))
-    versions = _key_versions(versions, man["inputs"])
+    versions = _key_versions(versions)
+    inputs = {k: v.get("sha256") for k, v in man["inputs"].items()}
     found = pin.lookup(recipe, recipe_path, man["inputs"], ignore=pin_ignore)
     if locked:
         pin.check_locked(recipe, found)
@@ -264,7 +273,7 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
         code = {"code": code_hash(stage.module.__name__)}
         tools = {k: v for k, v in versions.items() if not (stage.engine_free and k in _ENGINE_TOOLS)}
         keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps],
-                                     {**tools, **code, **stage.key_extra(ctx)})
+                                     {**tools, **code, "inputs": stage.key_inputs(inputs), **stage.key_extra(ctx)})
         if stage.gated and not all(getattr(a, "passed", True) for a in arts.values()):
             man["stages"][stage.name] = M.stage_record("skipped", "accuracy gate failed: nothing is published")
             continue

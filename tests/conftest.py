@@ -91,6 +91,20 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="session")
+def tiny_export(tiny_model, tmp_path_factory) -> Path:
+    """The export stage of ``tiny_recipe`` on :func:`tiny_model`, run once per session; returns
+    its stage folder. Tests whose subject is not the export start from it (``tiny.seed_export``)."""
+    from pipeline.recipe_load import load_recipe
+    from pipeline.runner import run_pipeline
+    from tiny import tiny_recipe
+
+    ws = tmp_path_factory.mktemp("tiny-export")
+    path = tiny_recipe(ws, tiny_model)
+    run_pipeline(load_recipe(path), path, quiet=True, only=["export"])
+    return ws / "artifacts" / "tiny-llm" / "export"
+
+
 @pytest.fixture(scope="module")
 def moto_s3():
     """moto's S3 server on 127.0.0.1 (a free port) with test credentials in the environment,

@@ -14,13 +14,14 @@ from pipeline.quant.autocast import cast_rest, qdq_gemms, to_bf16
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.ort_sessions import ort_session
-from tiny import make_tiny_llama, tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 
 @pytest.fixture(scope="module")
-def tiny_fp8(tmp_path_factory):
+def tiny_fp8(tmp_path_factory, tiny_model, tiny_export):
     ws = tmp_path_factory.mktemp("autocast")
-    path = tiny_recipe(ws, make_tiny_llama(ws / "model"))
+    path = tiny_recipe(ws, tiny_model)
+    seed_export(ws, tiny_export)
     result = run_pipeline(load_recipe(path), path, quiet=True)
     return result.artifacts["export"], result.artifacts["quantize"], ws
 

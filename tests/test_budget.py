@@ -17,23 +17,28 @@ from pipeline.recipe import Gate
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.ort_sessions import ort_session
-from tiny import make_tiny_llama, tiny_recipe
+from tiny import seed_export, tiny_recipe
 
+EXPORT = "artifacts/tiny-llm/export"  # the module workspace's export stage
 TUNING = {"type": "corpus", "name": "lee_background", "split": {"start": 200, "stop": 215}}
 
 
-def _recipe(ws: Path, model: Path, **changes) -> Path:
+def _recipe(ws: Path, model: Path, export: Path | None = None, **changes) -> Path:
+    """A search recipe in ``ws``; its run starts from the stage folder ``export`` when given."""
     ws.mkdir(parents=True, exist_ok=True)
+    if export is not None:
+        seed_export(ws, export)
     base = {"quantize.tuning": {"data": TUNING, "max_windows": 4}, "quantize.sensitivity": {"groups": "per_projection"},
             "quantize.exclude": {"nodes": []}}  # the search starts from every GEMM quantized
     return tiny_recipe(ws, model, **{**base, **changes})
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    ws = tmp_path_factory.mktemp("budget")
-    model = make_tiny_llama(ws / "model")
+def tiny(tmp_path_factory, tiny_model, tiny_export):
+    """``(workspace, model, export artifact)``, the export being the session's (``tiny_export``)."""
+    ws, model = tmp_path_factory.mktemp("budget"), tiny_model
     path = tiny_recipe(ws, model)
+    seed_export(ws, tiny_export)
     exp = run_pipeline(load_recipe(path), path, quiet=True, only=["export"]).artifacts["export"]
     return ws, model, exp
 
@@ -176,7 +181,7 @@ def test_pipeline_records_exclusions_of_a_reachable_budget(tiny, runner):
     ws, model_dir, _ = tiny
     sens = S.measure_sensitivity(runner, "kld_mean")
     bound = (sens.baseline + sens.rows[0]["metric_value"]) / 2
-    path = _recipe(ws / "ok", model_dir, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": bound}})
+    path = _recipe(ws / "ok", model_dir, ws / EXPORT, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": bound}})
     result = run_pipeline(load_recipe(path), path, quiet=True)
     assert result.passed
     q = result.artifacts["quantize"]
@@ -192,7 +197,7 @@ def test_pipeline_records_exclusions_of_a_reachable_budget(tiny, runner):
 
 def test_unreachable_budget_exits_1_and_publishes_nothing(tiny):
     ws, model_dir, _ = tiny
-    path = _recipe(ws / "bad", model_dir, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": 0.0},
+    path = _recipe(ws / "bad", model_dir, ws / EXPORT, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": 0.0},
                                              "quantize.tuning.min_quantized_fraction": 0.8})
     with pytest.raises(GateFailed, match=r"kld_mean <= 0.0 not met.*best found") as e:
         run_pipeline(load_recipe(path), path, quiet=True)
@@ -218,7 +223,7 @@ def test_a_search_cut_by_its_limit_exits_1_even_when_what_it_reached_meets_the_b
     bound = two * (1 + 1e-6)  # met once the two most sensitive groups are reverted
     # the ranking pass already measured [] and each group alone on all windows, so the search's
     # only new trial before it meets the budget is order[:2]: max_trials 1 then cuts the step back
-    path = _recipe(ws / "cut", model_dir, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": bound},
+    path = _recipe(ws / "cut", model_dir, ws / EXPORT, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": bound},
                                              "quantize.tuning.max_trials": 1,
                                              "quantize.tuning.min_quantized_fraction": 0.0})
     with pytest.raises(GateFailed, match=r"stopped at tuning.max_trials .*meets kld_mean <= .*not used") as e:

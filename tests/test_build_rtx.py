@@ -137,6 +137,33 @@ def test_parser_refusal_of_a_node_the_pipeline_inserted_is_exit_3(tmp_path):
     assert "to_string: inserted by the pipeline (quantize stage), so this is a pipeline bug" in str(err.value)
 
 
+def test_no_garbage_collection_runs_while_tensorrt_calls_the_logger(tmp_path, monkeypatch):
+    """TensorRT calls the Python logger holding its own locks: a collection there could free an
+    earlier build's IBuilder, whose destructor waits on that lock (a worker hung so in a test run)."""
+    import gc
+
+    enabled_in_callback: list[bool] = []
+    real = engine_builder.make_logger
+
+    def recording(backend, sink):
+        logger = real(backend, sink)
+        log = type(logger).log
+
+        def spy(self, severity, msg):
+            enabled_in_callback.append(gc.isenabled())
+            log(self, severity, msg)
+
+        monkeypatch.setattr(type(logger), "log", spy)
+        return logger
+
+    monkeypatch.setattr(engine_builder, "make_logger", recording)
+    with pytest.raises(engine_builder.EngineBuildError):  # the parser logs its refusal through the logger
+        build.build_from_onnx(rtx_recipe(tmp_path, [BATCH]), write_unbuildable(tmp_path / "bad.onnx"),
+                              [TensorSpec("x", "float32", ["batch", 16])], tmp_path / "build")
+    assert enabled_in_callback and not any(enabled_in_callback)
+    assert gc.isenabled()  # on again after the failed build
+
+
 def test_explicit_rtx_backend_needs_a_target(tmp_path):
     recipe = rtx_recipe(tmp_path, [PREFILL], backend="tensorrt-rtx", targets=[])
     with pytest.raises(engine_backends.BackendChoiceError, match="needs a target: set build.targets"):
@@ -163,12 +190,13 @@ def test_every_shipped_recipe_declares_a_target_tensorrt_rtx_builds(path):
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, tiny_model, tiny_export):
     from pipeline.runner import run_pipeline
-    from tiny import make_tiny_llama, tiny_recipe
+    from tiny import seed_export, tiny_recipe
 
     ws = tmp_path_factory.mktemp("tiny-rtx")
-    path = tiny_recipe(ws, make_tiny_llama(ws / "model"))
+    path = tiny_recipe(ws, tiny_model)
+    seed_export(ws, tiny_export)
     return run_pipeline(load_recipe(path), path, quiet=True)
 
 

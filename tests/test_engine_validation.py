@@ -18,7 +18,7 @@ from pipeline.cli import main as cli_main
 from pipeline.context import Progress, StageContext
 from pipeline.recipe_load import load_recipe
 from pipeline.stages import build, validate
-from tiny import tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 
 class FakeEngine:
@@ -61,8 +61,10 @@ def _fake_engine_build(monkeypatch, noise: float) -> list[FakeEngine]:
     return made
 
 
-def test_a_failing_engine_blocks_publishing_while_onnxruntime_passes(tmp_path, tiny_model, monkeypatch, capsys):
+def test_a_failing_engine_blocks_publishing_while_onnxruntime_passes(tmp_path, tiny_model, tiny_export, monkeypatch,
+                                                                     capsys):
     path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
     made = _fake_engine_build(monkeypatch, noise=4.0)
     assert cli_main(["build", str(path), "--quiet"]) == 1
     assert made and made[0].calls > 0
@@ -85,8 +87,9 @@ def test_a_failing_engine_blocks_publishing_while_onnxruntime_passes(tmp_path, t
     assert "| engine.relative_perplexity_increase |" in row and "**FAIL**" in row and "| engine.perplexity_fp8 |" in report
 
 
-def test_gates_use_engine_numbers_and_a_faithful_engine_passes(tmp_path, tiny_model, monkeypatch):
+def test_gates_use_engine_numbers_and_a_faithful_engine_passes(tmp_path, tiny_model, tiny_export, monkeypatch):
     path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
     _fake_engine_build(monkeypatch, noise=4.0)
     from pipeline.runner import run_pipeline
 

@@ -16,7 +16,7 @@ from pipeline.errors import EnvironmentFault, PipelineError
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.ort_sessions import ort_session
-from tiny import tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 
 def _matmul_model(scale: float) -> onnx.ModelProto:
@@ -167,11 +167,12 @@ def test_fp8_pipeline_with_external_data_forced(tmp_path, tiny_model, inline_run
     assert onnx_io.check_loadable(qpath) is None
 
 
-def test_calibration_shortfall_is_reported(tmp_path, tiny_model, capsys):
+def test_calibration_shortfall_is_reported(tmp_path, tiny_model, tiny_export, capsys):
     path = tiny_recipe(tmp_path, tiny_model, **{"quantize.calibration.samples": 40,
                                                 "quantize.calibration.min_samples": 2,
                                                 "quantize.calibration.seq_len": 128,
                                                 "quantize.calibration.data.split": {"start": 0, "stop": 6}})
+    seed_export(tmp_path, tiny_export)
     result = _run(path, quiet=False)
     cal = result.artifacts["quantize"].calibration
     assert 2 <= cal["samples"] < 40 and cal["samples_requested"] == 40

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 
+import crash
 from conftest import ROOT
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.triton.publish import JOURNAL_FILE, verify_repository
-from tiny import tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 STAGES = ["export", "quantize", "build", "validate", "triton"]
 
@@ -41,19 +42,22 @@ def _build_cmd(path: Path, overrides: dict) -> list[str]:
     return [sys.executable, "-m", "pipeline", "build", str(path), "--quiet", *sets]
 
 
-def _crash(path: Path, point: str, overrides: dict) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PIPELINE_FAULT": point}
-    return subprocess.run(_build_cmd(path, overrides), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def _crash(path: Path, point: str, overrides: dict) -> crash.Finished:
+    """A build in a process of its own (a fork of :mod:`crash`'s server) that SIGKILLs itself at ``point``."""
+    argv = _build_cmd(path, overrides)[3:]  # after python -m pipeline
+    return crash.run_build(argv, {"PIPELINE_FAULT": point}, ROOT,
+                           path.parent / "crash-logs" / f"{point.replace(':', '-')}.log")
 
 
 def _hits(man: dict) -> dict[str, bool]:
     return {k: bool(v.get("cache_hit")) for k, v in man["stages"].items()}
 
 
-def test_failed_gate_leaves_published_and_serve_copies_byte_identical(tmp_path, tiny_model):
+def test_failed_gate_leaves_published_and_serve_copies_byte_identical(tmp_path, tiny_model, tiny_export):
     from pipeline.serve.prepare import prepare
 
     path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
     first = _run(path)
     served = prepare(load_recipe(path), first.artifacts, ["python"])  # the python-onnxruntime serve copy
     repo, serve_repo = Path(first.artifacts["triton"].repository), served.repository
@@ -68,16 +72,15 @@ def test_failed_gate_leaves_published_and_serve_copies_byte_identical(tmp_path, 
     assert snapshot(repo) == before and snapshot(serve_repo) == serve_before
     assert verify_repository(repo) == [] and verify_repository(serve_repo) == []
 
-    env = {**os.environ}
-    proc = subprocess.run(_build_cmd(path, {"quantize.calibration.method": "entropy",
-                                            "validate.gates.0.max": 1e-12}),
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    argv = _build_cmd(path, {"quantize.calibration.method": "entropy", "validate.gates.0.max": 1e-12})[3:]
+    proc = crash.run_build(argv, {}, ROOT, tmp_path / "failed-gate.log")  # the CLI's exit code, in a process
     assert proc.returncode == 1, proc.stderr
     assert snapshot(repo) == before
 
 
-def test_verify_repository_names_every_differing_file(tmp_path, tiny_model):
+def test_verify_repository_names_every_differing_file(tmp_path, tiny_model, tiny_export):
     path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
     repo = Path(_run(path).artifacts["triton"].repository)
     assert verify_repository(repo) == []
     model_file = repo / "smollm2_fp8" / "1" / "model.onnx"
@@ -117,9 +120,10 @@ POINTS = [
 ]
 
 
-def test_crash_at_every_stage_and_publish_step_leaves_old_or_new_set(tmp_path, tiny_model):
+def test_crash_at_every_stage_and_publish_step_leaves_old_or_new_set(tmp_path, tiny_model, tiny_export):
     """One workspace, crashed at each point in turn; each repaired run's set is the next one's old set."""
     path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)  # the first crash point's check points make an export of its own
     repo = Path(_run(path).artifacts["triton"].repository)
     old = snapshot(repo)
     for point, overrides, stage in POINTS:
@@ -143,8 +147,9 @@ def test_crash_at_every_stage_and_publish_step_leaves_old_or_new_set(tmp_path, t
         old = new
 
 
-def test_real_sigkill_mid_build_then_resume(tmp_path, tiny_model):
+def test_real_sigkill_mid_build_then_resume(tmp_path, tiny_model, tiny_export):
     path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
     repo = Path(_run(path).artifacts["triton"].repository)
     old = snapshot(repo)
     marker = tmp_path / "artifacts" / "tiny-llm" / "quantize" / "stage.json"

@@ -16,7 +16,7 @@ from pipeline.datasets import DataError, load
 from pipeline.errors import RecipeError
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
-from tiny import tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 LLM = ROOT / "recipes" / "fp8-llm.yaml"
 
@@ -141,17 +141,19 @@ def _jsonl(path: Path, docs: list[str]) -> None:
     path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
 
 
-def test_user_jsonl_validate_source_end_to_end(tmp_path, tiny_model):
+def test_user_jsonl_validate_source_end_to_end(tmp_path, tiny_model, tiny_export):
     """The same documents read from the built-in corpus and from a user's JSONL give the
     same metrics; editing the JSONL in place re-measures, and the manifest hashes it."""
     corpus_ws, user_ws = tmp_path / "corpus", tmp_path / "user"
     corpus_ws.mkdir(), user_ws.mkdir()
     corpus_path = tiny_recipe(corpus_ws, tiny_model)
+    seed_export(corpus_ws, tiny_export)
     corpus = run_pipeline(load_recipe(corpus_path), corpus_path, quiet=True)
 
     _jsonl(user_ws / "eval.jsonl", _lee(220, 300))
     user_path = tiny_recipe(user_ws, tiny_model, **{"validate.data": {"type": "jsonl", "path": "eval.jsonl",
                                                                       "field": "text"}})
+    seed_export(user_ws, tiny_export)
     assert main(["check", str(user_path)]) == 0
     user = run_pipeline(load_recipe(user_path), user_path, quiet=True)
     assert user.passed and corpus.passed

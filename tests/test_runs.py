@@ -15,7 +15,7 @@ from conftest import ROOT
 from pipeline.errors import PipelineError
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_lock, run_pipeline
-from tiny import tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 
 def _hits(man: dict) -> dict[str, bool]:
@@ -43,8 +43,33 @@ def test_cache_reruns_only_what_changed(tmp_path, tiny_model):
     assert moved.artifacts["triton"].repository == str(tmp_path / "elsewhere")  # no key part: republished there
 
 
-def test_interrupted_stage_keeps_earlier_work_and_resumes(tmp_path, tiny_model, monkeypatch):
+def test_an_edited_data_file_reruns_the_stages_that_read_it_only(tmp_path, tiny_model, tiny_export):
+    """A data file's hash enters the keys of the stages that read it: calibration text from a
+    user's JSONL (which the export never reads) keeps the session's export, and editing the file
+    re-runs quantize, not the export."""
+    import json
+
+    from pipeline import text_data
+
+    docs = text_data.documents(load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {
+        "validate.data.split": {"start": 0, "stop": 40}}).validate_.data)
+    cal = tmp_path / "cal.jsonl"
+    cal.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:30]))
+    path = tiny_recipe(tmp_path, tiny_model, **{
+        "quantize.calibration.data": {"type": "jsonl", "path": "cal.jsonl", "field": "text"}})
+    seed_export(tmp_path, tiny_export)  # made from the recipe's built-in calibration corpus
+    first = run_pipeline(load_recipe(path), path, quiet=True, only=["quantize"])
+    assert _hits(first.manifest) == {"export": True, "quantize": False}
+    cal.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[5:35]))
+    edited = run_pipeline(load_recipe(path), path, quiet=True, only=["quantize"])
+    assert _hits(edited.manifest) == {"export": True, "quantize": False}
+    assert edited.manifest["inputs"]["quantize.calibration.data"]["sha256"] != \
+        first.manifest["inputs"]["quantize.calibration.data"]["sha256"]
+
+
+def test_interrupted_stage_keeps_earlier_work_and_resumes(tmp_path, tiny_model, tiny_export, monkeypatch):
     path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
     first = _run(path)
     repo = Path(first.artifacts["triton"].repository)
     published = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
@@ -94,21 +119,23 @@ def test_second_concurrent_build_fails_clearly(tmp_path, tiny_model):
             run_pipeline(recipe, path, quiet=True)
 
 
-def test_too_little_calibration_data_is_an_error(tmp_path, tiny_model):
+def test_too_little_calibration_data_is_an_error(tmp_path, tiny_model, tiny_export):
     from pipeline.errors import QuantizationError
 
     path = tiny_recipe(tmp_path, tiny_model, **{"quantize.calibration.data.split": {"start": 0, "stop": 1},
                                                 "quantize.calibration.seq_len": 256})
+    seed_export(tmp_path, tiny_export)
     with pytest.raises(QuantizationError, match="below min_samples=8"):
         _run(path)
     man = json.loads((tmp_path / "artifacts" / "tiny-llm" / "manifest.json").read_text())
     assert man["stages"]["quantize"]["status"] == "failed" and "min_samples" in man["stages"]["quantize"]["reason"]
 
 
-def test_fp16_recipe_casts_the_graph_and_validates(tmp_path, tiny_model):
+def test_fp16_recipe_casts_the_graph_and_validates(tmp_path, tiny_model, tiny_export):
     import onnx
 
     path = tiny_recipe(tmp_path, tiny_model, **{"quantize.precision": "fp16"})
+    seed_export(tmp_path, tiny_export)
     result = _run(path)
     assert result.passed and "perplexity_fp16" in result.manifest["metrics"]
     model = onnx.load(result.artifacts["quantize"].onnx_path)

@@ -12,13 +12,14 @@ from pipeline.quant import calibrate, qdq, smoothquant
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
 from pipeline.ort_sessions import ort_session
-from tiny import make_tiny_llama, tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 
 @pytest.fixture(scope="module")
-def tiny_export(tmp_path_factory):
+def exported(tmp_path_factory, tiny_model, tiny_export):
     ws = tmp_path_factory.mktemp("smoothquant")
-    path = tiny_recipe(ws, make_tiny_llama(ws / "model"))
+    path = tiny_recipe(ws, tiny_model)
+    seed_export(ws, tiny_export)
     result = run_pipeline(load_recipe(path), path, quiet=True, only=["export"])
     return result.artifacts["export"], ws
 
@@ -42,8 +43,8 @@ def test_scales_follow_the_formula():
         smoothquant.smoothing_scales(x, [w1], alpha=1.5)
 
 
-def test_smoothed_fp32_graph_is_equivalent(tiny_export):
-    exp, ws = tiny_export
+def test_smoothed_fp32_graph_is_equivalent(exported):
+    exp, ws = exported
     model = onnx.load(exp.onnx_path)
     targets = qdq.find_targets(model, ["MatMul"])
     acts = sorted({t.act for t in targets})
@@ -73,8 +74,8 @@ def model_dim(model, target) -> int:
     return int(w.dims[0])
 
 
-def test_missing_statistics_name_the_input(tiny_export):
-    exp, _ = tiny_export
+def test_missing_statistics_name_the_input(exported):
+    exp, _ = exported
     model = onnx.load(exp.onnx_path)
     targets = qdq.find_targets(model, ["MatMul"])
     with pytest.raises(QuantizationError, match="per-channel statistics"):

@@ -13,7 +13,7 @@ from pipeline.cli import main
 from pipeline.quant import budget, pin
 from pipeline.quant import sensitivity as S
 from pipeline.recipe import Gate
-from tiny import make_tiny_llama, tiny_recipe
+from tiny import seed_export, tiny_recipe
 
 TUNING = {"type": "corpus", "name": "lee_background", "split": {"start": 200, "stop": 215}}
 
@@ -120,11 +120,11 @@ def test_rank_breaks_ties_by_name_and_keeps_clear_gaps():
 
 
 @pytest.fixture(scope="module")
-def tuned(tmp_path_factory):
+def tuned(tmp_path_factory, tiny_model, tiny_export):
     """A tiny recipe with a reachable kld_mean budget (GEMM by GEMM), tuned once: (ws, recipe path)."""
     ws = tmp_path_factory.mktemp("pin")
-    model = make_tiny_llama(ws / "model")
-    path = tiny_recipe(ws, model, **{
+    seed_export(ws, tiny_export)
+    path = tiny_recipe(ws, tiny_model, **{
         "quantize.tuning": {"data": TUNING, "max_windows": 4}, "quantize.exclude": {"nodes": []},
         "quantize.sensitivity": {"groups": "per_projection", "refine": True},
         "quantize.accuracy_budget": {"metric": "kld_mean", "max": 1.0}})  # loose: met at once

@@ -5,6 +5,7 @@ without minutes of export and evaluation.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import yaml
@@ -108,6 +109,16 @@ def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
     path = ws / "tiny-llm.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def seed_export(ws: Path, export_dir: Path, name: str = "tiny-llm") -> None:
+    """Start the run in ``ws`` from an export made elsewhere (``conftest.tiny_export``): its cache
+    record, which names that export's files where they are, is copied into ``ws``'s run folder.
+    The runner takes it when the stage key matches (the same model bytes and export section; the
+    key holds no path), else the export runs as usual. Later stages write only into ``ws``."""
+    dest = ws / "artifacts" / name / "export"
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(export_dir / "stage.json", dest / "stage.json")
 
 
 def continuation(tok, prompt: list[int], tokens: list[int], skip_special_tokens: bool = True) -> str:

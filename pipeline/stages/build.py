@@ -55,6 +55,8 @@ HEADLINE = ("backend_label", "tensorrt_version", "targets", "check_only", "engin
 
 NAME = "build"
 NEEDS = ("export", "quantize")
+#: reads no manifest input of its own (the graph comes from quantize)
+KEY_INPUTS: tuple[str, ...] = ()
 ARTIFACT = BuildArtifact
 
 

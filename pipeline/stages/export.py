@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 NAME = "export"
 NEEDS: tuple[str, ...] = ()
+#: the manifest inputs it reads (stage keys): the model file
+KEY_INPUTS = ("model_file",)
 ARTIFACT = ExportArtifact
 #: no TensorRT version in the key: CPU and GPU runners share this stage (remote cache)
 ENGINE_FREE = True

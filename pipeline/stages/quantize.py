@@ -20,6 +20,8 @@ from pipeline.quant import autocast, budget, calibrate, pin, qdq, smoothquant
 
 NAME = "quantize"
 NEEDS = ("export",)
+#: the manifest inputs it reads (stage keys): its data, and the eval data it keeps calibration apart from
+KEY_INPUTS = ("quantize.", "validate.data")
 ARTIFACT = QuantizedArtifact
 #: no TensorRT version in the key: CPU and GPU runners share this stage (remote cache)
 ENGINE_FREE = True

@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 NAME = "triton"
 NEEDS = ("export", "quantize", "build")
+#: reads no manifest input of its own (its files come from the stages it needs)
+KEY_INPUTS: tuple[str, ...] = ()
 ARTIFACT = TritonArtifact
 #: runs only when every earlier verdict passed: a failed accuracy gate publishes nothing
 GATED = True

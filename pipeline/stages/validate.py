@@ -27,6 +27,8 @@ from pipeline.gates import evaluate
 NAME = "validate"
 # validate measures the engine when one was built: the gate is on what ships
 NEEDS = ("export", "quantize", "build")
+#: the manifest inputs it reads (stage keys): the eval data
+KEY_INPUTS = ("validate.",)
 ARTIFACT = ValidationArtifact
 ENGINE = ENGINE_PREFIX  # prefix of the engine's metrics
 
