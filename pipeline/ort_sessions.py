@@ -122,7 +122,7 @@ def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") 
 
 
 def ort_session(path: str, level: str | None = None, *, prepack: bool = True,
-                arena: bool = True) -> ort.InferenceSession:
+                arena: bool = True, dequantize_weights: bool = False) -> ort.InferenceSession:
     """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
     :func:`optimization_level`; ``level`` (a key of :data:`ORT_LEVELS`) overrides it, for
     benchmarks only: validate and serving always use the graph's own.
@@ -131,15 +131,80 @@ def ort_session(path: str, level: str | None = None, *, prepack: bool = True,
     few times where memory matters more than speed; the results are the same. ``prepack=False``:
     no prepacked copy of each GEMM weight; the GEMM kernels then differ from a prepacking
     session's in the last bits (up to ~2e-6 relative; the search's reference runs so since
-    ``pin.SEARCH_VERSION`` 3)."""
+    ``pin.SEARCH_VERSION`` 3). ``dequantize_weights``: at level ``basic``, the weights' Q/DQ run
+    once here, as the served python-onnxruntime model runs them (:class:`WeightsFed`); the
+    outputs are bit-identical, each run is faster."""
+    name = level or optimization_level(path)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    opts.graph_optimization_level = ORT_LEVELS[level or optimization_level(path)]
+    opts.graph_optimization_level = ORT_LEVELS[name]
     if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
     opts.enable_cpu_mem_arena = arena
+    if dequantize_weights and name == "basic":
+        fed = WeightsFed.load(path, opts)
+        if fed is not None:
+            return fed  # type: ignore[return-value]  # the InferenceSession calls validate makes
     return ort.InferenceSession(path, sess_options=opts, providers=providers(),
                                 disabled_optimizers=_large_model_optimizers(path))
+
+
+class WeightsFed:
+    """An InferenceSession of a Q/DQ graph whose weight DequantizeLinear nodes ran once, at load
+    (the served python-onnxruntime template's ``dequantize_once``): their FP32 results are fed as
+    graph inputs at every run. Consumers see the same values, still not constants (so no GEMM
+    weight is prepacked, as before), so outputs are bit-identical to the graph's at the same
+    level; only the per-run dequantization of every weight is gone (fp8-llm's graph, a batch-1
+    decode step: 103 ms -> 25 ms, docs/serving.md). Memory: 4 bytes per weight, held.
+
+    ``run``, ``get_inputs`` (the graph's inputs less the weights) and the rest of InferenceSession's
+    reading methods."""
+
+    #: largest share of the available memory the FP32 weights may take; a larger graph runs as written
+    MEMORY_SHARE = 0.15
+
+    def __init__(self, session: ort.InferenceSession, weights: dict[str, np.ndarray]):
+        self._session = session
+        self.weights = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
+
+    @classmethod
+    def load(cls, path: str, opts: ort.SessionOptions) -> "WeightsFed | None":
+        """The session for ``path``; None when it has no weight DequantizeLinear or when their FP32
+        values would take more than :data:`MEMORY_SHARE` of the available memory."""
+        import psutil
+
+        from pipeline.triton.templates import onnxruntime_model as served
+
+        graph = onnx.load(path, load_external_data=False)
+        nodes, _ = served.constant_dequantize_nodes(graph)
+        if not nodes or _float_bytes(graph, nodes) > cls.MEMORY_SHARE * psutil.virtual_memory().available:
+            return None
+        del graph
+        model = onnx.load(path)
+        weights = served.dequantize_once(model)
+        with tempfile.TemporaryDirectory(prefix="pipeline-weights-fed-") as scratch:
+            session = ort.InferenceSession(served.session_source(model, scratch), sess_options=opts, providers=providers(),
+                                           disabled_optimizers=_large_model_optimizers(path))
+        return cls(session, weights)
+
+    def run(self, names, feeds) -> list[np.ndarray]:
+        from pipeline.triton.templates.onnxruntime_model import run_with_weights
+
+        names = list(names) if names is not None else [o.name for o in self._session.get_outputs()]
+        return run_with_weights(self._session, names, feeds, self.weights)
+
+    def get_inputs(self):
+        return [i for i in self._session.get_inputs() if i.name not in self.weights]
+
+    def __getattr__(self, name: str):
+        return getattr(self._session, name)
+
+
+def _float_bytes(model: onnx.ModelProto, nodes) -> int:
+    """Bytes of the FP32 values of the weights ``nodes`` (DequantizeLinear, or QuantizeLinear of a
+    float weight) dequantize."""
+    dims = {t.name: t.dims for t in model.graph.initializer}
+    return sum(4 * int(np.prod(dims[n.input[0]])) for n in nodes if n.input[0] in dims)
 
 
 #: ONNX Runtime graph optimizers that rewrite initializers from their values: constant folding,

@@ -64,7 +64,7 @@ class OrtRunner:
     def __init__(self, onnx_path: str | Path, name: str | None = None, user_graph: bool = True):
         from pipeline.ort_sessions import ort_session
 
-        self.session = ort_session(str(onnx_path))
+        self.session = ort_session(str(onnx_path), dequantize_weights=True)  # as served: weights' Q/DQ once
         self.name = name or f"onnxruntime ({Path(onnx_path).name})"
         self.graph, self.user_graph = str(onnx_path), user_graph
         self._inputs: list[TensorSpec] | None = None  # read on first use

@@ -106,13 +106,14 @@ def speedup_metrics(run_ref: Callable[[], object], run_cand: Callable[[], object
 
 def session_level(runner) -> tuple[str, list[str]] | None:
     """(ORT optimization level name, providers) of a runner holding a real
-    ``onnxruntime.InferenceSession`` (:class:`pipeline.runners.OrtRunner`); None otherwise."""
+    ``onnxruntime.InferenceSession`` (:class:`pipeline.runners.OrtRunner`; its weights possibly
+    dequantized once, :class:`pipeline.ort_sessions.WeightsFed`); None otherwise."""
     import onnxruntime as ort
 
-    from pipeline.ort_sessions import ORT_LEVELS
+    from pipeline.ort_sessions import ORT_LEVELS, WeightsFed
 
     session = getattr(runner, "session", None)
-    if not isinstance(session, ort.InferenceSession):
+    if not isinstance(session, (ort.InferenceSession, WeightsFed)):
         return None
     level = session.get_session_options().graph_optimization_level
     names = [k for k, v in ORT_LEVELS.items() if v == level]

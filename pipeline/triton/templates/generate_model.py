@@ -411,7 +411,7 @@ class InProcessCompute:
         self.weights = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
         self.ort = ort
         with tempfile.TemporaryDirectory() as scratch:
-            self.session = ort.InferenceSession(helper._source(model, scratch), sess_options=options,
+            self.session = ort.InferenceSession(helper.session_source(model, scratch), sess_options=options,
                                                 providers=["CPUExecutionProvider"])
         self.output_names = output_names
         types = {o.name: o.type for o in self.session.get_outputs()}

@@ -38,7 +38,10 @@ import tempfile
 import numpy as np
 import onnx
 import onnxruntime as ort
-import triton_python_backend_utils as pb_utils
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # outside Triton: the pipeline's validate runs weights as served (dequantize_once, run_with_weights)
+    pb_utils = None
 
 LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -120,18 +123,28 @@ def _run_constant_graph(graph, model):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     with tempfile.TemporaryDirectory() as scratch:
-        session = ort.InferenceSession(_source(dq, scratch), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(session_source(dq, scratch), options, providers=["CPUExecutionProvider"])
         names = [o.name for o in graph.output]
         return dict(zip(names, session.run(names, {})))
 
 
-def _source(model, scratch):
+def session_source(model, scratch):
     """Serialized bytes, or a path with external data when the model is too large for protobuf."""
     if model.ByteSize() < _PROTO_LIMIT:
         return model.SerializeToString()
     path = os.path.join(scratch, "model.onnx")
     onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
     return path
+
+
+def run_with_weights(session, names, feeds, weights):
+    """``session.run(names, feeds)`` with ``weights`` ({name: OrtValue}, from :func:`dequantize_once`)
+    fed as the graph inputs they became; a list of arrays in the order of ``names``."""
+    if not weights:
+        return session.run(names, feeds)
+    values = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for n, a in feeds.items()}
+    values.update(weights)
+    return [v.numpy() for v in session.run_with_ort_values(names, values)]
 
 
 def intra_op_threads(config, params):
@@ -156,7 +169,7 @@ class TritonPythonModel:
         weights = dequantize_once(model) if params.get("dequantize_weights") == "once" else {}
         self.weights = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
         with tempfile.TemporaryDirectory() as scratch:
-            self.session = ort.InferenceSession(_source(model, scratch), sess_options=options,
+            self.session = ort.InferenceSession(session_source(model, scratch), sess_options=options,
                                                 providers=["CPUExecutionProvider"])
         del model
         self.batched = int(config.get("max_batch_size", 0)) > 0
@@ -199,11 +212,7 @@ class TritonPythonModel:
 
     def _session_run(self, feeds):
         """session.run with the precomputed weights added; a list of arrays in output order."""
-        if not self.weights:
-            return self.session.run(self.output_names, feeds)
-        values = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for n, a in feeds.items()}
-        values.update(self.weights)
-        return [v.numpy() for v in self.session.run_with_ort_values(self.output_names, values)]
+        return run_with_weights(self.session, self.output_names, feeds, self.weights)
 
     def _run(self, feeds):
         """Run one group; returns per-request {output name: array}."""

@@ -1,0 +1,52 @@
+"""Validate runs a Q/DQ graph as the served python-onnxruntime model does: the weights' Q/DQ once
+at load (pipeline.ort_sessions.WeightsFed), with outputs bit-identical to the graph as written."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from pipeline import runners
+from pipeline.metrics import speed
+from pipeline.models.text_generation.model import prefill_feeds
+from pipeline.ort_sessions import WeightsFed, ort_session
+from pipeline.recipe_load import load_recipe
+from pipeline.runner import run_pipeline
+from tiny import seed_export, tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def fp8_graph(tmp_path_factory, tiny_model, tiny_export):
+    ws = tmp_path_factory.mktemp("weights-fed")
+    path = tiny_recipe(ws, tiny_model)
+    seed_export(ws, tiny_export)
+    arts = run_pipeline(load_recipe(path), path, quiet=True, only=["quantize"]).artifacts
+    return arts["export"], arts["quantize"]
+
+
+def test_weights_dequantized_once_give_the_graphs_outputs_bit_for_bit(fp8_graph):
+    exp, q = fp8_graph
+    plain, fed = ort_session(q.ort_path), ort_session(q.ort_path, dequantize_weights=True)
+    assert isinstance(fed, WeightsFed) and len(fed.weights) == len(q.quantized_nodes)
+    assert [i.name for i in fed.get_inputs()] == [i.name for i in plain.get_inputs()]  # the weights are not asked for
+    ids = np.random.default_rng(0).integers(0, 1000, (2, 24), dtype=np.int64)
+    feeds = prefill_feeds(exp, ids)
+    names = [o.name for o in plain.get_outputs()]
+    for a, b in zip(plain.run(names, feeds), fed.run(names, feeds)):
+        assert np.array_equal(a, b)
+    assert [a.shape for a in fed.run(None, feeds)] == [a.shape for a in plain.run(None, feeds)]
+
+
+def test_the_candidate_runner_times_it_at_the_graphs_level(fp8_graph):
+    _, q = fp8_graph
+    runner = runners.OrtRunner(q.ort_path)
+    assert isinstance(runner.session, WeightsFed)
+    assert speed.session_level(runner) == ("basic", ["CPUExecutionProvider"])
+
+
+def test_a_graph_without_weight_qdq_or_too_large_runs_as_written(fp8_graph, monkeypatch):
+    exp, q = fp8_graph
+    assert isinstance(ort_session(exp.onnx_path, dequantize_weights=True), ort.InferenceSession)  # FP32: level all
+    assert isinstance(ort_session(q.ort_path, level="basic"), ort.InferenceSession)  # not asked
+    monkeypatch.setattr(WeightsFed, "MEMORY_SHARE", 0.0)  # FP32 weights would not fit
+    assert isinstance(ort_session(q.ort_path, dequantize_weights=True), ort.InferenceSession)
