@@ -179,6 +179,14 @@ class ValidationArtifact:
     def passed(self) -> bool:
         return all(g.passed for g in self.gates)
 
+    @property
+    def summary(self) -> str:
+        """The report's note: how many gates pass, and the sample measured where the kind counts it."""
+        sizes = [f"{self.metrics[k]} {label}" for k, label in (("eval_windows", "windows"), ("eval_tokens", "tokens"))
+                 if isinstance(self.metrics.get(k), int)]
+        passing = f"{sum(g.passed for g in self.gates)} of {len(self.gates)} gates pass"
+        return passing + (f" on {', '.join(sizes)}" if sizes else "")
+
 
 @dataclass
 class TritonArtifact:

@@ -138,6 +138,9 @@ def test_fp16_recipe_casts_the_graph_and_validates(tmp_path, tiny_model, tiny_ex
     seed_export(tmp_path, tiny_export)
     result = _run(path)
     assert result.passed and "perplexity_fp16" in result.manifest["metrics"]
+    m = result.manifest["metrics"]  # the report's stage note
+    assert result.manifest["stages"]["validate"]["reason"] == \
+        f"1 of 1 gates pass on {m['eval_windows']} windows, {m['eval_tokens']} tokens"
     model = onnx.load(result.artifacts["quantize"].onnx_path)
     types = {i.data_type for i in model.graph.initializer}
     assert onnx.TensorProto.FLOAT16 in types
