@@ -157,47 +157,63 @@ class WeightsFed:
     level; only the per-run dequantization of every weight is gone (fp8-llm's graph, a batch-1
     decode step: 103 ms -> 25 ms, docs/serving.md). Memory: 4 bytes per weight, held.
 
-    ``run``, ``get_inputs`` (the graph's inputs less the weights) and the rest of InferenceSession's
-    reading methods."""
+    ``run`` (``session.run`` with the weights added), ``get_inputs`` (the graph's inputs less the
+    weights), the rest of InferenceSession's reading methods, and :meth:`as_written` for timing
+    what Triton's ONNX Runtime backend runs."""
 
     #: largest share of the available memory the FP32 weights may take; a larger graph runs as written
     MEMORY_SHARE = 0.15
 
-    def __init__(self, session: ort.InferenceSession, weights: dict[str, np.ndarray]):
-        self._session = session
-        self.weights = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
+    def __init__(self, session: ort.InferenceSession, weights: dict[str, np.ndarray], path: str,
+                 opts: ort.SessionOptions):
+        self._session, self.weights, self._path, self._opts = session, weights, path, opts
 
     @classmethod
     def load(cls, path: str, opts: ort.SessionOptions) -> "WeightsFed | None":
-        """The session for ``path``; None when it has no weight DequantizeLinear or when their FP32
-        values would take more than :data:`MEMORY_SHARE` of the available memory."""
+        """The session for ``path``; None (run the graph as written) when it has no weight
+        DequantizeLinear, a subgraph or an initializer listed as a graph input, or when the FP32
+        weights would take more than :data:`MEMORY_SHARE` of the available memory."""
         import psutil
 
         from pipeline.triton.templates import onnxruntime_model as served
 
         graph = onnx.load(path, load_external_data=False)
         nodes, _ = served.constant_dequantize_nodes(graph)
-        if not nodes or _float_bytes(graph, nodes) > cls.MEMORY_SHARE * psutil.virtual_memory().available:
+        if not nodes or _not_rewritable(graph) or \
+                _float_bytes(graph, nodes) > cls.MEMORY_SHARE * psutil.virtual_memory().available:
             return None
         del graph
         model = onnx.load(path)
         weights = served.dequantize_once(model)
         with tempfile.TemporaryDirectory(prefix="pipeline-weights-fed-") as scratch:
-            session = ort.InferenceSession(served.session_source(model, scratch), sess_options=opts, providers=providers(),
-                                           disabled_optimizers=_large_model_optimizers(path))
-        return cls(session, weights)
+            session = ort.InferenceSession(served.session_source(model, scratch), sess_options=opts,
+                                           providers=providers(), disabled_optimizers=_large_model_optimizers(path))
+        return cls(session, weights, path, opts)
 
     def run(self, names, feeds) -> list[np.ndarray]:
-        from pipeline.triton.templates.onnxruntime_model import run_with_weights
-
-        names = list(names) if names is not None else [o.name for o in self._session.get_outputs()]
-        return run_with_weights(self._session, names, feeds, self.weights)
+        return self._session.run(names, {**feeds, **self.weights})
 
     def get_inputs(self):
         return [i for i in self._session.get_inputs() if i.name not in self.weights]
 
+    def as_written(self) -> ort.InferenceSession:
+        """A new session of the graph as written (its weights dequantized at every run), at the same options."""
+        return ort.InferenceSession(self._path, sess_options=self._opts, providers=providers(),
+                                    disabled_optimizers=_large_model_optimizers(self._path))
+
     def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._session, name)
+
+
+def _not_rewritable(model: onnx.ModelProto) -> bool:
+    """A graph whose weights :class:`WeightsFed` leaves in place: subgraphs (If / Loop / Scan bodies
+    may read an initializer the top-level rewrite would drop) or an initializer listed as an input."""
+    inits = {t.name for t in model.graph.initializer}
+    subgraphs = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                    for n in model.graph.node for a in n.attribute)
+    return subgraphs or any(i.name in inits for i in model.graph.input)
 
 
 def _float_bytes(model: onnx.ModelProto, nodes) -> int:

@@ -24,26 +24,32 @@ class Finished:
 
 def _build(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
     os.chdir(cwd)
-    os.environ.update(env)
+    os.environ.clear()
+    os.environ.update(env)  # the caller's whole environment, not the fork server's
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 2)
-    sys.stderr = open(2, "w", closefd=False)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
     from pipeline.cli import main
 
     sys.exit(main(argv))
 
 
 def run_build(argv: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float = 600) -> Finished:
-    """``python -m pipeline <argv>`` with ``env`` added, in ``cwd``, in a fork of the fork server;
-    its stderr goes to ``log``. Raises TimeoutError when it runs past ``timeout`` seconds (killed)."""
+    """``python -m pipeline <argv>`` in ``cwd``, with this process's environment plus ``env``, in a
+    fork of the fork server; its stdout and stderr go to ``log``. The build is killed when it runs
+    past ``timeout`` seconds (TimeoutError) or when anything interrupts the wait."""
     log.parent.mkdir(parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    proc = ctx.Process(target=_build, args=(argv, env, str(cwd), str(log)))
+    proc = ctx.Process(target=_build, args=(argv, {**os.environ, **env}, str(cwd), str(log)))
     proc.start()
-    proc.join(timeout)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
-        raise TimeoutError(f"pipeline {' '.join(argv)} ran past {timeout} s")
+    try:
+        proc.join(timeout)
+        if proc.exitcode is None:
+            raise TimeoutError(f"pipeline {' '.join(argv)} ran past {timeout} s")
+    finally:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
     return Finished(proc.exitcode, log.read_text() if log.exists() else "")

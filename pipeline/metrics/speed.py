@@ -104,6 +104,17 @@ def speedup_metrics(run_ref: Callable[[], object], run_cand: Callable[[], object
             "speed_note": speed_note(precision, level, providers)}
 
 
+def timed_view(runner, view):
+    """What the speed line times for ``runner``: ``view`` (its session view), or for a candidate whose
+    weights validate dequantizes once (:class:`pipeline.ort_sessions.WeightsFed`) a session of the
+    graph as written, as Triton's ONNX Runtime backend runs it (dequantizing at every run): the
+    slower of the served paths, so a speed gate never passes on a path the default target skips."""
+    from pipeline.ort_sessions import WeightsFed
+
+    session = getattr(runner, "session", None)
+    return session.as_written() if isinstance(session, WeightsFed) else view
+
+
 def session_level(runner) -> tuple[str, list[str]] | None:
     """(ORT optimization level name, providers) of a runner holding a real
     ``onnxruntime.InferenceSession`` (:class:`pipeline.runners.OrtRunner`; its weights possibly

@@ -354,7 +354,7 @@ def encoder_speedup(reference, candidate, tok, sentences: list[str], precision: 
         return {"speedup_vs_fp32": None,
                 "speedup_vs_fp32_reason": "timed only when both graphs run in ONNX Runtime sessions"}
     feeds = tokenize(tok, (sentences * SPEED_BATCH)[:SPEED_BATCH], SPEED_TOKENS, names, pad_to_max=True)
-    ref, cand = runners.SessionView(reference), runners.SessionView(candidate)
+    ref, cand = runners.SessionView(reference), speed.timed_view(candidate, runners.SessionView(candidate))
     return speed.speedup_metrics(lambda: ref.run([OUTPUT], feeds), lambda: cand.run([OUTPUT], feeds),
                                  shape=f"batch {SPEED_BATCH} x {SPEED_TOKENS} tokens", precision=precision,
                                  level=level[0], providers=level[1])

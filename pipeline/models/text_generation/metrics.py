@@ -215,7 +215,7 @@ def llm_prefill_speedup(exp, precision: str, reference, candidate, ids, runs: in
                 "speedup_vs_fp32_reason": "timed only when both graphs run in ONNX Runtime sessions"}
     level, providers = cand_level
     feeds = prefill_feeds(exp, ids)
-    ref, cand = runners.SessionView(reference), runners.SessionView(candidate)
+    ref, cand = runners.SessionView(reference), speed.timed_view(candidate, runners.SessionView(candidate))
     return speed.speedup_metrics(lambda: ref.run(["logits"], feeds), lambda: cand.run(["logits"], feeds),
                                  shape=f"prefill batch {ids.shape[0]} x {ids.shape[1]} tokens", precision=precision,
                                  level=level, providers=providers, runs=runs)

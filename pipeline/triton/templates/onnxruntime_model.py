@@ -40,7 +40,7 @@ import onnx
 import onnxruntime as ort
 try:
     import triton_python_backend_utils as pb_utils
-except ImportError:  # outside Triton: the pipeline's validate runs weights as served (dequantize_once, run_with_weights)
+except ImportError:  # outside Triton: the pipeline's validate dequantizes weights as served (dequantize_once)
     pb_utils = None
 
 LEVELS = {
@@ -137,16 +137,6 @@ def session_source(model, scratch):
     return path
 
 
-def run_with_weights(session, names, feeds, weights):
-    """``session.run(names, feeds)`` with ``weights`` ({name: OrtValue}, from :func:`dequantize_once`)
-    fed as the graph inputs they became; a list of arrays in the order of ``names``."""
-    if not weights:
-        return session.run(names, feeds)
-    values = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for n, a in feeds.items()}
-    values.update(weights)
-    return [v.numpy() for v in session.run_with_ort_values(names, values)]
-
-
 def intra_op_threads(config, params):
     """ONNX Runtime intra-op threads for one instance (0: ONNX Runtime's default)."""
     given = int(params.get("intra_op_threads", "0"))
@@ -212,7 +202,11 @@ class TritonPythonModel:
 
     def _session_run(self, feeds):
         """session.run with the precomputed weights added; a list of arrays in output order."""
-        return run_with_weights(self.session, self.output_names, feeds, self.weights)
+        if not self.weights:
+            return self.session.run(self.output_names, feeds)
+        values = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for n, a in feeds.items()}
+        values.update(self.weights)
+        return [v.numpy() for v in self.session.run_with_ort_values(self.output_names, values)]
 
     def _run(self, feeds):
         """Run one group; returns per-request {output name: array}."""
