@@ -122,7 +122,7 @@ def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") 
 
 
 def ort_session(path: str, level: str | None = None, *, prepack: bool = True,
-                arena: bool = True, dequantize_weights: bool = False) -> ort.InferenceSession:
+                arena: bool = True) -> ort.InferenceSession:
     """An InferenceSession for ``path`` (CUDA EP first when usable), at the graph's
     :func:`optimization_level`; ``level`` (a key of :data:`ORT_LEVELS`) overrides it, for
     benchmarks only: validate and serving always use the graph's own.
@@ -131,96 +131,26 @@ def ort_session(path: str, level: str | None = None, *, prepack: bool = True,
     few times where memory matters more than speed; the results are the same. ``prepack=False``:
     no prepacked copy of each GEMM weight; the GEMM kernels then differ from a prepacking
     session's in the last bits (up to ~2e-6 relative; the search's reference runs so since
-    ``pin.SEARCH_VERSION`` 3). ``dequantize_weights``: at level ``basic``, the weights' Q/DQ run
-    once here, as the served python-onnxruntime model runs them (:class:`WeightsFed`); the
-    outputs are bit-identical, each run is faster."""
-    name = level or optimization_level(path)
+    ``pin.SEARCH_VERSION`` 3)."""
+    return session_from(path, path, session_options(level or optimization_level(path), prepack, arena))
+
+
+def session_options(level: str, prepack: bool = True, arena: bool = True) -> ort.SessionOptions:
+    """:func:`ort_session`'s options at ``level`` (a key of :data:`ORT_LEVELS`)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    opts.graph_optimization_level = ORT_LEVELS[name]
+    opts.graph_optimization_level = ORT_LEVELS[level]
     if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
     opts.enable_cpu_mem_arena = arena
-    if dequantize_weights and name == "basic":
-        fed = WeightsFed.load(path, opts)
-        if fed is not None:
-            return fed  # type: ignore[return-value]  # the InferenceSession calls validate makes
-    return ort.InferenceSession(path, sess_options=opts, providers=providers(),
+    return opts
+
+
+def session_from(source: str | bytes, path: str, opts: ort.SessionOptions) -> ort.InferenceSession:
+    """An InferenceSession of ``source`` (a path, or a serialized graph) on :func:`providers`, with
+    the optimizers a graph of ``path``'s size needs off."""
+    return ort.InferenceSession(source, sess_options=opts, providers=providers(),
                                 disabled_optimizers=_large_model_optimizers(path))
-
-
-class WeightsFed:
-    """An InferenceSession of a Q/DQ graph whose weight DequantizeLinear nodes ran once, at load
-    (the served python-onnxruntime template's ``dequantize_once``): their FP32 results are fed as
-    graph inputs at every run. Consumers see the same values, still not constants (so no GEMM
-    weight is prepacked, as before), so outputs are bit-identical to the graph's at the same
-    level; only the per-run dequantization of every weight is gone (fp8-llm's graph, a batch-1
-    decode step: 103 ms -> 25 ms, docs/serving.md). Memory: 4 bytes per weight, held.
-
-    ``run`` (``session.run`` with the weights added), ``get_inputs`` (the graph's inputs less the
-    weights), the rest of InferenceSession's reading methods, and :meth:`as_written` for timing
-    what Triton's ONNX Runtime backend runs."""
-
-    #: largest share of the available memory the FP32 weights may take; a larger graph runs as written
-    MEMORY_SHARE = 0.15
-
-    def __init__(self, session: ort.InferenceSession, weights: dict[str, np.ndarray], path: str,
-                 opts: ort.SessionOptions):
-        self._session, self.weights, self._path, self._opts = session, weights, path, opts
-
-    @classmethod
-    def load(cls, path: str, opts: ort.SessionOptions) -> "WeightsFed | None":
-        """The session for ``path``; None (run the graph as written) when it has no weight
-        DequantizeLinear, a subgraph or an initializer listed as a graph input, or when the FP32
-        weights would take more than :data:`MEMORY_SHARE` of the available memory."""
-        import psutil
-
-        from pipeline.triton.templates import onnxruntime_model as served
-
-        graph = onnx.load(path, load_external_data=False)
-        nodes, _ = served.constant_dequantize_nodes(graph)
-        if not nodes or _not_rewritable(graph) or \
-                _float_bytes(graph, nodes) > cls.MEMORY_SHARE * psutil.virtual_memory().available:
-            return None
-        del graph
-        model = onnx.load(path)
-        weights = served.dequantize_once(model)
-        with tempfile.TemporaryDirectory(prefix="pipeline-weights-fed-") as scratch:
-            session = ort.InferenceSession(served.session_source(model, scratch), sess_options=opts,
-                                           providers=providers(), disabled_optimizers=_large_model_optimizers(path))
-        return cls(session, weights, path, opts)
-
-    def run(self, names, feeds) -> list[np.ndarray]:
-        return self._session.run(names, {**feeds, **self.weights})
-
-    def get_inputs(self):
-        return [i for i in self._session.get_inputs() if i.name not in self.weights]
-
-    def as_written(self) -> ort.InferenceSession:
-        """A new session of the graph as written (its weights dequantized at every run), at the same options."""
-        return ort.InferenceSession(self._path, sess_options=self._opts, providers=providers(),
-                                    disabled_optimizers=_large_model_optimizers(self._path))
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._session, name)
-
-
-def _not_rewritable(model: onnx.ModelProto) -> bool:
-    """A graph whose weights :class:`WeightsFed` leaves in place: subgraphs (If / Loop / Scan bodies
-    may read an initializer the top-level rewrite would drop) or an initializer listed as an input."""
-    inits = {t.name for t in model.graph.initializer}
-    subgraphs = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                    for n in model.graph.node for a in n.attribute)
-    return subgraphs or any(i.name in inits for i in model.graph.input)
-
-
-def _float_bytes(model: onnx.ModelProto, nodes) -> int:
-    """Bytes of the FP32 values of the weights ``nodes`` (DequantizeLinear, or QuantizeLinear of a
-    float weight) dequantize."""
-    dims = {t.name: t.dims for t in model.graph.initializer}
-    return sum(4 * int(np.prod(dims[n.input[0]])) for n in nodes if n.input[0] in dims)
 
 
 #: ONNX Runtime graph optimizers that rewrite initializers from their values: constant folding,

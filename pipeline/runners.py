@@ -63,8 +63,10 @@ class OrtRunner:
 
     def __init__(self, onnx_path: str | Path, name: str | None = None, user_graph: bool = True):
         from pipeline.ort_sessions import ort_session
+        from pipeline.triton.weights_fed import WeightsFed
 
-        self.session = ort_session(str(onnx_path), dequantize_weights=True)  # as served: weights' Q/DQ once
+        # a Q/DQ graph as the served python-onnxruntime model runs it: the weights' Q/DQ once
+        self.session = WeightsFed.load(str(onnx_path)) or ort_session(str(onnx_path))
         self.name = name or f"onnxruntime ({Path(onnx_path).name})"
         self.graph, self.user_graph = str(onnx_path), user_graph
         self._inputs: list[TensorSpec] | None = None  # read on first use

@@ -163,7 +163,8 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     tok, served, bos = saved
     vocab = len(tok)
     sessions = {"fp32.onnx": _FakeLM(vocab), "fp8.onnx": _FakeLM(vocab)}
-    monkeypatch.setattr("pipeline.ort_sessions.ort_session", lambda path, **options: sessions[path])
+    monkeypatch.setattr("pipeline.ort_sessions.ort_session", lambda path: sessions[path])
+    monkeypatch.setattr("pipeline.triton.weights_fed.WeightsFed.load", lambda path: None)  # stand-ins have no weights
     monkeypatch.setattr(text_data, "documents", lambda source: DOCS)
     monkeypatch.setattr("pipeline.text_data.load_tokenizer", lambda folder: tok)
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {

@@ -1,5 +1,5 @@
 """Validate runs a Q/DQ graph as the served python-onnxruntime model does: the weights' Q/DQ once
-at load (pipeline.ort_sessions.WeightsFed), with outputs bit-identical to the graph as written."""
+at load (pipeline.triton.weights_fed.WeightsFed), with outputs bit-identical to the graph as written."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +9,10 @@ import pytest
 from pipeline import runners
 from pipeline.metrics import speed
 from pipeline.models.text_generation.model import prefill_feeds
-from pipeline.ort_sessions import WeightsFed, ort_session
+from pipeline.ort_sessions import ort_session
 from pipeline.recipe_load import load_recipe
 from pipeline.runner import run_pipeline
+from pipeline.triton.weights_fed import WeightsFed
 from tiny import seed_export, tiny_recipe
 
 
@@ -26,7 +27,7 @@ def fp8_graph(tmp_path_factory, tiny_model, tiny_export):
 
 def test_weights_dequantized_once_give_the_graphs_outputs_bit_for_bit(fp8_graph):
     exp, q = fp8_graph
-    plain, fed = ort_session(q.ort_path), ort_session(q.ort_path, dequantize_weights=True)
+    plain, fed = ort_session(q.ort_path), WeightsFed.load(q.ort_path)
     assert isinstance(fed, WeightsFed) and len(fed.weights) == len(q.quantized_nodes)
     assert [i.name for i in fed.get_inputs()] == [i.name for i in plain.get_inputs()]  # the weights are not asked for
     ids = np.random.default_rng(0).integers(0, 1000, (2, 24), dtype=np.int64)
@@ -50,7 +51,8 @@ def test_the_speed_line_times_the_graph_as_written_at_its_level(fp8_graph):
 
 def test_a_graph_without_weight_qdq_or_too_large_runs_as_written(fp8_graph, monkeypatch):
     exp, q = fp8_graph
-    assert isinstance(ort_session(exp.onnx_path, dequantize_weights=True), ort.InferenceSession)  # FP32: level all
-    assert isinstance(ort_session(q.ort_path, level="basic"), ort.InferenceSession)  # not asked
+    assert WeightsFed.load(exp.onnx_path) is None  # FP32: level all, no weight Q/DQ
+    assert isinstance(runners.OrtRunner(exp.onnx_path).session, ort.InferenceSession)
     monkeypatch.setattr(WeightsFed, "MEMORY_SHARE", 0.0)  # FP32 weights would not fit
-    assert isinstance(ort_session(q.ort_path, dequantize_weights=True), ort.InferenceSession)
+    assert WeightsFed.load(q.ort_path) is None
+    assert isinstance(runners.OrtRunner(q.ort_path).session, ort.InferenceSession)

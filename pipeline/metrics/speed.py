@@ -106,10 +106,10 @@ def speedup_metrics(run_ref: Callable[[], object], run_cand: Callable[[], object
 
 def timed_view(runner, view):
     """What the speed line times for ``runner``: ``view`` (its session view), or for a candidate whose
-    weights validate dequantizes once (:class:`pipeline.ort_sessions.WeightsFed`) a session of the
+    weights validate dequantizes once (:class:`pipeline.triton.weights_fed.WeightsFed`) a session of the
     graph as written, as Triton's ONNX Runtime backend runs it (dequantizing at every run): the
     slower of the served paths, so a speed gate never passes on a path the default target skips."""
-    from pipeline.ort_sessions import WeightsFed
+    from pipeline.triton.weights_fed import WeightsFed
 
     session = getattr(runner, "session", None)
     return session.as_written() if isinstance(session, WeightsFed) else view
@@ -118,10 +118,11 @@ def timed_view(runner, view):
 def session_level(runner) -> tuple[str, list[str]] | None:
     """(ORT optimization level name, providers) of a runner holding a real
     ``onnxruntime.InferenceSession`` (:class:`pipeline.runners.OrtRunner`; its weights possibly
-    dequantized once, :class:`pipeline.ort_sessions.WeightsFed`); None otherwise."""
+    dequantized once, :class:`pipeline.triton.weights_fed.WeightsFed`); None otherwise."""
     import onnxruntime as ort
 
-    from pipeline.ort_sessions import ORT_LEVELS, WeightsFed
+    from pipeline.ort_sessions import ORT_LEVELS
+    from pipeline.triton.weights_fed import WeightsFed
 
     session = getattr(runner, "session", None)
     if not isinstance(session, (ort.InferenceSession, WeightsFed)):
