@@ -53,6 +53,9 @@ def test_a_graph_without_weight_qdq_or_too_large_runs_as_written(fp8_graph, monk
     exp, q = fp8_graph
     assert WeightsFed.load(exp.onnx_path) is None  # FP32: level all, no weight Q/DQ
     assert isinstance(runners.OrtRunner(exp.onnx_path).session, ort.InferenceSession)
+    with monkeypatch.context() as gpu:
+        gpu.setattr("pipeline.triton.weights_fed.providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+        assert WeightsFed.load(q.ort_path) is None  # weights fed at every run would cross to the GPU
     monkeypatch.setattr(WeightsFed, "MEMORY_SHARE", 0.0)  # FP32 weights would not fit
     assert WeightsFed.load(q.ort_path) is None
     assert isinstance(runners.OrtRunner(q.ort_path).session, ort.InferenceSession)

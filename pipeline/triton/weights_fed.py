@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from pipeline.ort_sessions import optimization_level, session_from, session_options
+from pipeline.ort_sessions import optimization_level, providers, session_from, session_options
 from pipeline.triton.templates import onnxruntime_model as served
 
 
@@ -34,13 +34,14 @@ class WeightsFed:
     @classmethod
     def load(cls, path: str) -> "WeightsFed | None":
         """The session for ``path`` at its :func:`pipeline.ort_sessions.optimization_level`; None (run
-        the graph as written) unless that is ``basic``, or when it has no weight DequantizeLinear, a
+        the graph as written) unless that is ``basic`` and ONNX Runtime runs on the CPU alone (as the
+        template does), or when it has no weight DequantizeLinear, a
         subgraph or an initializer listed as a graph input, or when the FP32 weights would take more
         than :data:`MEMORY_SHARE` of the available memory."""
         import psutil
 
-        if optimization_level(path) != "basic":
-            return None
+        if optimization_level(path) != "basic" or providers() != ["CPUExecutionProvider"]:
+            return None  # on a GPU, weights fed at every run would cross to the device at every run
         opts = session_options("basic")
         graph = onnx.load(path, load_external_data=False)
         nodes, _ = served.constant_dequantize_nodes(graph)
