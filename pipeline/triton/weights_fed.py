@@ -49,10 +49,13 @@ class WeightsFed:
                 _float_bytes(graph, nodes) > cls.MEMORY_SHARE * psutil.virtual_memory().available:
             return None
         del graph
-        model = onnx.load(path)
-        weights = served.dequantize_once(model)
-        with tempfile.TemporaryDirectory(prefix="pipeline-weights-fed-") as scratch:
-            session = session_from(served.session_source(model, scratch), path, opts)
+        try:
+            model = onnx.load(path)
+            weights = served.dequantize_once(model)
+            with tempfile.TemporaryDirectory(prefix="pipeline-weights-fed-") as scratch:
+                session = session_from(served.session_source(model, scratch), path, opts)
+        except Exception:  # a graph the rewrite does not fit (a user's): run it as written, its errors named there
+            return None
         return cls(session, weights, path, opts)
 
     def run(self, names, feeds) -> list[np.ndarray]:
