@@ -235,3 +235,27 @@ def stop_when_idle(server, model: str, timeout_s: float = 300.0) -> int:
     code = server.stop()
     assert not busy, f"{model} still generating after {timeout_s:g} s: {stats}\n{logs}"
     return code
+
+
+#: tritonserver's own unload deadlock (triton-inference-server/server issue 8755, open for 2.67; seen
+#: here on 2.51 about once in 15 runs of test_openai_api.py after a cancelled stream): the python
+#: backend never asks the model's stub to finalize, and the server exits 1 after its exit timeout.
+UNLOAD_DEADLOCK = "Exit timeout expired"
+
+
+def assert_clean_exit(server, code: int, model: str) -> None:
+    """``code`` (the server's exit status) is 0, or the exit is the upstream unload deadlock above:
+    the exit timeout expired and ``model``'s finalize was never called (its first log line absent),
+    which is reported as a warning. A finalize that started and hung fails as any other exit.
+
+    Raises:
+        AssertionError: a non-zero exit of any other kind (the end of the server's log).
+    """
+    import warnings
+
+    logs = server.logs()
+    if code and UNLOAD_DEADLOCK in logs and f"{model}: finalize:" not in logs:
+        warnings.warn(f"tritonserver exited {code}: it never asked {model} to finalize and its exit "
+                      "timeout expired (triton-inference-server/server issue 8755)")
+        return
+    assert code == 0, logs[-3000:]

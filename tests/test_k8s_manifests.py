@@ -49,13 +49,21 @@ def no_endpoint_env(monkeypatch):
 @functools.cache
 def exported_inputs(name: str) -> list[dict]:
     """The graph inputs the export of ``name``'s model gives (as ``manifest.json`` records them):
-    for an LLM, the KV layout the loaded model itself returns (:func:`kv_layout`), no build."""
-    from pipeline.models.text_generation.model import kv_layout, load_causal_lm
+    for an LLM, the KV layout its architecture returns (:func:`kv_layout` on the model built from
+    the GGUF's config on the meta device: no weights read, no build)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.model_source import package_file
+    from pipeline.models.text_generation.model import kv_layout
 
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
     if recipe.model.kind != "text-generation":
         return [{"name": n, "dtype": "int64", "shape": ["batch", "sequence"]} for n in recipe.export.dynamic_axes]
-    layout = kv_layout(load_causal_lm(recipe.model)[0])
+    path = package_file(recipe.model)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    with torch.device("meta"):
+        layout = kv_layout(AutoModelForCausalLM.from_config(config))
     return [{"name": n, "dtype": "int64", "shape": ["batch", "sequence"]} for n in ("input_ids", "attention_mask")] + [
         {"name": n, "dtype": "float32", "shape": ["batch", layout.kv_heads, "past_sequence", layout.head_dim]}
         for n in layout.past_names()]

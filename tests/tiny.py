@@ -5,6 +5,7 @@ without minutes of export and evaluation.
 """
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -49,16 +50,24 @@ CAUSAL_LMS: dict[str, tuple[str, dict]] = {
 }
 
 
-def smollm2_tokenizer(folder: Path):
-    """The real SmolLM2 tokenizer (from its GGUF, without loading the weights), saved in ``folder``."""
+@functools.cache
+def _gguf_tokenizer():
+    """The SmolLM2 tokenizer read from its GGUF once per process (reading it takes seconds)."""
     from transformers import AutoTokenizer
 
     from pipeline.model_source import package_file
     from pipeline.recipe_load import load_recipe
 
+    path = package_file(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def smollm2_tokenizer(folder: Path):
+    """The real SmolLM2 tokenizer (from its GGUF, without loading the weights), saved in ``folder``."""
+    from transformers import AutoTokenizer
+
     if not (folder / "tokenizer_config.json").exists():
-        path = package_file(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)
-        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(folder)
+        _gguf_tokenizer().save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -595,6 +595,7 @@ class TritonPythonModel:
             self.cond.wait_for(lambda: not self.inflight, timeout)
 
     def finalize(self):
+        self._log(f"{self.model_name}: finalize: {len(self.inflight)} requests in flight")
         self.drain()
         with self.cond:
             self.stopping = True
