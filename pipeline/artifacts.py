@@ -123,7 +123,8 @@ class GateResult:
     (value - bound) / stderr for a min bound (positive on the passing side);
     ``within_noise`` when |margin_se| < 2; ``n`` eval tokens or items (``n_unit``)
     the metric rests on, ``n_needed`` the count that would put the bound 2 standard
-    errors away (:func:`pipeline.gates.n_needed`), ``stderr_method`` how it was computed.
+    errors away (:func:`pipeline.gates.n_needed`), ``stderr_method`` how it was computed;
+    ``unit`` the value's unit where it has one (:data:`pipeline.gates.UNITS`).
     """
 
     name: str
@@ -142,15 +143,22 @@ class GateResult:
     statistic: str = "point"
     confidence: float | None = None
     threshold: float | None = None
+    unit: str | None = None
 
     @property
     def message(self) -> str:
         """One line: verdict, value (± stderr), bound, margin in SE; "within noise" with
         the eval count that would resolve it; the test and its threshold when not a point
-        comparison. Without a stderr: ``<name> passed: <metric> = <v> (bound <= <b>)``."""
+        comparison. Without a stderr: ``<name> passed: <metric> = <v> (bound <= <b>)``. A
+        ``fraction`` adds its percentage as the first note; another unit follows the value."""
         verdict = "passed" if self.passed else "FAILED"
         value = f"{self.value:.6g}" + (f" ± {self.stderr:.2g}" if self.stderr is not None else "")
         notes = [f"bound {self.op} {self.bound:.6g}"]
+        if self.unit == "fraction" and math.isfinite(self.value):
+            spread = f" ± {100 * self.stderr:.2f} %" if self.stderr is not None else ""
+            notes.insert(0, f"{100 * self.value:+.2f} %{spread}")
+        elif self.unit:
+            value += f" {self.unit}"
         if self.statistic != "point" and self.threshold is not None:
             notes.append(f"{self.statistic} at {self.confidence:.0%}: threshold {self.threshold:.6g}")
         if self.margin_se is not None:

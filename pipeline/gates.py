@@ -76,6 +76,11 @@ _GENERIC = frozenset({
     "top1_agreement",  # argmax of class-score outputs equal to FP32's
 })
 
+#: The unit of a gate metric's value, where it has one: the gate line prints it after the value;
+#: a ``fraction`` also prints as a signed percentage (``+0.97 %``), as the README's table gives it.
+UNITS: dict[str, str] = {"relative_perplexity_increase": "fraction",
+                         **dict.fromkeys(("kld_mean", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max"), "nats")}
+
 #: Model kind -> the gate metrics that have a standard error (``<metric>_stderr``), the
 #: only ones a statistical test (``statistic`` other than ``point``) may name.
 STDERR_METRICS: dict[str, frozenset[str]] = {
@@ -210,7 +215,7 @@ def _evaluate_one(gate: Gate, metrics: dict, prefix: str) -> GateResult:
     limit = threshold(bound, upper, se, gate.statistic, gate.confidence) if se is not None else bound
     passed = value <= limit if upper else value >= limit
     res = GateResult(gate.label, metric, value, bound, "<=" if upper else ">=", bool(passed and math.isfinite(value)),
-                     statistic=gate.statistic, threshold=limit,
+                     statistic=gate.statistic, threshold=limit, unit=UNITS.get(gate.metric),
                      confidence=gate.confidence if gate.statistic != "point" else None)
     if se is not None and math.isfinite(value):
         _add_uncertainty(res, se, upper, metrics.get(BASIS_KEY, {}).get(metric, {}))

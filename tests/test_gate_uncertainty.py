@@ -109,7 +109,7 @@ def test_margin_and_within_noise_for_a_max_bound():
     assert res.within_noise and (res.n, res.n_unit) == (6120, "tokens")
     assert res.n_needed == math.ceil(6120 * (2 * 0.0032 / 0.0008) ** 2) == 391680
     assert res.message == ("max_relative_perplexity_increase passed: relative_perplexity_increase = 0.0092 ± 0.0032 "
-                           "(bound <= 0.01; margin +0.25 SE); within noise (|margin| < 2 SE): ~391,680 eval tokens "
+                           "(+0.92 % ± 0.32 %; bound <= 0.01; margin +0.25 SE); within noise (|margin| < 2 SE): ~391,680 eval tokens "
                            "(now 6,120) would resolve it")
     [far] = gates.evaluate([Gate(metric="relative_perplexity_increase", max=0.01)], _metrics(0.002, 0.0032))
     assert far.margin_se == pytest.approx(2.5) and not far.within_noise and far.n_needed is None
@@ -256,7 +256,7 @@ def test_report_opens_with_the_verdict_the_gate_table_and_the_stages(tmp_path):
                  'name="margin_se" value="-0.4375', 'name="within_noise" value="True"', 'name="n_needed" value="127896"'):
         assert prop in junit
     assert "<failure message=\"max_relative_perplexity_increase FAILED: relative_perplexity_increase = 0.0114 ± 0.0032 " \
-           "(bound &lt;= 0.01; margin -0.44 SE); within noise" in junit
+           "(+1.14 % ± 0.32 %; bound &lt;= 0.01; margin -0.44 SE); within noise" in junit
     assert "<system-out>min_mean_cosine passed: mean_cosine = 0.995 (bound &gt;= 0.99)</system-out>" in junit
     # CI reads the same fields from manifest.json
     import json

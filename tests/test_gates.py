@@ -118,11 +118,11 @@ METRICS = {"relative_perplexity_increase": 0.01, "token_agreement": 0.30, "mean_
     "gate, passed, value, message",
     [
         (Gate(metric="relative_perplexity_increase", max=0.015), True, 0.01,
-         "max_relative_perplexity_increase passed: relative_perplexity_increase = 0.01 (bound <= 0.015)"),
+         "max_relative_perplexity_increase passed: relative_perplexity_increase = 0.01 (+1.00 %; bound <= 0.015)"),
         (Gate(metric="relative_perplexity_increase", max=0.005), False, 0.01,
-         "max_relative_perplexity_increase FAILED: relative_perplexity_increase = 0.01 (bound <= 0.005)"),
+         "max_relative_perplexity_increase FAILED: relative_perplexity_increase = 0.01 (+1.00 %; bound <= 0.005)"),
         (Gate(metric="relative_perplexity_increase", max=0.01), True, 0.01,
-         "max_relative_perplexity_increase passed: relative_perplexity_increase = 0.01 (bound <= 0.01)"),
+         "max_relative_perplexity_increase passed: relative_perplexity_increase = 0.01 (+1.00 %; bound <= 0.01)"),
         (Gate(metric="token_agreement", min=0.3, name="greedy"), True, 0.3,
          "greedy passed: token_agreement = 0.3 (bound >= 0.3)"),
         (Gate(metric="token_agreement", min=0.5), False, 0.3,
@@ -145,7 +145,7 @@ def test_evaluate_reads_the_engine_metrics_with_the_prefix():
     assert not engine.passed and (engine.metric, engine.value, engine.op, engine.bound) == (
         "engine.relative_perplexity_increase", 0.02, "<=", 0.015)
     assert engine.message == ("max_relative_perplexity_increase FAILED: engine.relative_perplexity_increase = 0.02 "
-                              "(bound <= 0.015)")
+                              "(+2.00 %; bound <= 0.015)")
 
 
 def test_evaluate_keeps_the_gate_order_and_a_missing_metric_is_a_bug():
