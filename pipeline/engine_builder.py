@@ -187,8 +187,14 @@ def no_collection() -> Iterator[None]:
             gc.enable()
 
 
+#: Parser warnings that hold for every graph of this tool, logged at debug: INT64 graph inputs
+#: (token ids, masks) are what the export writes, and TensorRT 10+ binds them as INT64.
+ROUTINE_WARNINGS = ("has Int64 binding",)
+
+
 def make_logger(backend: Backend, sink: list[str]) -> trt.ILogger:
-    """A TensorRT logger forwarding to ``logging``; errors also go to ``sink``."""
+    """A TensorRT logger forwarding to ``logging``; errors also go to ``sink``; the
+    :data:`ROUTINE_WARNINGS` at debug."""
     mod = backend.module()
 
     class _Logger(mod.ILogger):  # type: ignore[name-defined,misc]
@@ -199,7 +205,7 @@ def make_logger(backend: Backend, sink: list[str]) -> trt.ILogger:
             if int(severity) <= int(mod.ILogger.Severity.ERROR):
                 sink.append(msg)
                 log.error("%s: %s", backend.name, msg)
-            elif int(severity) <= int(mod.ILogger.Severity.WARNING):
+            elif int(severity) <= int(mod.ILogger.Severity.WARNING) and not any(r in msg for r in ROUTINE_WARNINGS):
                 log.warning("%s: %s", backend.name, msg)
             else:
                 log.debug("%s: %s", backend.name, msg)
