@@ -154,9 +154,10 @@ class GateResult:
         verdict = "passed" if self.passed else "FAILED"
         value = f"{self.value:.6g}" + (f" ± {self.stderr:.2g}" if self.stderr is not None else "")
         notes = [f"bound {self.op} {self.bound:.6g}"]
-        if self.unit == "fraction" and math.isfinite(self.value):
-            spread = f" ± {100 * self.stderr:.2f} %" if self.stderr is not None else ""
-            notes.insert(0, f"{100 * self.value:+.2f} %{spread}")
+        if self.unit == "fraction":
+            if math.isfinite(self.value):
+                spread = f" ± {100 * self.stderr:.2f} %" if self.stderr is not None else ""
+                notes.insert(0, f"{100 * self.value:+.2f} %{spread}")
         elif self.unit:
             value += f" {self.unit}"
         if self.statistic != "point" and self.threshold is not None:

@@ -297,3 +297,10 @@ def test_the_speed_line_counts_the_gemms_left_in_high_precision():
     man["metrics"].update(metrics)
     man["artifacts"] = {"quantize": quantize}
     assert line in M.report_markdown(man)
+
+
+def test_a_nan_fraction_prints_no_unit_or_percentage():
+    [res] = gates.evaluate([Gate(metric="relative_perplexity_increase", max=0.01)],
+                           {"relative_perplexity_increase": None})
+    assert res.unit == "fraction"
+    assert res.message == "max_relative_perplexity_increase FAILED: relative_perplexity_increase = nan (bound <= 0.01)"
