@@ -37,7 +37,7 @@ from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
 from pipeline.errors import EXIT_INTERNAL, InternalError, LockHeld, PipelineError
 from pipeline.faults import fault_point
-from pipeline.memory import PeakRSS, memory_fault, release_freed
+from pipeline.memory import PeakRSS, frozen_between_stages, memory_fault, release_freed
 from pipeline.provenance import code_hash, portable
 from pipeline.recipe import Recipe
 
@@ -267,6 +267,12 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
                      "pin": str(found.path), "reason": found.reason}
     arts: dict[str, Any] = {}
     keys: dict[str, str] = {}
+    with frozen_between_stages():
+        _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote)
+    return arts, keys
+
+
+def _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote):
     for stage in _stages():
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
         ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found)
@@ -282,7 +288,6 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
             man["remote_cache"] = remote.summary()
         if stage.name == upto:
             break
-    return arts, keys
 
 
 def _repair_published(recipe: Recipe, progress: Progress) -> None:

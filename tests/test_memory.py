@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import weakref
 
 import numpy as np
 import psutil
@@ -36,3 +37,37 @@ def test_a_flat_high_water_mark_leaves_the_sampled_peak(monkeypatch):
     with PeakRSS() as m:
         pass
     assert 0 < m.peak_bytes < 50 * 2**30  # the flat (inherited) mark is not taken as this block's peak
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_stage_survivors_are_frozen_in_the_block_and_thawed_after():
+    """release_freed inside frozen_between_stages collects cycles made before it, freezes the
+    survivors (a later collection skips them), and the block's end thaws them for the collector."""
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    garbage, kept = weakref.ref(_Cycle()), _Cycle()
+    survivor = weakref.ref(kept)
+    with memory.frozen_between_stages():
+        memory.release_freed()
+        assert garbage() is None and gc.get_freeze_count() > 0
+        del kept  # now garbage too, but frozen
+        gc.collect()
+        assert survivor() is not None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert survivor() is None
+
+
+def test_a_caller_that_froze_objects_is_left_as_it_was():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with memory.frozen_between_stages():
+            memory.release_freed()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -108,8 +108,9 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         axes = self.dynamic_axes(export_cfg)
         dims: dict[str, torch.export.Dim] = {}
 
-        def dim(name: str):
-            return dims.setdefault(name, torch.export.Dim(name, min=0 if "past" in name else 1, max=8192))
+        def dim(name: str):  # past <= 8191: total_sequence = past + sequence (>= 1) <= 8192, as the
+            past = "past" in name  # exporter would otherwise learn only after a first, failed trace
+            return dims.setdefault(name, torch.export.Dim(name, min=0 if past else 1, max=8191 if past else 8192))
 
         names = ["input_ids", "attention_mask", *layout.past_names()]
         shapes = {"input_ids": {a: dim(d) for a, d in axes["input_ids"].items()},
