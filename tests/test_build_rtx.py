@@ -195,7 +195,7 @@ def tiny_run(tmp_path_factory, tiny_model, tiny_export):
     from tiny import seed_export, tiny_recipe
 
     ws = tmp_path_factory.mktemp("tiny-rtx")
-    path = tiny_recipe(ws, tiny_model)
+    path = tiny_recipe(ws, tiny_model, **{"build.backend": "auto"})
     seed_export(ws, tiny_export)
     return run_pipeline(load_recipe(path), path, quiet=True)
 

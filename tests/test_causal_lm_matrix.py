@@ -78,6 +78,7 @@ def matrix_builds(tiny_lms, tmp_path_factory):
             for precision in PRECISIONS:
                 path = tiny_recipe(ws, tiny_lms(arch), **{
                     "quantize.precision": precision, "quantize.per_channel_weights": precision == "int8",
+                    "build.backend": "auto",  # a real TensorRT-RTX engine of each family
                     "quantize.exclude.nodes": [], "validate.max_windows": 2,
                     "export.check_points": [{"batch": 1, "sequence": 4, "past_sequence": 0},
                                             {"batch": 3, "sequence": 2, "past_sequence": 5},
