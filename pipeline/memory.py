@@ -109,12 +109,12 @@ def frozen_between_stages() -> Iterator[None]:
     if _freezing or gc.get_freeze_count():
         yield
         return
-    _freezing = True
     try:
+        _freezing = True
         yield
     finally:
+        gc.unfreeze()  # first: a signal handled between the two lines leaves nothing frozen
         _freezing = False
-        gc.unfreeze()
 
 
 def out_of_memory(exc: BaseException | None) -> BaseException | None:

@@ -108,8 +108,9 @@ def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
     data["quantize"]["exclude"] = {"nodes": ["*mlp.down_proj*"]}
     data["validate"].update(seq_len=64, max_windows=4, generation={"prompts": 2, "new_tokens": 4})
     data["validate"]["gates"] = [{"metric": "relative_perplexity_increase", "max": 0.5}]
-    # Engines are the subject of the engine tests (test_build_rtx, test_shipped_engines, the
-    # causal-LM matrix), which set build.backend back to auto; here the build writes trtexec.sh.
+    # Engines are the subject of test_build_rtx's tiny run and the causal-LM matrix, which set
+    # build.backend back to auto (test_shipped_engines builds the shipped recipes); here the build
+    # writes trtexec.sh.
     data["build"]["backend"] = "none"
     data["work_dir"], data["output_dir"] = str(ws / "artifacts"), str(ws / "model_repository")
     for dotted, value in changes.items():

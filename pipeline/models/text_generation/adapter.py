@@ -43,7 +43,6 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
     def __init__(self, source: ModelSource | None):
         self.source = source
         self.layout: KVLayout | None = None
-        self.window: int | None = None  # the sliding window, when the model has one (load)
 
     def check_files(self) -> None:
         """A loadable fast tokenizer and an EOS id (:func:`check_model_folder`).
@@ -68,7 +67,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         self.check_files()
         with ctx.progress.step(f"load {package_file(self.source)}"):
             model, tok = load_causal_lm(self.source)
-        self.layout, self.window = kv_layout(model), sliding_window(model)
+        self.layout = kv_layout(model)
         check_window(model, ctx.recipe.build.profiles)
         module = KVCacheLM(model, self.layout).eval()
         names = ("input_ids", "attention_mask", *self.layout.past_names())
@@ -110,10 +109,12 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         axes = self.dynamic_axes(export_cfg)
         dims: dict[str, torch.export.Dim] = {}
 
+        past_max = past_size_max(module.model)
+
         def dim(name: str):
             past = "past" in name
             return dims.setdefault(name, torch.export.Dim(name, min=0 if past else 1,
-                                                          max=self._past_max() if past else DIM_MAX))
+                                                          max=past_max if past else DIM_MAX))
 
         names = ["input_ids", "attention_mask", *layout.past_names()]
         shapes = {"input_ids": {a: dim(d) for a, d in axes["input_ids"].items()},
@@ -131,12 +132,6 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
                 )
         except Exception as e:  # the exporter raises many types; keep its text
             raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
-
-    def _past_max(self) -> int:
-        """The past's largest size: ``total_sequence - 1`` (a step adds >= 1 position), below a
-        sliding window's ``window - 1``. Declared as the traced graph guards it, the exporter
-        traces once instead of failing its range check and tracing again."""
-        return min(DIM_MAX, self.window or DIM_MAX) - 1
 
     def sample_feeds(self, module, inputs, point: dict[str, int], seed: int) -> dict[str, np.ndarray]:
         """Random feeds at ``point`` (``batch``, ``sequence``, ``past_sequence``); at batch >= 2
@@ -192,6 +187,13 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         return module(*(torch.from_numpy(feeds[n]) for n in names))
 
 
+
+
+def past_size_max(model) -> int:
+    """The past's largest size: ``total_sequence - 1`` (a step adds >= 1 position), below a
+    sliding window's ``window - 1``. Declared as the traced graph guards it, the exporter
+    traces once instead of failing its range check and tracing again."""
+    return min(DIM_MAX, sliding_window(model) or DIM_MAX) - 1
 
 
 def check_window(model, build_profiles) -> None:
