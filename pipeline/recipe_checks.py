@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from pipeline.recipe_kinds import PAST_DIM, facts, source_problem
+from pipeline.recipe_kinds import PAST_DIM, PROMPT_TOKENS, facts, source_problem
 from pipeline.recipe_problems import ConstraintErrors, Loc, Problem, dotted  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ def constraint_problems(r: Recipe) -> list[Problem]:
         *_check_point_problems(r),
         *_profile_problems(r),
         *_calibration_problems(r),
+        *_validate_problems(r),
         *_data_problems(r),
         *_gate_problems(r),
         *_triton_problems(r),
@@ -149,17 +150,48 @@ def profile_batch_max(r: Recipe, p: Profile) -> int | None:
 
 def _calibration_problems(r: Recipe) -> list[Problem]:
     cal = r.quantize.calibration
-    if cal is None:
+    return [] if cal is None else _prefill_problems(r, ("quantize", "calibration"), cal.batch_size, cal.seq_len,
+                                                    "calibrate")
+
+
+def _validate_problems(r: Recipe) -> list[Problem]:
+    """A KV-cache model's validate runs what the engine must serve: prefills of ``batch_size``
+    windows of ``seq_len`` tokens, and with ``generation`` one prompt at a time decoded to
+    ``new_tokens``. (Other kinds pad their eval rows to lengths the data decides.)"""
+    if not facts(r.model.kind).kv_cache:
         return []
-    at: Loc = ("quantize", "calibration")
+    v = r.validate_
+    out = _prefill_problems(r, ("validate",), v.batch_size, v.seq_len, "validate")
+    return out + (_generation_problems(r, v.generation.new_tokens) if v.generation is not None else [])
+
+
+def _generation_problems(r: Recipe, new_tokens: int) -> list[Problem]:
+    """Greedy generation's last step reads a context of prompt + ``new_tokens`` - 1 tokens; the
+    prompt is :data:`PROMPT_TOKENS` text tokens plus the tokenizer's special ones (not known here,
+    so the bound below is the least it needs)."""
+    total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
+    rngs = [p.dims[total] for p in r.build.profiles if total in p.dims]
+    need = PROMPT_TOKENS + new_tokens - 1
+    if not rngs or any(rng.max >= need for rng in rngs):
+        return []
+    ranges = ", ".join(f"{p.name!r} max {p.dims[total].max}" for p in r.build.profiles if total in p.dims)
+    return [(("validate", "generation", "new_tokens"),
+             f"new_tokens={new_tokens}: greedy generation reaches a context of at least {need} tokens "
+             f"({PROMPT_TOKENS}-token prompts, plus the tokenizer's special tokens, then {new_tokens - 1} decode "
+             f"steps), beyond the {total} range of every build profile ({ranges}); lower new_tokens or raise "
+             f"a profile's {total} max")]
+
+
+def _prefill_problems(r: Recipe, at: Loc, batch_size: int, seq_len: int, use: str) -> list[Problem]:
+    """Rows of ``batch_size`` x ``seq_len`` tokens (an empty past for a KV-cache model) must fit
+    one build profile: ``use`` (calibrate, validate) runs them on the shapes the engine serves."""
     out: list[Problem] = []
-    # Calibration runs prefills: batch_size rows of seq_len tokens (an empty past for an LLM).
-    shape = {"batch_size": (_batch_dim(r), cal.batch_size), "seq_len": (_sequence_dim(r), cal.seq_len)}
+    shape = {"batch_size": (_batch_dim(r), batch_size), "seq_len": (_sequence_dim(r), seq_len)}
     total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
     if facts(r.model.kind).kv_cache:
         shape[f"{PAST_DIM} (empty past)"] = (PAST_DIM, 0)
         if total:
-            shape[f"{total} (= seq_len)"] = (total, cal.seq_len)
+            shape[f"{total} (= seq_len)"] = (total, seq_len)
 
     def fits(p: Profile, dim: str, value: int) -> bool:
         rng = p.dims.get(dim)
@@ -173,10 +205,10 @@ def _calibration_problems(r: Recipe) -> list[Problem]:
             ranges = ", ".join(f"{p.name!r} [{p.dims[dim].min}, {p.dims[dim].max}]" for p in profiles if dim in p.dims)
             loc = (*at, field) if field in ("batch_size", "seq_len") else at
             out.append((loc, f"{field}={value} lies outside the {dim} range of every build profile ({ranges}); "
-                        "calibrate on shapes the engine will serve"))
+                        f"{use} on shapes the engine will serve"))
             return out
     shown = ", ".join(f"{f}={v}" for f, (_, v) in shape.items())
-    out.append((at, f"{shown} fit no single build profile together; calibrate on shapes the engine will serve"))
+    out.append((at, f"{shown} fit no single build profile together; {use} on shapes the engine will serve"))
     return out
 
 

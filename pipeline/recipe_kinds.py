@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 #: the adapter's dim name for axis 2 of every past input (``past_key_values.N.key/value``)
 PAST_DIM = "past_sequence"
+#: text tokens of each greedy-generation prompt (:func:`pipeline.text_data.prompts`), before special tokens
+PROMPT_TOKENS = 16
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 from pipeline.datasets import DataSource, load
 from pipeline.datasets.base import DataError
 from pipeline.datasets.corpus import CORPORA, WORD_SIM, test_data_dir
+from pipeline.recipe_kinds import PROMPT_TOKENS
 
 __all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "load_tokenizer", "documents", "recipe_data_sha256", "word_pairs", "special_prefix",
            "serving_ids", "window_convention", "token_windows", "prompt_texts", "prompts"]
@@ -133,7 +134,7 @@ def token_windows(tokenizer, docs: list[str], seq_len: int, max_windows: int) ->
     return np.concatenate([np.full((n, len(prefix)), prefix, np.int64), rows], axis=1) if prefix else rows
 
 
-def prompt_texts(tokenizer, docs: list[str], count: int, prompt_len: int = 16) -> list[str]:
+def prompt_texts(tokenizer, docs: list[str], count: int, prompt_len: int = PROMPT_TOKENS) -> list[str]:
     """The leading text of ``count`` documents that spans exactly their first
     ``prompt_len`` text tokens (a document whose cut re-tokenizes differently,
     or that is shorter, is skipped).
@@ -155,7 +156,7 @@ def prompt_texts(tokenizer, docs: list[str], count: int, prompt_len: int = 16) -
     raise DataError(f"need {count} prompts of {prompt_len} tokens, the split has {len(out)}")
 
 
-def prompts(tokenizer, docs: list[str], count: int, prompt_len: int = 16) -> np.ndarray:
+def prompts(tokenizer, docs: list[str], count: int, prompt_len: int = PROMPT_TOKENS) -> np.ndarray:
     """Greedy-generation prompts, tokenized as the served model tokenizes them
     (:func:`serving_ids` of :func:`prompt_texts`: BOS included when the
     tokenizer adds one).

@@ -159,3 +159,26 @@ def test_a_sliding_window_shorter_than_the_profile_is_refused():
         check_window(model, [profile])
     assert e.value.exit_code == 2
     check_window(model, [SimpleNamespace(name="short", dims={"total_sequence": SimpleNamespace(max=63)})])
+
+
+def test_a_window_below_the_exports_example_past_is_refused_naming_it():
+    """A 3-token window keeps 2 past positions, fewer than the export's example past (3): a named
+    refusal, not torch.export's constraint violation; a 4-token window is accepted."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from pipeline.errors import ExportError
+    from pipeline.models.text_generation.adapter import check_window
+
+    def tiny(window: int):
+        cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=window)
+        return AutoModelForCausalLM.from_config(cfg).eval()
+
+    profile = SimpleNamespace(name="default", dims={"total_sequence": SimpleNamespace(max=2)})
+    with pytest.raises(ExportError, match=r"MistralForCausalLM: a sliding window of 3 tokens keeps 2 past positions; "
+                                          r"the export traces with a 3-position past") as e:
+        check_window(tiny(3), [profile])
+    assert e.value.exit_code == 2
+    check_window(tiny(4), [profile])

@@ -55,6 +55,12 @@ def test_shipped_recipe_is_valid():
         (lambda d: d["build"].update(profiles=[]), "build.profiles"),
         (lambda d: d["quantize"]["calibration"].update(seq_len=512), "quantize.calibration.seq_len: seq_len=512 lies outside the sequence range of every build profile"),
         (lambda d: d["quantize"]["calibration"].update(batch_size=16), "quantize.calibration.batch_size: batch_size=16 lies outside the batch range of every build profile"),
+        (lambda d: d["validate"].update(seq_len=512), "validate.seq_len: seq_len=512 lies outside the sequence range of "
+         "every build profile ('default' [1, 256]); validate on shapes the engine will serve"),
+        (lambda d: d["validate"].update(batch_size=16), "validate.batch_size: batch_size=16 lies outside the batch range"),
+        (lambda d: d["validate"]["generation"].update(new_tokens=754), "validate.generation.new_tokens: new_tokens=754: "
+         "greedy generation reaches a context of at least 769 tokens (16-token prompts, plus the tokenizer's special "
+         "tokens, then 753 decode steps), beyond the total_sequence range of every build profile ('default' max 768)"),
     ],
 )
 def test_bad_recipe_names_file_and_key(tmp_path, mutate, expect):

@@ -120,8 +120,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         shapes = {"input_ids": {a: dim(d) for a, d in axes["input_ids"].items()},
                   "attention_mask": {a: dim(d) for a, d in axes["attention_mask"].items()},
                   "past": tuple({a: dim(d) for a, d in axes[n].items()} for n in layout.past_names())}
-        # Example sizes above 1 and distinct, so the exporter specialises nothing.
-        feeds = sample_feeds(layout, batch=2, sequence=5, past=3)
+        feeds = sample_feeds(layout, **EXAMPLE)
         args = tuple(torch.from_numpy(feeds[n]) for n in names)
         try:
             with quiet_export():
@@ -187,6 +186,8 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         return module(*(torch.from_numpy(feeds[n]) for n in names))
 
 
+#: the export's example feed sizes: above 1 and distinct, so the exporter specialises no dim
+EXAMPLE = {"batch": 2, "sequence": 5, "past": 3}
 
 
 def past_size_max(model) -> int:
@@ -201,9 +202,14 @@ def check_window(model, build_profiles) -> None:
     ``past + sequence`` beyond that: every profile's ``total_sequence`` max must stay within it.
 
     Raises:
-        ExportError: names the window, the profile and its ``total_sequence`` max.
+        ExportError: names the window, the profile and its ``total_sequence`` max; or a window
+            too small for the export's example past (:data:`EXAMPLE`).
     """
     window = sliding_window(model)
+    if window is not None and window - 1 < EXAMPLE["past"]:
+        raise ExportError(f"{type(model).__name__}: a sliding window of {window} tokens keeps {window - 1} past "
+                          f"positions; the export traces with a {EXAMPLE['past']}-position past, so windows below "
+                          f"{EXAMPLE['past'] + 1} tokens are not supported")
     for prof in build_profiles if window else []:
         total = prof.dims.get("total_sequence")
         if total is not None and total.max > window - 1:
