@@ -116,7 +116,7 @@ publish: $(STAMP)
 	$(PY) -m pipeline publish recipes/$(RECIPE).yaml --to $(TO)
 
 deploy: $(STAMP)
-	$(PY) -m pipeline deploy k8s recipes/$(RECIPE).yaml
+	$(PY) -m pipeline deploy k8s recipes/$(RECIPE).yaml $(ARGS)
 
 plan: $(STAMP)
 	$(PY) -m pipeline plan recipes/$(RECIPE).yaml

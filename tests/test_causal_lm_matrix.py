@@ -159,6 +159,9 @@ def test_a_sliding_window_shorter_than_the_profile_is_refused():
         check_window(model, [profile])
     assert e.value.exit_code == 2
     check_window(model, [SimpleNamespace(name="short", dims={"total_sequence": SimpleNamespace(max=63)})])
+    renamed = SimpleNamespace(name="default", dims={"kv_len": SimpleNamespace(max=768)})  # the recipe's own name
+    with pytest.raises(ExportError, match=r"kv_len max 768 exceeds .*; lower kv_len max to <= 63"):
+        check_window(model, [renamed], "kv_len")
 
 
 def test_a_window_below_the_exports_example_past_is_refused_naming_it():

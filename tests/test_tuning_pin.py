@@ -223,3 +223,21 @@ def test_a_quantize_field_added_at_its_default_keeps_older_pins():
     assert pin.match_fields(full_range, inputs)["quantize"] == pin._digest(without)
     seven_bit = load_recipe("recipes/int8-llm.yaml", overrides={"quantize.reduce_range": True})
     assert pin.match_fields(seven_bit, inputs)["quantize"] != pin._digest(without)
+
+
+def test_a_build_without_its_pin_says_so_on_the_console(tuned, capsys):
+    """A recipe copied without its tuned/ file calibrates and searches anew: the console says why
+    (not only report.md), naming the pin it looked for and the command that writes it."""
+    from pipeline.recipe_load import load_recipe
+    from pipeline.runner import run_pipeline
+
+    ws, path = tuned
+    data = yaml.safe_load(path.read_text())
+    data["name"] = "tiny-copied"
+    data["triton"].update(model_name="copied_fp8", generate_model_name="copied_generate")
+    copied = path.with_name("copied.yaml")
+    copied.write_text(yaml.safe_dump(data))
+    run_pipeline(load_recipe(copied), copied, quiet=False, only=["export", "quantize"])
+    out = capsys.readouterr()
+    assert (f"quantize: no pinned result used: {copied.parent / 'tuned' / 'tiny-copied.json'} does not exist "
+            f"(python -m pipeline tune {copied} writes it); calibrating and searching") in out.out + out.err

@@ -85,6 +85,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         ctx.progress.print(f"  quantize: {ctx.pin.describe()} ({len(pinned['excluded'])} GEMMs in high precision; "
                            "no calibration, no search)")
     else:
+        if q.tuning is not None and ctx.pin is not None and ctx.pin.reason:  # e.g. a recipe copied without its pin
+            ctx.progress.print(f"  quantize: {ctx.pin.describe()}; calibrating and searching")
         with ctx.progress.step(f"calibrate: {q.calibration.method} over {len(batches)} batches, {len(acts)} tensors"):
             amax = calibrate.collect_amax(cal_src, acts, batches, q.calibration.method, fmt, q.calibration.percentile,
                                           scratch_dir=ctx.stage_dir)
