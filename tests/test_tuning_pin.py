@@ -164,13 +164,19 @@ def test_locked_refuses_a_stale_pin_naming_the_input(tuned, capsys):
     assert main(["build", str(path), "--locked", "--quiet", "--set", "quantize.tuning.max_trials=7"]) == 0
 
 
+def _renamed_copy(path: Path, name: str) -> Path:
+    """``path``'s recipe as ``<name>.yaml`` beside it, named ``tiny-<name>`` (so no pin of its own)."""
+    data = yaml.safe_load(path.read_text())
+    data["name"] = f"tiny-{name}"
+    data["triton"].update(model_name=f"{name}_fp8", generate_model_name=f"{name}_generate")
+    copy = path.with_name(f"{name}.yaml")
+    copy.write_text(yaml.safe_dump(data))
+    return copy
+
+
 def test_locked_refuses_a_missing_pin(tuned, capsys):
     ws, path = tuned
-    data = yaml.safe_load(path.read_text())
-    data["name"] = "tiny-other"
-    data["triton"].update(model_name="other_fp8", generate_model_name="other_generate")
-    other = path.with_name("other.yaml")
-    other.write_text(yaml.safe_dump(data))
+    other = _renamed_copy(path, "other")
     assert main(["build", str(other), "--locked", "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (ws / "artifacts" / "tiny-other" / "quantize" / "model.onnx").exists()
@@ -232,11 +238,7 @@ def test_a_build_without_its_pin_says_so_on_the_console(tuned, capsys):
     from pipeline.runner import run_pipeline
 
     ws, path = tuned
-    data = yaml.safe_load(path.read_text())
-    data["name"] = "tiny-copied"
-    data["triton"].update(model_name="copied_fp8", generate_model_name="copied_generate")
-    copied = path.with_name("copied.yaml")
-    copied.write_text(yaml.safe_dump(data))
+    copied = _renamed_copy(path, "copied")
     run_pipeline(load_recipe(copied), copied, quiet=False, only=["export", "quantize"])
     out = capsys.readouterr()
     assert (f"quantize: no pinned result used: {copied.parent / 'tuned' / 'tiny-copied.json'} does not exist "
