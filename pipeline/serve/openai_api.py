@@ -399,7 +399,8 @@ class EndpointServer:
             self.socket.bind((host, port))
         except OSError as e:
             self.socket.close()
-            raise EnvironmentFault(f"--host {host} --openai-port {port}: cannot bind ({e}); pick a free port, or --openai-port 0 for any (make serve ARGS='--openai-port 0')") from e
+            raise EnvironmentFault(f"--host {host} --openai-port {port}: cannot bind ({e}); pick a free port, or "
+                                   "--openai-port 0 for any (make serve ARGS='--openai-port 0')") from e
         self.port = self.socket.getsockname()[1]
         self.app = create_app(cfg)
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
