@@ -58,6 +58,12 @@ def _sequence_dim(r: Recipe) -> str:
     return r.export.dynamic_axes.get("input_ids", {}).get(1, "sequence")
 
 
+def total_dim(r: Recipe) -> str | None:
+    """The attention mask's axis-1 name (past + new positions; ``total_sequence`` in the shipped
+    recipes), or None when the recipe declares none."""
+    return r.export.dynamic_axes.get("attention_mask", {}).get(1)
+
+
 def _known_dims(r: Recipe) -> set[str]:
     """Symbolic dim names the exported graph will have."""
     names = {d for axes in r.export.dynamic_axes.values() for d in axes.values()}
@@ -116,7 +122,7 @@ def _check_point_problems(r: Recipe) -> list[Problem]:
         missing = sorted(required - point.keys())
         if missing:
             out.append(((*at, i), f"point {point} lacks {missing}; a {r.model.kind} point needs {sorted(required)}"))
-        total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
+        total = total_dim(r)
         if kind.kv_cache and total in point and {"sequence", PAST_DIM} <= point.keys():
             if point[total] != point["sequence"] + point[PAST_DIM]:
                 out.append(((*at, i, total), f"{total}={point[total]} must equal sequence + {PAST_DIM} "
@@ -169,7 +175,7 @@ def _generation_problems(r: Recipe, new_tokens: int) -> list[Problem]:
     """Greedy generation's last step reads a context of prompt + ``new_tokens`` - 1 tokens; the
     prompt is :data:`PROMPT_TOKENS` text tokens plus the tokenizer's special ones (not known here,
     so the bound below is the least it needs)."""
-    total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
+    total = total_dim(r)
     rngs = [p.dims[total] for p in r.build.profiles if total in p.dims]
     need = PROMPT_TOKENS + new_tokens - 1
     if not rngs or any(rng.max >= need for rng in rngs):
@@ -187,7 +193,7 @@ def _prefill_problems(r: Recipe, at: Loc, batch_size: int, seq_len: int, use: st
     one build profile: ``use`` (calibrate, validate) runs them on the shapes the engine serves."""
     out: list[Problem] = []
     shape = {"batch_size": (_batch_dim(r), batch_size), "seq_len": (_sequence_dim(r), seq_len)}
-    total = r.export.dynamic_axes.get("attention_mask", {}).get(1)
+    total = total_dim(r)
     if facts(r.model.kind).kv_cache:
         shape[f"{PAST_DIM} (empty past)"] = (PAST_DIM, 0)
         if total:

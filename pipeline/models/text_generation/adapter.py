@@ -21,6 +21,7 @@ from pipeline.models.text_generation.model import (
     prefill_feeds, sample_feeds, save_tokenizer,
 )
 from pipeline.recipe import ModelSource
+from pipeline.recipe_checks import total_dim
 
 DIM_MAX = 8192  # the exported graph's largest sequence / batch size
 LEFT_PAD = 2  # masked leading positions of the left-padded row at export check points
@@ -68,8 +69,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         with ctx.progress.step(f"load {package_file(self.source)}"):
             model, tok = load_causal_lm(self.source)
         self.layout = kv_layout(model)
-        total_dim = ctx.recipe.export.dynamic_axes.get("attention_mask", {}).get(1)
-        check_window(model, ctx.recipe.build.profiles, total_dim)
+        check_window(model, ctx.recipe.build.profiles, total_dim(ctx.recipe))
         module = KVCacheLM(model, self.layout).eval()
         names = ("input_ids", "attention_mask", *self.layout.past_names())
         return LoadedModel(module, tok, sample_feeds(self.layout, **EXAMPLE), names,
@@ -198,27 +198,27 @@ def past_size_max(model) -> int:
     return min(DIM_MAX, sliding_window(model) or DIM_MAX) - 1
 
 
-def check_window(model, build_profiles, total_dim: str | None = None) -> None:
+def check_window(model, build_profiles, total_name: str | None = None) -> None:
     """A sliding-window cache layer keeps ``window - 1`` positions, so ``present`` is not
-    ``past + sequence`` beyond that: every profile's max of ``total_dim`` (the attention mask's axis 1,
+    ``past + sequence`` beyond that: every profile's max of ``total_name`` (the attention mask's axis 1,
     ``total_sequence`` unless the recipe renames it) must stay within it.
 
     Raises:
-        ExportError: names the window, the profile and its ``total_dim`` max; or a window
+        ExportError: names the window, the profile and its ``total_name`` max; or a window
             too small for the export's example past (:data:`EXAMPLE`).
     """
-    window, total_dim = sliding_window(model), total_dim or "total_sequence"
+    window, total_name = sliding_window(model), total_name or "total_sequence"
     if window is not None and window - 1 < EXAMPLE["past"]:
         raise ExportError(f"{type(model).__name__}: a sliding window of {window} tokens keeps {window - 1} past "
                           f"positions; the export traces with a {EXAMPLE['past']}-position past, so windows below "
                           f"{EXAMPLE['past'] + 1} tokens are not supported")
     for prof in build_profiles if window else []:
-        total = prof.dims.get(total_dim)
+        total = prof.dims.get(total_name)
         if total is not None and total.max > window - 1:
             raise ExportError(
-                f"build.profiles {prof.name!r}: {total_dim} max {total.max} exceeds what the sliding-window "
+                f"build.profiles {prof.name!r}: {total_name} max {total.max} exceeds what the sliding-window "
                 f"cache layers of {type(model).__name__} keep ({window - 1} positions of a {window}-token window); "
-                f"lower {total_dim} max to <= {window - 1} (and past_sequence / sequence with it)")
+                f"lower {total_name} max to <= {window - 1} (and past_sequence / sequence with it)")
 
 
 BENCH_PROMPTS = 8  # prompts when the recipe has no validate.generation
