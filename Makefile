@@ -18,7 +18,8 @@ export TOKENIZERS_PARALLELISM := false
 RECIPES := $(sort $(basename $(notdir $(wildcard recipes/*.yaml))))
 ifneq ($(filter build tune check serve bench bench-build publish deploy plan,$(MAKECMDGOALS)),)
 ifeq ($(wildcard recipes/$(RECIPE).yaml),)
-$(error recipes/$(RECIPE).yaml not found; RECIPE is one of: $(RECIPES) (a recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml))
+RECIPE_NAME := $(basename $(notdir $(RECIPE)))
+$(error recipes/$(RECIPE).yaml not found; RECIPE is one of: $(RECIPES)$(if $(filter-out $(RECIPE),$(filter $(RECIPE_NAME),$(RECIPES))), (a name, not a path: RECIPE=$(RECIPE_NAME))) (a recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml))
 endif
 endif
 

@@ -71,8 +71,10 @@ def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
     """
     try:
         loader = _RecipeLoader(text)  # the reader refuses control characters here
-    except yaml.YAMLError as e:
+    except yaml.reader.ReaderError as e:
+        e.name = source  # PyYAML names a string "<unicode string>"
         raise RecipeError(f"{source}: not valid YAML: {e}") from None
+    loader.name = source  # the marks of every later error name the file
     try:
         node = loader.get_single_node()
         if node is None:

@@ -166,6 +166,8 @@ def test_make_with_an_unknown_recipe_names_the_recipes():
     names = " ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")))
     assert done.returncode == 2 and not done.stdout
     assert f"recipes/nope.yaml not found; RECIPE is one of: {names} (a recipe elsewhere: " in done.stderr
+    as_path = make_n("build", "RECIPE=recipes/fp8-llm.yaml", f"VENV={sys.prefix}")
+    assert as_path.returncode == 2 and "(a name, not a path: RECIPE=fp8-llm)" in as_path.stderr
 
 
 def test_help_is_plain_text(capsys):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.metrics.llm_quality import QUALITY_KEYS, QualityAccumulator
+from pipeline.metrics.llm_quality import QUALITY_KEYS, QualityAccumulator, logsumexp64
 from pipeline.metrics.uncertainty import resample_counts
 from pipeline.models.text_generation.metrics import mean_nll
 
@@ -72,6 +72,15 @@ def test_hand_case_matches_direct_formulas():
     assert got["delta_p_p99"] == pytest.approx(np.percentile(dp, 99), rel=1e-12)
     assert list(got) == list(QUALITY_KEYS)
     assert got["kld_mean"] > 0 and got["perplexity_ratio"] > 1  # the candidate is worse here
+
+
+def test_logsumexp64_equals_scipys_and_keeps_its_rules_for_non_finite_rows():
+    from scipy.special import logsumexp
+
+    z = np.random.default_rng(3).standard_normal((5, 4096)) * 30
+    np.testing.assert_allclose(logsumexp64(z), logsumexp(z, axis=-1), rtol=1e-14, atol=0)
+    odd = np.array([[0.0, np.inf], [0.0, -np.inf], [np.nan, 1.0], [-np.inf, -np.inf]])
+    np.testing.assert_array_equal(logsumexp64(odd), logsumexp(odd, axis=-1))
 
 
 def test_one_batch_equals_several_and_perplexity_sums_match_mean_nll():

@@ -120,6 +120,18 @@ def test_duplicate_key_is_refused_naming_path_and_both_lines(tmp_path, old, new,
     assert f"given twice, at lines {first} and {second}" in str(err.value)
 
 
+@pytest.mark.parametrize("text, where", [("name: [a, b\nmodel: {}\n", "line 2, column 6"),
+                                         ("name: \x07\n", "position 6")])
+def test_a_yaml_syntax_error_names_the_file_at_every_mark(tmp_path, text, where):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: not valid YAML") and f'in "{path}", {where}' in message
+    assert "<unicode string>" not in message
+
+
 def test_schema_error_gives_the_yaml_line(tmp_path):
     text = RECIPE.read_text().replace("    method: max", "    method: minmax", 1)
     path = tmp_path / "bad.yaml"

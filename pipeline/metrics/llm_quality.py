@@ -47,12 +47,24 @@ STDERR_KEYS: tuple[str, ...] = ("perplexity_ratio", "kld_mean", "top1_agreement"
 _KLD_PERCENTILES = {"kld_p50": 50.0, "kld_p90": 90.0, "kld_p99": 99.0, "kld_p999": 99.9}
 
 
+def logsumexp64(lg: np.ndarray) -> np.ndarray:
+    """``log sum_v exp(z_v)`` over the last axis of float64 ``[..., vocab]`` logits: float64 ``[...]``.
+
+    The usual stable form, ``max(z) + log(sum_v exp(z_v - max(z)))``: on 16 x 49152 logits 1.3 ms
+    against 9.0 ms for ``scipy.special.logsumexp`` (whose general form handles signs, weights and
+    complex input), which rows with a non-finite logit still take (inf / nan by its rules)."""
+    top = lg.max(axis=-1, keepdims=True)
+    if not np.isfinite(top).all():
+        return logsumexp(lg, axis=-1)
+    return np.log(np.exp(lg - top).sum(axis=-1)) + top[..., 0]
+
+
 def log_softmax64(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis of ``[positions, vocab]`` logits: z - logsumexp(z), so
+    """float64 log-softmax over the last axis of ``[positions, vocab]`` logits: z - logsumexp64(z), so
     ``-log_softmax64(z)[t]`` is bit for bit the NLL :func:`pipeline.models.text_generation.metrics.mean_nll`
     sums."""
     lg = logits.astype(np.float64)
-    return lg - logsumexp(lg, axis=-1, keepdims=True)
+    return lg - logsumexp64(lg)[..., None]
 
 
 def reference_terms(log_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

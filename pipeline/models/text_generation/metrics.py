@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.special import logsumexp
 
 from pipeline import text_data, runners
 from pipeline.errors import AccuracyError
@@ -45,7 +44,7 @@ def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1, rows: list |
     for row, tokens in zip(logits, ids):  # one row at a time keeps float64 copies small
         lg = row[context - 1 : -1].astype(np.float64)
         picked = np.take_along_axis(lg, tokens[context:, None], axis=-1)[:, 0]
-        nll = logsumexp(lg, axis=-1) - picked
+        nll = llm_quality.logsumexp64(lg) - picked
         total, count = total + float(nll.sum()), count + int(nll.size)
         if rows is not None:
             rows.append(float(nll.sum()))
