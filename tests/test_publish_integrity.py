@@ -101,11 +101,9 @@ def test_verify_repository_names_every_differing_file(tmp_path, tiny_model, tiny
     assert verify_repository(repo) == []
 
 
-#: (fault point, overrides that make the run reach it, the stage it kills in or None for publish steps)
+#: (fault point, overrides that make the run reach it, the stage it kills in or None for publish steps);
+#: the export last, as its new key would make every later point export again
 POINTS = [
-    ("stage:export:end", {"export.check_points": [{"batch": 1, "sequence": 4, "past_sequence": 0},
-                                                   {"batch": 2, "sequence": 3, "past_sequence": 2},
-                                                   {"batch": 3, "sequence": 1, "past_sequence": 5}]}, "export"),
     ("stage:quantize:start", {"quantize.calibration.samples": 9}, "quantize"),
     ("stage:quantize:end", {"quantize.calibration.samples": 10}, "quantize"),
     ("stage:build:end", {"build.workspace_mib": 2048}, "build"),
@@ -117,13 +115,16 @@ POINTS = [
     ("publish:model:1", {"triton.dynamic_batching.max_queue_delay_microseconds": 15}, None),
     ("publish:index", {"triton.dynamic_batching.max_queue_delay_microseconds": 16}, None),
     ("publish:cleanup", {"triton.dynamic_batching.max_queue_delay_microseconds": 17}, None),
+    ("stage:export:end", {"export.check_points": [{"batch": 1, "sequence": 4, "past_sequence": 0},
+                                                   {"batch": 2, "sequence": 3, "past_sequence": 2},
+                                                   {"batch": 3, "sequence": 1, "past_sequence": 5}]}, "export"),
 ]
 
 
 def test_crash_at_every_stage_and_publish_step_leaves_old_or_new_set(tmp_path, tiny_model, tiny_export):
     """One workspace, crashed at each point in turn; each repaired run's set is the next one's old set."""
     path = tiny_recipe(tmp_path, tiny_model)
-    seed_export(tmp_path, tiny_export)  # the first crash point's check points make an export of its own
+    seed_export(tmp_path, tiny_export)  # the last crash point's check points make an export of its own
     repo = Path(_run(path).artifacts["triton"].repository)
     old = snapshot(repo)
     for point, overrides, stage in POINTS:
