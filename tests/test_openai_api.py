@@ -64,6 +64,21 @@ def test_serve_refuses_to_start_off_loopback_without_a_key(monkeypatch):
     assert err.value.exit_code == 2 and started == []  # refused before tritonserver starts
 
 
+def test_serve_on_a_busy_port_fails_before_tritonserver_starts(monkeypatch):
+    from pipeline.serve import run
+
+    started = []
+    monkeypatch.setattr(run, "launch", lambda served: started.append(served))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PipelineError, match=rf"--openai-port {port}: cannot bind .*--openai-port 0") as err:
+            run.serve_forever(types.SimpleNamespace(generate_model="m", note=""), openai_port=port,
+                              log=lambda line: None)
+    assert err.value.exit_code == 4 and started == []
+
+
 def test_add_serve_arguments_defaults():
     import argparse
 

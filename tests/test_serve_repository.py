@@ -38,6 +38,7 @@ def test_missing_backend_serves_a_python_onnxruntime_copy_and_leaves_output_dir(
     cfg = parse_config((served.repository / "tiny" / "config.pbtxt").read_text())
     assert cfg.backend == "python" and cfg.parameters["dequantize_weights"].string_value == "once"
     assert served.models == ["tiny", "tiny_generate"] and served.generate_model == "tiny_generate"
+    assert served.compute_in_process  # Triton's statistics of "tiny" never count the generation's steps
     assert set(json.loads((served.repository / "repository.json").read_text())["models"]) == {"tiny", "tiny_generate"}
 
 
@@ -46,6 +47,7 @@ def test_present_backend_serves_the_published_repository(tmp_path):
     artifacts = publish(recipe, artifacts)
     served = prepare(recipe, artifacts, backends=["onnxruntime", "python"])
     assert served.repository == Path(recipe.output_dir) and served.target == "onnxruntime"
+    assert not served.compute_in_process  # the generation model calls "tiny" through BLS
     assert not (tmp_path / "artifacts" / "tiny-llm" / "serve_repository").exists()
     index = Path(recipe.output_dir) / "repository.json"
     data = json.loads(index.read_text())

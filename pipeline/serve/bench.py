@@ -269,10 +269,13 @@ def llm_sweep_level(served: Served, server: TritonServer, stats_client: grpcclie
     (default the generation model). ``counted``: compute-model inferences made before it;
     statistics are read once they include those, and after, once they include one compute
     call per generated token (or after a short wait: a scheduler that batches or keeps the
-    graph in-process counts differently). ``compute_batches["_counted"]``: the count read after."""
+    graph in-process counts differently). ``compute_batches["_counted"]``: the count read after.
+    A generation model that runs the graph in its own process (:attr:`Served.compute_in_process`)
+    is never counted there: the statistics are read at once (each wait took 5 s a level)."""
     cfg, compute, model = served.recipe.serve, served.compute_model, model or served.generate_model
     log(f"{model}: concurrency {concurrency}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
-    before = _statistics_at_least(stats_client, compute, counted)
+    wait_s = 0.0 if served.compute_in_process else 5.0
+    before = _statistics_at_least(stats_client, compute, counted, wait_s)
     has_stats = "scheduler_stats" in {i.name for i in stats_client.get_model_metadata(model).inputs}
     sched_before = scheduler_statistics(server.grpc_url, model) if has_stats else None
     gens, duration = closed_loop(
@@ -281,7 +284,7 @@ def llm_sweep_level(served: Served, server: TritonServer, stats_client: grpcclie
                                           max_tokens=cfg.max_tokens, ignore_eos=True),
     )
     calls = sum(len(g.tokens) for g in gens)  # the prefill makes token 1, each decode step one more
-    after = _statistics_at_least(stats_client, compute, before["inference_count"] + calls)
+    after = _statistics_at_least(stats_client, compute, before["inference_count"] + calls, wait_s)
     batches = batch_summary(stats_delta(before, after), duration)
     batches["_counted"] = after["inference_count"]
     level = {"concurrency": concurrency, "model": model, **llm_level(gens, duration, cfg.slo),

@@ -381,26 +381,42 @@ def resolve_api_key(host: str, api_key: str | None, environ: dict | None = None)
     return key
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: a free port), not yet listening: the endpoint's,
+    bound before tritonserver starts so that a busy port fails at once.
+
+    Raises:
+        EnvironmentFault: the address cannot be bound (in use, or not this machine's).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EnvironmentFault(f"--host {host} --openai-port {port}: cannot bind ({e}); pick a free port, or "
+                               "--openai-port 0 for any (make serve ARGS='--openai-port 0')") from e
+    return sock
+
+
 class EndpointServer:
-    """uvicorn serving :func:`create_app` in a background thread.
+    """uvicorn serving :func:`create_app` in a background thread, on ``sock`` (from
+    :func:`bind_socket`) or else on a socket it binds to ``host``:``port``.
 
         with EndpointServer(cfg, host="127.0.0.1", port=0) as ep:   # port 0: a free port
             print(ep.url)   # http://127.0.0.1:PORT/v1
+
+    Raises:
+        EnvironmentFault: ``host``:``port`` cannot be bound.
     """
 
-    def __init__(self, cfg: EndpointConfig, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, cfg: EndpointConfig, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 sock: socket.socket | None = None):
         import uvicorn
 
         self.host = host
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.socket.bind((host, port))
-        except OSError as e:
-            self.socket.close()
-            raise EnvironmentFault(f"--host {host} --openai-port {port}: cannot bind ({e}); pick a free port, or "
-                                   "--openai-port 0 for any (make serve ARGS='--openai-port 0')") from e
+        self.socket = sock if sock is not None else bind_socket(host, port)
         self.port = self.socket.getsockname()[1]
         self.app = create_app(cfg)
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))

@@ -60,6 +60,19 @@ class Served:
         return None if self.adapter.generates else self.adapter.front_model(self.recipe)
 
     @property
+    def compute_in_process(self) -> bool:
+        """The generation model runs the compute graph in its own process (its config's
+        ``compute_runtime: onnxruntime``, target python-onnxruntime): Triton's statistics of the
+        compute model then never count its steps. False without a generation model."""
+        from pipeline.triton.config import parse_config
+
+        if not self.generate_model:
+            return False
+        config = parse_config((self.repository / self.generate_model / "config.pbtxt").read_text())
+        runtime = config.parameters.get("compute_runtime")
+        return runtime is not None and runtime.string_value == "onnxruntime"
+
+    @property
     def run_dir(self) -> Path:
         """``<work_dir>/<recipe>``: the run's artifacts, server log and bench results."""
         return Path(self.recipe.work_dir) / self.recipe.name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from pipeline.serve.openai_api import (
     API_KEY_ENV,
     EndpointConfig,
     EndpointServer,
+    bind_socket,
     find_model_folder,
     resolve_api_key,
 )
@@ -79,16 +81,27 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
         PipelineError: (exit 2) non-loopback ``host`` without an API key, checked before
             anything starts.
         TritonServerError: it did not start, or exited on its own (log tail included).
-        EnvironmentFault: the endpoint's port cannot be bound.
+        EnvironmentFault: the endpoint's port cannot be bound, checked before tritonserver starts.
     """
     key = resolve_api_key(host, api_key)
+    port = DEFAULT_OPENAI_PORT if openai_port is None else openai_port
+    sock = bind_socket(host, port) if served.generate_model else None  # a busy port fails before tritonserver
+    try:
+        return _serve(served, sock, check=check, log=log, host=host, key=key)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _serve(served: Served, sock: socket.socket | None, *, check: bool, log: Log, host: str, key: str | None) -> int:
+    """:func:`serve_forever` once the endpoint's socket (None: no generation model) is bound."""
     log(served.note)
     server = launch(served)
     endpoint: EndpointServer | None = None
     try:  # Ctrl-C / SIGTERM: KeyboardInterrupt from the CLI's handler (pipeline.interrupts)
         _print_endpoints(served, server, log)
         if served.generate_model:
-            endpoint = start_endpoint(served, server, host=host, port=openai_port, api_key=key)
+            endpoint = start_endpoint(served, server, host=host, api_key=key, sock=sock)
             log(f"OpenAI-compatible endpoint: {endpoint.url} (model {served.generate_model}; "
                 f"{'API key required' if key else 'no API key'})")
         if check and not served.generate_model:
@@ -110,8 +123,9 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
 
 
 def start_endpoint(served: Served, server: TritonServer, *, host: str = "127.0.0.1", port: int | None = None,
-                   api_key: str | None = None) -> EndpointServer:
-    """Start the OpenAI-compatible endpoint for ``served``'s generation model on a running server.
+                   api_key: str | None = None, sock: socket.socket | None = None) -> EndpointServer:
+    """Start the OpenAI-compatible endpoint for ``served``'s generation model on a running server,
+    on ``sock`` (:func:`pipeline.serve.openai_api.bind_socket`) if given, else on ``host``:``port``.
 
     Raises:
         PipelineError: no generation model, or non-loopback ``host`` without ``api_key``.
@@ -122,7 +136,7 @@ def start_endpoint(served: Served, server: TritonServer, *, host: str = "127.0.0
     cfg = EndpointConfig(grpc_url=server.grpc_url, model=served.generate_model,
                          model_folder=find_model_folder(served.repository, served.generate_model),
                          api_key=resolve_api_key(host, api_key))
-    return EndpointServer(cfg, host=host, port=DEFAULT_OPENAI_PORT if port is None else port).start()
+    return EndpointServer(cfg, host=host, port=DEFAULT_OPENAI_PORT if port is None else port, sock=sock).start()
 
 
 def _print_endpoints(served: Served, server: TritonServer, log: Log) -> None:

@@ -161,11 +161,18 @@ def kv_layout(model) -> KVLayout:
     return KVLayout(num_layers=len(keys), kv_heads=int(heads), head_dim=int(head_dim), vocab=int(out.logits.shape[-1]))
 
 
+def output_cache(out):
+    """The KV cache a forward pass returned: ``out.cache`` (transformers >= 5.24, whose
+    ``past_key_values`` property logs a deprecation), else ``out.past_key_values``."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 def _probe(model):
     """``(output, cache, cache layers)`` of one forward pass on 2 tokens (ids 0 and 1)."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([[0, 1]]), use_cache=True)
-    cache = getattr(out, "past_key_values", None)
+    cache = output_cache(out)
     return out, cache, list(getattr(cache, "layers", None) or [])
 
 
@@ -225,7 +232,7 @@ class KVCacheLM(torch.nn.Module):
             kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         flat = []
-        for layer in out.past_key_values.layers:
+        for layer in output_cache(out).layers:
             flat += [layer.keys, layer.values]
         return (out.logits, *flat, out.logits[:, -1, :])
 
