@@ -164,7 +164,7 @@ def test_validators_refuse_what_a_cluster_would(tmp_path):
         kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
 
 
-def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch):
+def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch, capsys):
     import argparse
 
     recipe_path = tmp_path / "enc.yaml"
@@ -179,6 +179,10 @@ def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch):
     run_dir.mkdir(parents=True)
     published = {"to": "s3://models/p", "triton_url": "s3://minio.svc:9000/models/p", "target": "python-onnxruntime"}
     (run_dir / "manifest.json").write_text(json.dumps({"verdict": "pass", "published": [published]}))
+    assert k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path)])) == 0
+    assert "is a stock Triton image, without the `tokenizers`" in capsys.readouterr().out
+    assert k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path), "--image", "registry/triton-tok:1"])) == 0
+    assert "stock Triton image" not in capsys.readouterr().out
     assert k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path)])) == 0
     c, = yaml.safe_load((run_dir / "deploy" / "plain" / "deployment.yaml").read_text())["spec"]["template"]["spec"]["containers"]
     assert c["args"][0] == "--model-repository=s3://minio.svc:9000/models/p"
