@@ -18,8 +18,11 @@ export TOKENIZERS_PARALLELISM := false
 RECIPES := $(sort $(basename $(notdir $(wildcard recipes/*.yaml))))
 ifneq ($(filter build tune check serve bench bench-build publish deploy plan,$(MAKECMDGOALS)),)
 ifeq ($(wildcard recipes/$(RECIPE).yaml),)
+# RECIPE given as a shipped recipe's path (recipes/fp8-llm.yaml, fp8-llm.yaml): say its name
 RECIPE_NAME := $(basename $(notdir $(RECIPE)))
-$(error recipes/$(RECIPE).yaml not found; RECIPE is one of: $(RECIPES)$(if $(filter-out $(RECIPE),$(filter $(RECIPE_NAME),$(RECIPES))), (a name, not a path: RECIPE=$(RECIPE_NAME))) (a recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml))
+AS_PATHS = $(foreach d,recipes/ ./recipes/,$(d)$(1) $(d)$(1).yaml) $(1).yaml
+RECIPE_HINT := $(if $(word 2,$(RECIPE)),,$(if $(filter $(RECIPE),$(call AS_PATHS,$(filter $(RECIPE_NAME),$(RECIPES)))), (a name, not a path: RECIPE=$(RECIPE_NAME))))
+$(error recipes/$(RECIPE).yaml not found; RECIPE is one of: $(RECIPES)$(RECIPE_HINT) (a recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml))
 endif
 endif
 

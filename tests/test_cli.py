@@ -168,6 +168,8 @@ def test_make_with_an_unknown_recipe_names_the_recipes():
     assert f"recipes/nope.yaml not found; RECIPE is one of: {names} (a recipe elsewhere: " in done.stderr
     as_path = make_n("build", "RECIPE=recipes/fp8-llm.yaml", f"VENV={sys.prefix}")
     assert as_path.returncode == 2 and "(a name, not a path: RECIPE=fp8-llm)" in as_path.stderr
+    elsewhere = make_n("build", "RECIPE=/elsewhere/fp8-llm.yaml", f"VENV={sys.prefix}")  # another file
+    assert elsewhere.returncode == 2 and "a name, not a path" not in elsewhere.stderr
 
 
 def test_help_is_plain_text(capsys):

@@ -180,7 +180,7 @@ def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch, capsy
     published = {"to": "s3://models/p", "triton_url": "s3://minio.svc:9000/models/p", "target": "python-onnxruntime"}
     (run_dir / "manifest.json").write_text(json.dumps({"verdict": "pass", "published": [published]}))
     assert k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path)])) == 0
-    assert "is a stock Triton image, without the `tokenizers`" in capsys.readouterr().out
+    assert "is a stock Triton image, without the packages" in capsys.readouterr().out
     assert k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path), "--image", "registry/triton-tok:1"])) == 0
     assert "stock Triton image" not in capsys.readouterr().out
     assert k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path)])) == 0

@@ -81,6 +81,9 @@ def test_logsumexp64_equals_scipys_and_keeps_its_rules_for_non_finite_rows():
     np.testing.assert_allclose(logsumexp64(z), logsumexp(z, axis=-1), rtol=1e-14, atol=0)
     odd = np.array([[0.0, np.inf], [0.0, -np.inf], [np.nan, 1.0], [-np.inf, -np.inf]])
     np.testing.assert_array_equal(logsumexp64(odd), logsumexp(odd, axis=-1))
+    mixed = np.concatenate([z[:2, :2], odd])  # the finite rows keep their own value: row by row
+    np.testing.assert_array_equal(logsumexp64(mixed)[:2], logsumexp64(z[:2, :2]))
+    np.testing.assert_array_equal(logsumexp64(np.zeros((2, 0))), [-np.inf, -np.inf])
 
 
 def test_one_batch_equals_several_and_perplexity_sums_match_mean_nll():

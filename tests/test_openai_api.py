@@ -79,6 +79,24 @@ def test_serve_on_a_busy_port_fails_before_tritonserver_starts(monkeypatch):
     assert err.value.exit_code == 4 and started == []
 
 
+def test_the_endpoints_socket_holds_its_port_from_the_start():
+    """Bound and listening before tritonserver starts: a second serve on the port fails at once,
+    also where it sets SO_REUSEADDR (a bound socket that does not listen would let it in)."""
+    from pipeline.errors import EnvironmentFault
+    from pipeline.serve.openai_api import bind_socket
+
+    first = bind_socket("127.0.0.1", 0)
+    try:
+        with pytest.raises(EnvironmentFault, match="cannot bind"):
+            bind_socket("127.0.0.1", first.getsockname()[1]).close()
+    finally:
+        first.close()
+    for port in (-1, 65536):
+        with pytest.raises(PipelineError, match=rf"--openai-port {port}: a TCP port is 1-65535") as err:
+            bind_socket("127.0.0.1", port)
+        assert err.value.exit_code == 2
+
+
 def test_add_serve_arguments_defaults():
     import argparse
 

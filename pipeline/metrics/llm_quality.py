@@ -50,13 +50,19 @@ _KLD_PERCENTILES = {"kld_p50": 50.0, "kld_p90": 90.0, "kld_p99": 99.0, "kld_p999
 def logsumexp64(lg: np.ndarray) -> np.ndarray:
     """``log sum_v exp(z_v)`` over the last axis of float64 ``[..., vocab]`` logits: float64 ``[...]``.
 
-    The usual stable form, ``max(z) + log(sum_v exp(z_v - max(z)))``: on 16 x 49152 logits 1.3 ms
-    against 9.0 ms for ``scipy.special.logsumexp`` (whose general form handles signs, weights and
-    complex input), which rows with a non-finite logit still take (inf / nan by its rules)."""
-    top = lg.max(axis=-1, keepdims=True)
-    if not np.isfinite(top).all():
+    The usual stable form, ``max(z) + log(sum_v exp(z_v - max(z)))``, row by row: on 16 x 49152
+    logits 1.3 ms against 9.0 ms for ``scipy.special.logsumexp`` (whose general form handles signs,
+    weights and complex input; the two agree to ~1e-16 absolute). A row whose maximum is not
+    finite (an inf or nan logit), and an empty vocabulary, take scipy's (inf / nan / -inf by its rules)."""
+    if lg.shape[-1] == 0:
         return logsumexp(lg, axis=-1)
-    return np.log(np.exp(lg - top).sum(axis=-1)) + top[..., 0]
+    top = lg.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.asarray(np.log(np.exp(lg - top).sum(axis=-1)) + top[..., 0])
+    odd = ~np.isfinite(top[..., 0])
+    if odd.any():
+        out[odd] = logsumexp(lg[odd], axis=-1)
+    return out
 
 
 def log_softmax64(logits: np.ndarray) -> np.ndarray:

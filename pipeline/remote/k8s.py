@@ -499,9 +499,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     print("\n".join(str(f) for f in files))
     if args.image is None and (target == "python-onnxruntime" or model_names(recipe)[1:]):
         image = resolve_image(recipe)
-        print(f"note: {image} is a stock Triton image, without the `tokenizers` (and `onnxruntime`) that this "
-              f"repository's python-backend models import: build a derived image (FROM {image} + pip install) "
-              "and pass it with --image (docs/publishing-and-kubernetes.md)")
+        print(f"note: {image} is a stock Triton image, without the packages this repository's python-backend "
+              "models import (tokenizers, onnxruntime; Pillow for images): build a derived image "
+              f"(FROM {image} + pip install) and pass it with --image (docs/publishing-and-kubernetes.md)")
     print(f"KServe:  kubectl apply -f {out / 'kserve'}/\nplain:   kubectl apply -f {out / 'plain'}/")
     if group:
         print(f"KServe with a node-local copy: kubectl apply -f {out / 'kserve-localmodelcache'}/")

@@ -382,17 +382,22 @@ def resolve_api_key(host: str, api_key: str | None, environ: dict | None = None)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (0: a free port), not yet listening: the endpoint's,
-    bound before tritonserver starts so that a busy port fails at once.
+    """A TCP socket bound to ``host``:``port`` (0: a free port) and listening: the endpoint's, taken
+    before tritonserver starts so that a busy port fails at once and no other server can take it
+    meanwhile (connections wait in the backlog until uvicorn accepts them).
 
     Raises:
+        PipelineError: ``port`` is not in 0-65535 (exit 2).
         EnvironmentFault: the address cannot be bound (in use, or not this machine's).
     """
+    if not 0 <= port <= 65535:
+        raise PipelineError(f"--openai-port {port}: a TCP port is 1-65535 (0: a free port)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(128)
     except OSError as e:
         sock.close()
         raise EnvironmentFault(f"--host {host} --openai-port {port}: cannot bind ({e}); pick a free port, or "
