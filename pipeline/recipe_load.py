@@ -83,6 +83,8 @@ def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
         return loader.construct_document(node), node
     except yaml.YAMLError as e:
         raise RecipeError(f"{source}: not valid YAML: {e}") from None
+    except (ValueError, TypeError) as e:  # an explicit tag the value does not fit: !!int x
+        raise RecipeError(f"{source}: not valid YAML: {e}") from None
     except RecipeError as e:
         raise RecipeError(f"{source}: {e}") from None
     finally:

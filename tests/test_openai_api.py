@@ -91,6 +91,13 @@ def test_the_endpoints_socket_holds_its_port_from_the_start():
             bind_socket("127.0.0.1", first.getsockname()[1]).close()
     finally:
         first.close()
+    try:
+        v6 = bind_socket("[::1]", 0)  # an IPv6 address as written in a URL
+    except EnvironmentFault:
+        pass  # no IPv6 loopback on this machine
+    else:
+        assert v6.family == socket.AF_INET6 and v6.getsockname()[0] == "::1"
+        v6.close()
     for port in (-1, 65536):
         with pytest.raises(PipelineError, match=rf"--openai-port {port}: a TCP port is 1-65535") as err:
             bind_socket("127.0.0.1", port)

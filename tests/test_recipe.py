@@ -132,6 +132,13 @@ def test_a_yaml_syntax_error_names_the_file_at_every_mark(tmp_path, text, where)
     assert "<unicode string>" not in message
 
 
+def test_a_tag_its_value_does_not_fit_is_a_recipe_error(tmp_path):
+    path = tmp_path / "tagged.yaml"
+    path.write_text("name: !!int x\n")
+    with pytest.raises(RecipeError, match=rf"^{path}: not valid YAML: invalid literal for int"):
+        load_recipe(path)
+
+
 def test_schema_error_gives_the_yaml_line(tmp_path):
     text = RECIPE.read_text().replace("    method: max", "    method: minmax", 1)
     path = tmp_path / "bad.yaml"

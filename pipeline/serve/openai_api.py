@@ -392,11 +392,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """
     if not 0 <= port <= 65535:
         raise PipelineError(f"--openai-port {port}: a TCP port is 1-65535 (0: a free port)")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = host.strip("[]")  # an IPv6 address may come as in a URL, [::1]
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind((address, port))
         sock.listen(128)
     except OSError as e:
         sock.close()
@@ -420,7 +421,7 @@ class EndpointServer:
                  sock: socket.socket | None = None):
         import uvicorn
 
-        self.host = host
+        self.host = host.strip("[]")
         self.socket = sock if sock is not None else bind_socket(host, port)
         self.port = self.socket.getsockname()[1]
         self.app = create_app(cfg)
