@@ -244,6 +244,7 @@ _ENGINE_TOOLS = ("tensorrt", "tensorrt-rtx")
 
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False,
          remote: SharedCache | None = None) -> RunResult:
+    _note_another_recipe(recipe, recipe_path, run_dir, progress)
     _repair_published(recipe, progress)
     man: dict = {}
     arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote)
@@ -288,6 +289,19 @@ def _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, i
             man["remote_cache"] = remote.summary()
         if stage.name == upto:
             break
+
+
+def _note_another_recipe(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> None:
+    """Say so when ``run_dir`` holds the last run of another recipe file of the same name (a copy
+    built from the same folder): this run replaces its results and what it published."""
+    try:
+        last = json.loads((run_dir / "manifest.json").read_text()).get("recipe_path")
+    except (OSError, ValueError, AttributeError):
+        return
+    if last and Path(last).resolve() != Path(recipe_path).resolve():
+        progress.print(f"[yellow]note: {run_dir}/ holds the last run of {last}, a recipe of the same name "
+                       f"({recipe.name}); this run of {recipe_path} replaces its results and its models in "
+                       f"{recipe.output_dir}/ (give the copy its own name to keep both)[/yellow]")
 
 
 def _repair_published(recipe: Recipe, progress: Progress) -> None:

@@ -111,6 +111,21 @@ def test_sigterm_mid_build_then_resume(tmp_path, tiny_model):
     assert _hits(resumed.manifest)["export"] and resumed.passed
 
 
+def test_a_copy_of_the_same_name_says_it_replaces_the_last_run(tmp_path, tiny_model, tiny_export, capsys):
+    path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
+    assert _run(path).passed
+    copy = tmp_path / "mine" / path.name
+    copy.parent.mkdir()
+    copy.write_text(path.read_text())  # the same name, work_dir and output_dir
+    capsys.readouterr()
+    assert run_pipeline(load_recipe(copy), copy, quiet=False).passed
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"holds the last run of {path}, a recipe of the same name (tiny-llm); this run of {copy} replaces" in err
+    run_pipeline(load_recipe(copy), copy, quiet=False)  # the same file again: nothing to say
+    assert "a recipe of the same name" not in capsys.readouterr().err
+
+
 def test_second_concurrent_build_fails_clearly(tmp_path, tiny_model):
     path = tiny_recipe(tmp_path, tiny_model)
     recipe = load_recipe(path)
