@@ -243,6 +243,7 @@ def test_offline_tokenizer_is_a_hub_cache_entry_that_offline_lookup_finds(tmp_pa
     name, cache = offline_tokenizer(folder, "gen", tmp_path / "hf_cache")
     assert name == "local/gen" and cache.is_absolute()
     found = Path(snapshot_download(name, cache_dir=cache, local_files_only=True))  # what AIPerf does offline
-    assert sorted(p.name for p in found.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in found.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     assert (found / "tokenizer.json").resolve() == (folder / "tokenizer.json").resolve()
+    assert (found / "config.json").read_text() == "{}\n"  # transformers 5 reads one before the tokenizer
     assert offline_tokenizer(folder, "gen", tmp_path / "hf_cache")[0] == name  # rebuilt in place

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import threading
@@ -597,11 +598,17 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
         cpu = client_cpu(before, resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start)
         export = next(iter(sorted(folder.rglob("profile_export_aiperf.json"))), None)
         if done.returncode != 0 or export is None:
-            tail = (done.stdout + done.stderr)[-1500:]
-            return {"skipped": f"aiperf exited with status {done.returncode} at concurrency {c}: {tail}",
-                    "command": command, "levels": levels}
+            why = f"aiperf exited with status {done.returncode} at concurrency {c}: {_plain_tail(done.stdout + done.stderr)}"
+            log(f"aiperf failed: {why}")
+            return {"failed": why, "command": command, "levels": levels}
         levels.append({"concurrency": c, **aiperf_metrics(json.loads(export.read_text())), "client_cpu": cpu})
     return {"levels": levels, "command": command}
+
+
+def _plain_tail(text: str, chars: int = 800) -> str:
+    """The end of a tool's output as plain text: rich's box-drawing frames dropped, spaces collapsed."""
+    plain = re.sub(r"[\u2500-\u257f]+", " ", text)
+    return " ".join(plain.split())[-chars:]
 
 
 def client_cpu(before, after, wall_s: float) -> dict:
@@ -617,10 +624,12 @@ LOCAL_SNAPSHOT = "0" * 40
 
 def offline_tokenizer(folder: Path, model: str, cache: Path) -> tuple[str, Path]:
     """A Hugging Face hub cache under ``cache`` whose repo ``local/<model>`` is ``folder``'s tokenizer
-    files (symlinks); returns (that repo id, ``cache``). With ``HF_HUB_OFFLINE`` set, AIPerf 0.13 loads
-    every tokenizer through ``snapshot_download(name, local_files_only=True)``
+    files (symlinks); returns (that repo id, ``cache``). With ``HF_HUB_OFFLINE`` set, AIPerf 0.5 loads
+    every tokenizer through ``AutoTokenizer.from_pretrained(name, local_files_only=True)``
     (``aiperf.common.tokenizer.Tokenizer._from_pretrained_local``), which takes a hub repo id from
-    the cache, never a folder path; a folder is accepted only online, where AIPerf also tries the hub."""
+    the cache, never a folder path; a folder is accepted only online, where AIPerf also tries the hub.
+    transformers 5 reads a repo's ``config.json`` before its tokenizer: a folder without one gets an
+    empty ``{}``, so the class in ``tokenizer_config.json`` decides (else the load fails offline)."""
     repo = cache / f"models--local--{model}"
     shutil.rmtree(repo, ignore_errors=True)
     snapshot = repo / "snapshots" / LOCAL_SNAPSHOT
@@ -630,6 +639,8 @@ def offline_tokenizer(folder: Path, model: str, cache: Path) -> tuple[str, Path]
     for f in folder.iterdir():
         if f.is_file() and f.name != "model.py":
             (snapshot / f.name).symlink_to(f.resolve())
+    if not (snapshot / "config.json").exists():
+        (snapshot / "config.json").write_text("{}\n")
     return f"local/{model}", cache.resolve()
 
 

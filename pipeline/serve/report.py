@@ -211,6 +211,8 @@ def aiperf_table(aiperf: dict | None, levels: list[dict]) -> list[str]:
     if not aiperf:
         return []
     if not aiperf.get("levels"):
+        if aiperf.get("failed"):
+            return ["", f"AIPerf failed: {aiperf['failed']}"]
         return ["", f"AIPerf: not run ({aiperf.get('skipped', 'no result')})."]
     ours = {lv["concurrency"]: lv for lv in levels}
     out = ["", "AIPerf (streaming /v1/completions through the OpenAI endpoint, same prompt and output lengths) "
@@ -227,8 +229,8 @@ def aiperf_table(aiperf: dict | None, levels: list[dict]) -> list[str]:
                    f"| {_n(o.get('ttft_ms', {}).get('p99'))} | {_n(t.get('p99'))} | {_n(o.get('itl_ms', {}).get('p50'))} "
                    f"| {_n(i.get('p50'))} | {_n(o.get('itl_ms', {}).get('p99'))} | {_n(i.get('p99'))} "
                    f"| {_n(cpu.get('cores'), 2)} of {cpu.get('cpus', '?')} |")
-    if aiperf.get("skipped"):
-        out += ["", f"AIPerf stopped early: {aiperf['skipped']}"]
+    if aiperf.get("failed"):
+        out += ["", f"AIPerf stopped early: {aiperf['failed']}"]
     return out
 
 
