@@ -41,6 +41,7 @@ from pipeline import interrupts
 from pipeline.memory import memory_fault
 from pipeline.errors import (
     EXIT_BAD_INPUT,
+    EXIT_ENVIRONMENT,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     PipelineError,
@@ -140,22 +141,30 @@ def cmd_check(args) -> int:
     return 0
 
 
-def _served(args):
+def _served(args, recipe=None):
     from pipeline.serve.prepare import built_artifacts
     from pipeline.serve.run import prepare_for_server
 
-    recipe = load_from_args(args)
+    recipe = recipe or load_from_args(args)
     return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet))
 
 
 def cmd_serve(args) -> int:
     from pipeline.serve.openai_api import resolve_api_key
-    from pipeline.serve.run import serve_forever
+    from pipeline.serve.prepare import generate_model_of
+    from pipeline.serve.run import endpoint_socket, serve_forever
 
     api_key = resolve_api_key(args.host, args.api_key)  # refused before any build when off loopback without a key
-    code = serve_forever(_served(args), check=args.check, host=args.host, openai_port=args.openai_port, api_key=api_key)
+    recipe = load_from_args(args)
+    sock = endpoint_socket(args.host, args.openai_port) if generate_model_of(recipe) else None  # busy: before any build
+    try:
+        code = serve_forever(_served(args, recipe), check=args.check, host=args.host, openai_port=args.openai_port,
+                             api_key=api_key, sock=sock)
+    finally:
+        if sock is not None:
+            sock.close()
     print(f"tritonserver stopped (exit status {code})")
-    return 0 if code == 0 else 2
+    return 0 if code == 0 else EXIT_ENVIRONMENT
 
 
 def cmd_bench(args) -> int:

@@ -79,6 +79,20 @@ def test_serve_on_a_busy_port_fails_before_tritonserver_starts(monkeypatch):
     assert err.value.exit_code == 4 and started == []
 
 
+def test_cli_serve_on_a_busy_port_exits_4_before_any_build(monkeypatch, capsys):
+    from conftest import ROOT
+    from pipeline import cli
+
+    built = []
+    monkeypatch.setattr(cli, "_served", lambda *a, **k: built.append(a))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = cli.main(["serve", str(ROOT / "recipes" / "fp8-llm.yaml"), "--openai-port", str(port)])
+    assert code == 4 and built == [] and f"--openai-port {port}: cannot bind" in capsys.readouterr().err
+
+
 def test_the_endpoints_socket_holds_its_port_from_the_start():
     """Bound and listening before tritonserver starts: a second serve on the port fails at once,
     also where it sets SO_REUSEADDR (a bound socket that does not listen would let it in)."""

@@ -487,7 +487,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     uri = args.storage_uri or (published or {}).get("triton_url") or (published or {}).get("to")
     if not uri:
         raise PipelineError(f"{run_dir / 'manifest.json'}: no `published` entry; publish first "
-                            f"(python -m pipeline publish {args.recipe} --to s3://bucket/prefix) or pass --storage-uri")
+                            f"(.venv/bin/python -m pipeline publish {args.recipe} --to s3://bucket/prefix; make publish "
+                            "TO=s3://...) or pass --storage-uri (make deploy ARGS='--storage-uri s3://...')")
     if args.max_replicas < 1:
         raise PipelineError(f"--max-replicas {args.max_replicas}: must be >= 1")
     out = Path(args.out) if args.out else run_dir / "deploy"

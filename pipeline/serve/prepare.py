@@ -52,7 +52,7 @@ class Served:
     @property
     def generate_model(self) -> str | None:
         """The streaming generation model, for kinds that generate."""
-        return self.adapter.front_model(self.recipe) if self.adapter.generates else None
+        return generate_model_of(self.recipe)
 
     @property
     def ensemble_model(self) -> str | None:
@@ -81,6 +81,15 @@ class Served:
     def models(self) -> list[str]:
         """Every model of the repository: compute first, then the kind's (generate / tokenizer + ensemble)."""
         return [self.compute_model, *self.adapter.served_models(self.recipe)]
+
+
+def generate_model_of(recipe: Recipe) -> str | None:
+    """The recipe's streaming generation model (what the OpenAI endpoint serves), None for kinds
+    that do not generate or a recipe without one."""
+    from pipeline.models import registry
+
+    adapter = registry.adapter(recipe.model)
+    return adapter.front_model(recipe) if adapter.generates else None
 
 
 @dataclass(frozen=True)

@@ -69,13 +69,14 @@ def add_serve_arguments(parser) -> None:
 
 
 def serve_forever(served: Served, *, check: bool = False, log: Log = print, host: str = "127.0.0.1",
-                  openai_port: int | None = None, api_key: str | None = None) -> int:
+                  openai_port: int | None = None, api_key: str | None = None, sock: socket.socket | None = None) -> int:
     """Serve in the foreground until Ctrl-C / SIGTERM; returns the server's exit code.
 
     For a generation model the OpenAI-compatible endpoint (:mod:`pipeline.serve.openai_api`)
     runs in front of Triton on ``host``:``openai_port`` (default
     :data:`DEFAULT_OPENAI_PORT`; 0 = a free port). ``api_key`` (else env ``PIPELINE_API_KEY``)
-    is checked as ``Authorization: Bearer``; it is required for a non-loopback ``host``.
+    is checked as ``Authorization: Bearer``; it is required for a non-loopback ``host``. ``sock``:
+    the endpoint's socket, already bound (:func:`endpoint_socket`; closed here), else bound here.
 
     Raises:
         PipelineError: (exit 2) non-loopback ``host`` without an API key, checked before
@@ -84,13 +85,19 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
         EnvironmentFault: the endpoint's port cannot be bound, checked before tritonserver starts.
     """
     key = resolve_api_key(host, api_key)
-    port = DEFAULT_OPENAI_PORT if openai_port is None else openai_port
-    sock = bind_socket(host, port) if served.generate_model else None  # a busy port fails before tritonserver
+    if sock is None and served.generate_model:
+        sock = endpoint_socket(host, openai_port)  # a busy port fails before tritonserver starts
     try:
         return _serve(served, sock, check=check, log=log, host=host, key=key)
     finally:
         if sock is not None:
             sock.close()
+
+
+def endpoint_socket(host: str, openai_port: int | None) -> socket.socket:
+    """The OpenAI endpoint's socket on ``host``:``openai_port`` (None: :data:`DEFAULT_OPENAI_PORT`),
+    bound and listening (:func:`pipeline.serve.openai_api.bind_socket`, whose errors it raises)."""
+    return bind_socket(host, DEFAULT_OPENAI_PORT if openai_port is None else openai_port)
 
 
 def _serve(served: Served, sock: socket.socket | None, *, check: bool, log: Log, host: str, key: str | None) -> int:
