@@ -469,7 +469,7 @@ from pipeline.serve.prepare import prepare
 from serve_tiny import context_build, llm_artifacts, llm_recipe
 ws = Path(sys.argv[1])
 served = prepare(llm_recipe(ws), llm_artifacts(ws, [[4]], build=context_build(4096)), backends=["python"])
-cli._served = lambda args: served
+cli.load_from_args, cli._served = lambda args: served.recipe, lambda args, recipe=None: served
 sys.exit(cli.main(["serve", "tiny.yaml", "--openai-port", "0"]))
 """
 
