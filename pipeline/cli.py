@@ -178,6 +178,9 @@ def cmd_bench(args) -> int:
     if bad:  # served tokens left validate's beyond a near tie: what is served is not what was validated
         print("served greedy tokens differ from the validate stage's:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 1
+    if aiperf_failed := result.get("llm", {}).get("aiperf", {}).get("failed"):  # asked for, and did not run
+        print(f"bench: {aiperf_failed} (--no-aiperf skips AIPerf)", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     return 0
 
 

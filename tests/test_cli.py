@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -170,6 +171,21 @@ def test_make_with_an_unknown_recipe_names_the_recipes():
     assert as_path.returncode == 2 and "(a name, not a path: RECIPE=fp8-llm)" in as_path.stderr
     elsewhere = make_n("build", "RECIPE=/elsewhere/fp8-llm.yaml", f"VENV={sys.prefix}")  # another file
     assert elsewhere.returncode == 2 and "a name, not a path" not in elsewhere.stderr
+
+
+@pytest.mark.parametrize("aiperf, greedy, code", [({"levels": []}, [], 0), ({"failed": "aiperf exited with status 1"}, [], 4),
+                                                   ({"failed": "aiperf exited with status 1"}, [{"x": 1}], 1)])
+def test_bench_exit_code_says_what_failed(capsys, monkeypatch, aiperf, greedy, code):
+    from pipeline import cli
+    from pipeline.serve import run
+
+    served = type("Served", (), {"run_dir": Path("run")})()
+    monkeypatch.setattr(cli, "_served", lambda args: served)
+    monkeypatch.setattr(run, "bench", lambda *a, **k: {"llm": {"aiperf": aiperf}, "markdown": "table"})
+    monkeypatch.setattr(run, "failures", lambda result: [f"prompt {g['x']}" for g in greedy])
+    assert main(["bench", str(ROOT / "recipes" / "fp8-llm.yaml")]) == code
+    if code == 4:
+        assert "bench: aiperf exited with status 1 (--no-aiperf skips AIPerf)" in capsys.readouterr().err
 
 
 def test_help_is_plain_text(capsys):
