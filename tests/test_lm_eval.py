@@ -231,6 +231,10 @@ def test_lm_eval_multiple_choice_through_local_completions(smollm2, tmp_path, re
     record_property(MC_TASK, f"acc {acc:.3f} +- {stderr:.3f} over {QUESTIONS} questions")
     print(f"\n{MC_TASK}: acc {acc:.3f} +- {stderr:.3f} (chance {1 / CHOICES}) over {QUESTIONS} questions")
     assert above_chance(acc, stderr, 1 / CHOICES), (acc, stderr)
+    # 12 of 12 has a standard error of 0: the exact binomial tail against chance says what it is worth
+    from scipy.stats import binomtest
+
+    assert binomtest(round(acc * QUESTIONS), QUESTIONS, 1 / CHOICES, alternative="greater").pvalue < 1e-3, acc
 
     samples = out["samples"][MC_TASK]
     pairs = [tuple(a) for s in samples for a in s["arguments"]]
