@@ -79,6 +79,16 @@ def write_outputs(man: dict, run_dir: Path) -> Path:
 FAILED_DIR = "failed"
 
 
+def last_manifest(run_dir: Path) -> dict:
+    """``run_dir/manifest.json`` as the last run wrote it; ``{}`` when there is none or it is not
+    a JSON object (never raises: callers read one field of it)."""
+    try:
+        man = json.loads((Path(run_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return man if isinstance(man, dict) else {}
+
+
 def write_run_outputs(man: dict, run_dir: Path) -> Path:
     """:func:`write_outputs` for a run, into the folder that keeps the published run's record: a
     passing run writes into ``run_dir`` (and removes ``run_dir/failed/``, now stale); a run that did
@@ -91,10 +101,7 @@ def write_run_outputs(man: dict, run_dir: Path) -> Path:
     if man.get("verdict") == "pass":
         shutil.rmtree(run_dir / FAILED_DIR, ignore_errors=True)
         return write_outputs(man, run_dir)
-    try:
-        kept = json.loads((run_dir / "manifest.json").read_text()).get("verdict") == "pass"
-    except (OSError, ValueError, AttributeError):
-        kept = False
+    kept = last_manifest(run_dir).get("verdict") == "pass"
     out = run_dir / FAILED_DIR if kept else run_dir
     out.mkdir(parents=True, exist_ok=True)
     return write_outputs(man, out)

@@ -294,10 +294,7 @@ def _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, i
 def _note_another_recipe(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress) -> None:
     """Say so when ``run_dir`` holds the last run of another recipe file of the same name (a copy
     built from the same folder): this run replaces its results and what it published."""
-    try:
-        last = json.loads((run_dir / "manifest.json").read_text()).get("recipe_path")
-    except (OSError, ValueError, AttributeError):
-        return
+    last = M.last_manifest(run_dir).get("recipe_path")
     if last and Path(last).resolve() != Path(recipe_path).resolve():
         progress.print(f"[yellow]note: {run_dir}/ holds the last run of {last}, a recipe of the same name "
                        f"({recipe.name}); this run of {recipe_path} replaces its results and its models in "

@@ -58,7 +58,6 @@ Inputs, in order of precedence:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from pathlib import Path
@@ -67,6 +66,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import PipelineError
+from pipeline.manifest import last_manifest
 from pipeline.recipe_kinds import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
 from pipeline.serving_targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
@@ -139,10 +139,7 @@ def resolve_target(recipe, published: dict | None, target: str | None = None) ->
 
 def last_published(run_dir: Path) -> dict | None:
     """The last ``published`` entry of ``run_dir/manifest.json``, or None."""
-    try:
-        entries = json.loads((run_dir / "manifest.json").read_text()).get("published", [])
-    except (OSError, json.JSONDecodeError):
-        return None
+    entries = last_manifest(run_dir).get("published") or []
     return entries[-1] if entries else None
 
 
@@ -155,9 +152,9 @@ def kv_geometry(recipe) -> tuple[int, int, int] | None:
     from pipeline.models.text_generation import kv
 
     try:
-        man = json.loads((Path(recipe.work_dir) / recipe.name / "manifest.json").read_text())
+        man = last_manifest(Path(recipe.work_dir) / recipe.name)
         inputs = [TensorSpec(**spec) for spec in man["artifacts"]["export"]["inputs"]]
-    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+    except (KeyError, TypeError):
         return None
     if not any(kv.PAST_RE.match(spec.name) for spec in inputs):
         return None

@@ -12,6 +12,8 @@ repository each, all loadable by one server.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +61,7 @@ class Served:
         """The one-response front model (an ensemble), for kinds that do not generate."""
         return None if self.adapter.generates else self.adapter.front_model(self.recipe)
 
-    @property
+    @functools.cached_property
     def compute_in_process(self) -> bool:
         """The generation model runs the compute graph in its own process (its config's
         ``compute_runtime: onnxruntime``, target python-onnxruntime): Triton's statistics of the
