@@ -69,8 +69,7 @@ def preflight(args):
     from pipeline.model_source import package_file
 
     recipe = load_from_args(args)
-    from pipeline import datasets, manifest
-    datasets.check_disjoint(manifest.data_uses(recipe, Path(args.recipe).parent))  # calibration vs eval data
+    _check_disjoint_data(recipe, args)
     from pipeline.stages.triton import check_names_free
 
     check_names_free(recipe)  # a model name another recipe published into output_dir
@@ -80,6 +79,23 @@ def preflight(args):
 
     registry.adapter(recipe.model).check_files()  # what later stages read from the source (tokenizer, EOS)
     return recipe, weights
+
+
+def _check_disjoint_data(recipe, args) -> None:
+    """Calibration vs tuning vs eval data (datasets.check_disjoint); an overlap a ``--set``
+    made is tagged ``[from --set KEY]``, as a schema error from one is."""
+    from pipeline import datasets, manifest
+
+    uses = manifest.data_uses(recipe, Path(args.recipe).parent)
+    try:
+        datasets.check_disjoint(uses)
+    except datasets.DataError as e:
+        named = [u for u in uses if u in str(e)]
+        setters = [o for o in parse_set(getattr(args, "set", None) or [])
+                   if any(o == u or o.startswith(u + ".") or u.startswith(o + ".") for u in named)]
+        if not setters:
+            raise
+        raise datasets.DataError(f"{e} [from --set {setters[-1]}]") from None
 
 
 def cmd_build(args) -> int:

@@ -28,12 +28,23 @@ class Progress:
         start = time.perf_counter()
         with self.console.status(text):
             yield
-        self.console.print(f"  {text} [dim]({time.perf_counter() - start:.1f} s)[/dim]")
+        self.done(text, time.perf_counter() - start)
 
-    def track(self, items: Iterable[T], text: str, total: int | None = None) -> Iterable[T]:
+    def track(self, items: Iterable[T], text: str, total: int | None = None) -> Iterator[T]:
+        """Yield ``items``; a transient bar on a terminal, none in a log; then the
+        ``step`` line with the seconds the loop took."""
         if self.quiet:
-            return items
-        return track(items, description=f"  {text}", total=total, console=self.console, transient=True)
+            yield from items
+            return
+        start = time.perf_counter()
+        if self.console.is_terminal:
+            items = track(items, description=f"  {text}", total=total, console=self.console, transient=True)
+        yield from items
+        self.done(text, time.perf_counter() - start)
+
+    def done(self, text: str, seconds: float) -> None:
+        """The indented line under a stage's name: what was done and its wall time (s)."""
+        self.console.print(f"  {text} [dim]({seconds:.1f} s)[/dim]", highlight=False)
 
     def print(self, text: str) -> None:
         self.console.print(text)

@@ -48,8 +48,11 @@ into the same named diagnosis.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -532,8 +535,25 @@ def export_module(module, example_feeds: Feeds, dynamic_axes: DynamicAxes, out: 
                   for a, d in dynamic_axes.get(n, {}).items()} or None for n in example_feeds}
     args = tuple(torch.from_numpy(v) for v in example_feeds.values())
     try:
-        torch.onnx.export(module, args, str(out), dynamo=True, dynamic_shapes=tuple(shapes.values()),
-                          input_names=list(example_feeds), output_names=list(output_names or []) or None,
-                          opset_version=opset, external_data=False, verbose=False)
+        with quiet_export():
+            torch.onnx.export(module, args, str(out), dynamo=True, dynamic_shapes=tuple(shapes.values()),
+                              input_names=list(example_feeds), output_names=list(output_names or []) or None,
+                              opset_version=opset, external_data=False, verbose=False)
     except Exception as e:  # the exporter raises many types; keep its text
         raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def quiet_export() -> Iterator[None]:
+    """Silence the exporter's chatter (deprecation warnings, missing-torchvision notes,
+    step banners) inside the block; errors still raise. Mutes torch.onnx's logger below
+    ERROR, Python warnings and stdout."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(None):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)

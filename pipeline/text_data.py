@@ -126,7 +126,8 @@ def token_windows(tokenizer, docs: list[str], seq_len: int, max_windows: int) ->
     sep = tokenizer.eos_token_id
     ids: list[int] = []
     for doc in docs:
-        ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + ([sep] if sep is not None else [])
+        # verbose=False: a document longer than model_max_length is expected, the windows cut it
+        ids += tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"] + ([sep] if sep is not None else [])
         if len(ids) >= body * max_windows:
             break
     n = min(len(ids) // body, max_windows)

@@ -109,6 +109,14 @@ def test_check_refuses_overlapping_corpus_ranges_naming_both_uses(tmp_path, caps
                    "[0, 200) and documents [150, 300); valid: disjoint document ranges"]
 
 
+def test_an_overlap_a_set_made_names_the_set(tmp_path, capsys):
+    path = _write(tmp_path, lambda d: None)
+    assert main(["check", path, "--set", "validate.data.split.start=150"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: quantize.calibration.data and validate.data overlap: ")
+    assert err.endswith("valid: disjoint document ranges [from --set validate.data.split.start]")
+
+
 def test_check_refuses_a_copy_of_the_calibration_file_as_eval_data(tmp_path, capsys):
     (tmp_path / "cal.txt").write_text("\n".join(_lee(0, 40)))
     (tmp_path / "eval.txt").write_text("\n".join(_lee(0, 40)))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,7 +115,12 @@ def test_sigterm_mid_build_then_resume(tmp_path, tiny_model):
 def test_a_copy_of_the_same_name_says_it_replaces_the_last_run(tmp_path, tiny_model, tiny_export, capsys):
     path = tiny_recipe(tmp_path, tiny_model)
     seed_export(tmp_path, tiny_export)
-    assert _run(path).passed
+    assert run_pipeline(load_recipe(path), path, quiet=False).passed
+    lines = capsys.readouterr().err.splitlines()  # a log, not a terminal: no bars, no blank lines
+    assert "" not in lines and lines[0] == "export: cached (ok)"
+    stage_lines = lambda name: lines[lines.index(f"{name} ...") + 1:]  # noqa: E731
+    assert re.fullmatch(r"  build: .+ \(\d+\.\d s\)", stage_lines("build")[0])
+    assert re.fullmatch(r"  validate: perplexity \(.+\) \(\d+\.\d s\)", stage_lines("validate")[0])
     copy = tmp_path / "mine" / path.name
     copy.parent.mkdir()
     copy.write_text(path.read_text())  # the same name, work_dir and output_dir

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,12 @@ def key_extra(ctx: StageContext) -> dict:
 
 def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> BuildArtifact:
     """The stage: :func:`build_from_onnx` on the quantized graph, into the stage folder."""
-    return build_from_onnx(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
-                           quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
+    start = time.perf_counter()
+    art = build_from_onnx(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
+                          quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
+    what = art.summary if art.status == "ok" else f"skipped: {art.reason}"
+    ctx.progress.done(f"build: {what}", time.perf_counter() - start)
+    return art
 
 
 def build_from_onnx(
@@ -142,7 +147,6 @@ def build_from_onnx(
     plan = engine_backends.choose(recipe, unavailable_reason())
     if plan.backend is None:
         reason = f"{plan.reason}; equivalent build command written to {script}; {NOT_CHECKED}"
-        log.warning("build skipped: %s", reason)
         return BuildArtifact("skipped", reason, None, None, str(script), resolved)
     notes = preflight(recipe, local_target(), script) if plan.backend is TENSORRT else list(plan.notes)
     check_qdq_graph(model, base_dir=str(onnx_path.parent))

@@ -13,6 +13,7 @@ import torch
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
+from pipeline.export_checks import quiet_export
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
 from pipeline.model_source import package_file
@@ -106,11 +107,12 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
         feeds = random_feeds(self.vocab, batch=2, sequence=7, names=names)
         args = tuple(torch.from_numpy(feeds[n]) for n in names)
         try:
-            torch.onnx.export(
-                module, args, str(out), dynamo=True, dynamic_shapes=shapes,
-                input_names=list(names), output_names=[OUTPUT],
-                opset_version=export_cfg.opset, external_data=False, verbose=False,
-            )
+            with quiet_export():
+                torch.onnx.export(
+                    module, args, str(out), dynamo=True, dynamic_shapes=shapes,
+                    input_names=list(names), output_names=[OUTPUT],
+                    opset_version=export_cfg.opset, external_data=False, verbose=False,
+                )
         except Exception as e:  # the exporter raises many types; keep its text
             raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
 

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
-from pipeline.models import quiet_export
+from pipeline.export_checks import quiet_export
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches as _text_batches
 from pipeline.models.text_generation import kv as kv_mod
