@@ -33,6 +33,7 @@ Exit codes (pipeline.errors):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -329,7 +330,9 @@ def _internal_error(args, exc: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns the exit code (see the module docstring)."""
+    """Run one command; returns the exit code (see the module docstring). Libraries'
+    tqdm bars are off (each step prints its own timed line); ``TQDM_DISABLE=`` (empty) shows them."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read when tqdm is imported, which comes later
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

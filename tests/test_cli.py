@@ -203,3 +203,16 @@ def test_usage_names_the_command_the_user_typed(monkeypatch):
     assert build_parser().description == "Command line: trtpipe build recipes/fp8-llm.yaml."
     monkeypatch.setattr(sys, "argv", ["/repo/pipeline/__main__.py", "--help"])
     assert build_parser().format_usage().startswith("usage: python -m pipeline ")
+
+
+def test_the_cli_turns_library_tqdm_bars_off_unless_the_user_set_it(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert main(["check", str(tmp_path / "missing.yaml")]) == 2
+    assert os.environ["TQDM_DISABLE"] == "1"
+    bar = [sys.executable, "-c", "from tqdm.auto import tqdm; list(tqdm(range(3), desc='Loading weights'))"]
+    assert subprocess.run(bar, capture_output=True, text=True, check=True).stderr == ""  # what a library's bar does then
+    monkeypatch.setenv("TQDM_DISABLE", "")  # the user's own setting wins: bars shown
+    assert main(["check", str(tmp_path / "missing.yaml")]) == 2
+    assert "Loading weights" in subprocess.run(bar, capture_output=True, text=True, check=True).stderr
