@@ -13,7 +13,7 @@ import torch
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
-from pipeline.export_checks import quiet_export
+from pipeline import export_checks
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
 from pipeline.model_source import package_file
@@ -95,26 +95,10 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
         Raises:
             ExportError: the exporter failed; its message is kept.
         """
-        axes = self.dynamic_axes(export_cfg)
-        dims: dict[str, torch.export.Dim] = {}
-
-        def dim(name: str):
-            return dims.setdefault(name, torch.export.Dim(name, min=1, max=8192))
-
-        names = module.input_names
-        shapes = tuple({a: dim(d) for a, d in axes[n].items()} for n in names)  # positional, as args
         # Example sizes above 1 and distinct, so the exporter specialises nothing.
-        feeds = random_feeds(self.vocab, batch=2, sequence=7, names=names)
-        args = tuple(torch.from_numpy(feeds[n]) for n in names)
-        try:
-            with quiet_export():
-                torch.onnx.export(
-                    module, args, str(out), dynamo=True, dynamic_shapes=shapes,
-                    input_names=list(names), output_names=[OUTPUT],
-                    opset_version=export_cfg.opset, external_data=False, verbose=False,
-                )
-        except Exception as e:  # the exporter raises many types; keep its text
-            raise ExportError(f"export: torch.onnx.export failed: {type(e).__name__}: {e}") from e
+        feeds = random_feeds(self.vocab, batch=2, sequence=7, names=module.input_names)
+        export_checks.export_module(module, feeds, self.dynamic_axes(export_cfg), out, opset=export_cfg.opset,
+                                    output_names=[OUTPUT])
 
     def sample_feeds(self, module, inputs, point: dict[str, int], seed: int) -> dict[str, np.ndarray]:
         """Random feeds at ``point`` (needs dims ``batch`` and ``sequence``) for the graph's ``inputs``.
