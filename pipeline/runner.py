@@ -189,7 +189,7 @@ def run_lock(run_dir: Path):
 
 
 def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only: list[str] | None = None,
-                 locked: bool = False, remote: SharedCache | None = None) -> RunResult:
+                 locked: bool = False, remote: SharedCache | None = None, unpinned: str = "") -> RunResult:
     """Run every stage and write the manifest (with ``only``: the stages through the last one
     named, no manifest written, no gate; for tests and tools).
 
@@ -199,6 +199,8 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
         remote: a shared stage cache: a local miss is pulled from it when its key is there
             (verified; the manifest's stage record says ``cache_source: remote``), and every
             stage that ran is pushed to it. None: the local cache alone.
+        unpinned: why no pinned tuning result applies (``build --test``'s random copy); the
+            quantize stage then calibrates and searches, and the manifest gives this reason.
 
     Returns a RunResult; ``passed`` is False when an accuracy gate failed.
 
@@ -213,7 +215,7 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
             last = max((s.name for s in _stages() if s.name in only), key=[s.name for s in _stages()].index)
             arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last, remote=remote)[0]
             return RunResult(man, run_dir / "manifest.json", True, arts)
-        return _run(recipe, recipe_path, run_dir, progress, locked=locked, remote=remote)
+        return _run(recipe, recipe_path, run_dir, progress, locked=locked, remote=remote, unpinned=unpinned)
 
 
 def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple[A.QuantizedArtifact, Path]:
@@ -227,7 +229,7 @@ def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple
 
     run_dir = Path(recipe.work_dir) / recipe.name
     with run_lock(run_dir):
-        arts = _walk(recipe, recipe_path, run_dir, Progress(quiet), {}, pin_ignore=True, upto="quantize")[0]
+        arts = _walk(recipe, recipe_path, run_dir, Progress(quiet), {}, pin_ignore=pin.TUNE_IGNORES, upto="quantize")[0]
     return arts["quantize"], run_dir / "quantize" / pin.CANDIDATE
 
 
@@ -243,16 +245,16 @@ _ENGINE_TOOLS = ("tensorrt", "tensorrt-rtx")
 
 
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False,
-         remote: SharedCache | None = None) -> RunResult:
+         remote: SharedCache | None = None, unpinned: str = "") -> RunResult:
     _note_another_recipe(recipe, recipe_path, run_dir, progress)
     _repair_published(recipe, progress)
     man: dict = {}
-    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote)
+    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote, pin_ignore=unpinned)
     return _finish(man, arts, run_dir, recipe)
 
 
 def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, man: dict, *,
-          locked: bool = False, pin_ignore: bool = False, upto: str | None = None,
+          locked: bool = False, pin_ignore: str = "", upto: str | None = None,
           remote: SharedCache | None = None) -> tuple[dict, dict]:
     """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys)."""
     from pipeline.quant import pin

@@ -114,7 +114,8 @@ def run_test(recipe_path: Path, recipe, user_overrides: dict, quiet: bool = Fals
     test_recipe = load_recipe(recipe_path, {**user_overrides, **overrides(recipe, area / COPY_DIR)})
     print(f"build --test: {info['architecture']} with {info['layers'][1]} of {info['layers'][0]} layers, random "
           f"weights, from {location}; output_dir {test_recipe.output_dir} (nothing is published)")
-    result = run_pipeline(test_recipe, recipe_path, quiet=quiet)
+    result = run_pipeline(test_recipe, recipe_path, quiet=quiet,
+                          unpinned="build --test: a random copy is never pinned; calibration and the search run on it")
     run_dir = result.manifest_path.parent
     note = {"test": True, **info, "copy": str(area / COPY_DIR), "gates_enforced": False,
             "output_dir": test_recipe.output_dir,

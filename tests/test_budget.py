@@ -177,16 +177,20 @@ def test_search_respects_floor_and_limits(runner):
     assert res.status == "limit reached"
 
 
-def test_pipeline_records_exclusions_of_a_reachable_budget(tiny, runner):
+def test_pipeline_records_exclusions_of_a_reachable_budget(tiny, runner, capsys):
     ws, model_dir, _ = tiny
     sens = S.measure_sensitivity(runner, "kld_mean")
     bound = (sens.baseline + sens.rows[0]["metric_value"]) / 2
     path = _recipe(ws / "ok", model_dir, ws / EXPORT, **{"quantize.accuracy_budget": {"metric": "kld_mean", "max": bound}})
-    result = run_pipeline(load_recipe(path), path, quiet=True)
+    capsys.readouterr()
+    result = run_pipeline(load_recipe(path), path, quiet=False)
     assert result.passed
     q = result.artifacts["quantize"]
     found = q.calibration["accuracy_budget"]
     assert found["status"] == "met" and found["metrics"]["kld_mean"] <= bound
+    kept = len(found["excluded_scopes"])
+    assert (f"  accuracy budget met: {kept} GEMMs kept in high precision, kld_mean = "
+            f"{found['metrics']['kld_mean']:.5g} (kld_mean <= {bound}; ") in capsys.readouterr().err
     assert sorted(q.excluded_nodes) == sorted(n for g in found["excluded_groups"] for n in runner.group_nodes[g])
     assert yaml.safe_load(found["snippet"])["quantize"]["exclude"]["nodes"] == found["excluded_scopes"]
     stage = Path(q.onnx_path).parent
@@ -329,3 +333,9 @@ def test_search_after_smoothquant_reads_the_smoothed_graphs_data_file(tiny, monk
     stage = Path(q.onnx_path).parent
     assert (stage / "smoothed_fp32.onnx.data").is_file() and q.calibration["accuracy_budget"]["status"] == "met"
     assert onnx_io.check_loadable(Path(q.onnx_path)) is None
+
+
+def test_the_outcome_line_says_when_nothing_stays_in_high_precision():
+    res = budget.BudgetResult("met", "kld_mean", "kld_mean <= 0.05", [], [], 1.0, {"kld_mean": 0.0123456})
+    assert res.outcome() == ("the all-quantized trial, nothing kept in high precision, kld_mean = 0.012346 "
+                             "(kld_mean <= 0.05; 100.0% of GEMMs quantized)")

@@ -49,6 +49,7 @@ def test_build_test_runs_every_stage_on_a_copy_and_publishes_nothing(tmp_path, t
     assert "(not enforced: --test)" in out and "nothing is published" in out
     man = json.loads((area / "manifest.json").read_text())
     assert man["recipe"]["model"]["source"]["path"] == str((area / "random-2-layer").resolve())
+    assert man["tuning"]["reason"].startswith("build --test: a random copy is never pinned")  # no `tune` hint
 
     # A failing gate is reported, not enforced: still exit 0 (stages are cache hits now).
     assert main(["build", str(path), "--test", "--quiet", "--set", "validate.gates.0.max=0.0"]) == 0

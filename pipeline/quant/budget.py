@@ -71,6 +71,13 @@ class BudgetResult:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def outcome(self) -> str:
+        """One line: what the search chose and its metric on the tuning split."""
+        kept = (f"{len(self.excluded_scopes)} GEMMs kept in high precision" if self.excluded_scopes
+                else "the all-quantized trial, nothing kept in high precision")
+        return (f"{kept}, {self.metric} = {self.metrics[self.metric]:.5g} ({self.bound}; "
+                f"{self.quantized_fraction:.1%} of GEMMs quantized)")
+
 
 def passes(budget, metrics: dict[str, float], tol: float = 0.0) -> bool:
     """Whether ``metrics`` meet the budget gate (:func:`pipeline.gates.evaluate`) by at least
@@ -365,6 +372,7 @@ def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: in
         with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
             res = search(runner, sens, q.accuracy_budget, tol=tol, **bounds)
     res.tolerance = {"value": tol.value, "tie": tol.tie, "noise": tol.noise}
+    ctx.progress.print(f"  accuracy budget {res.status}: {res.outcome()}")
     _write(ctx.stage_dir, res, list(q.exclude.nodes))
     if res.status != "met":
         weights = runner.weights_dir  # tensors not loaded into ``model`` are read from there

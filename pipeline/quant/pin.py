@@ -108,11 +108,16 @@ def _rel(path: Path, root: Path | None) -> str:
         return str(path)
 
 
-def lookup(recipe, recipe_path: str | Path, inputs: dict, *, ignore: bool = False) -> PinLookup:
+#: why ``tune`` never uses a pin (:func:`lookup`'s ``ignore``)
+TUNE_IGNORES = "`tune` runs calibration and the search anew"
+
+
+def lookup(recipe, recipe_path: str | Path, inputs: dict, *, ignore: str = "") -> PinLookup:
     """Read the recipe's pin and check it against :func:`match_fields`.
 
     Args:
-        ignore: ``tune``: never use the pin (the search runs and writes a new one).
+        ignore: why no pin applies to this run (``tune``: :data:`TUNE_IGNORES`; ``build --test``:
+            a random copy); non-empty: the pin is not read and calibration and the search run.
 
     Raises:
         RecipeError: (exit 2) the pin file exists but is not a valid pin (names the file).
@@ -120,7 +125,7 @@ def lookup(recipe, recipe_path: str | Path, inputs: dict, *, ignore: bool = Fals
     path = pin_path(recipe_path, recipe.name)
     fields = match_fields(recipe, inputs)
     if ignore:
-        return PinLookup(path, fields, reason="`tune` runs calibration and the search anew")
+        return PinLookup(path, fields, reason=ignore)
     if not path.is_file():
         return PinLookup(path, fields, reason=f"{path} does not exist ({tune_command(recipe_path)} writes it)")
     pin = read(path, retune=tune_command(recipe_path))
