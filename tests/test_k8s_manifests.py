@@ -47,34 +47,44 @@ def no_endpoint_env(monkeypatch):
 
 
 @functools.cache
-def exported_inputs(name: str) -> list[dict]:
-    """The graph inputs the export of ``name``'s model gives (as ``manifest.json`` records them):
-    for an LLM, the KV layout its architecture returns (:func:`kv_layout` on the model built from
-    the GGUF's config on the meta device: no weights read, no build)."""
+def exported_artifacts(name: str) -> dict:
+    """The export and build records of ``name`` as ``manifest.json`` gives them (graph inputs and
+    outputs, resolved profiles): for an LLM, the KV layout and vocabulary its architecture returns
+    (:func:`kv_layout` on the model built from the GGUF's config on the meta device: no weights
+    read, no build)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dataclasses import asdict
+
+    from pipeline.artifacts import TensorSpec
     from pipeline.model_source import package_file
     from pipeline.models.text_generation.model import kv_layout
+    from pipeline.profiles import resolve_profiles
 
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
     if recipe.model.kind != "text-generation":
-        return [{"name": n, "dtype": "int64", "shape": ["batch", "sequence"]} for n in recipe.export.dynamic_axes]
+        inputs = [{"name": n, "dtype": "int64", "shape": ["batch", "sequence"]} for n in recipe.export.dynamic_axes]
+        return {"export": {"inputs": inputs, "outputs": []}, "build": {"profiles": []}}
     path = package_file(recipe.model)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     with torch.device("meta"):
         layout = kv_layout(AutoModelForCausalLM.from_config(config))
-    return [{"name": n, "dtype": "int64", "shape": ["batch", "sequence"]} for n in ("input_ids", "attention_mask")] + [
+    axes = recipe.export.dynamic_axes
+    inputs = [{"name": n, "dtype": "int64", "shape": [axes[n][0], axes[n][1]]} for n in ("input_ids", "attention_mask")] + [
         {"name": n, "dtype": "float32", "shape": ["batch", layout.kv_heads, "past_sequence", layout.head_dim]}
         for n in layout.past_names()]
+    outputs = [{"name": "logits", "dtype": "float32", "shape": ["batch", "sequence", config.vocab_size]}]
+    profiles = resolve_profiles(list(recipe.build.profiles), [TensorSpec(**i) for i in inputs], set())
+    return {"export": {"inputs": inputs, "outputs": outputs}, "build": {"profiles": [asdict(p) for p in profiles]}}
 
 
 def generate(name: str, tmp_path: Path) -> dict[str, str]:
-    """The manifests of recipe ``name`` after a build (a manifest.json with its export's inputs)."""
+    """The manifests of recipe ``name`` after a build (a manifest.json with its export and build records)."""
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", {"work_dir": str(tmp_path / "work")})
     run_dir = tmp_path / "work" / recipe.name
     run_dir.mkdir(parents=True)
-    (run_dir / "manifest.json").write_text(json.dumps({"artifacts": {"export": {"inputs": exported_inputs(name)}}}))
+    (run_dir / "manifest.json").write_text(json.dumps({"artifacts": exported_artifacts(name)}))
     target = k8s.resolve_target(recipe, None, CASES[name])
     out = tmp_path / "deploy"
     k8s.write_manifests(recipe, out, storage_uri=f"s3://models/trt-pipeline/{name}", target=target)
@@ -124,10 +134,10 @@ def test_llm_manifests_carry_gpu_shm_probes_metrics_and_model_control(tmp_path):
         {"path": "/v2/health/ready", "port": 8000}, {"path": "/v2/health/live", "port": 8000})
     assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8002",
                                               "prometheus.io/path": "/metrics"}
-    # KV cache: 2 x 30 layers x 3 KV heads x 64 x 4 B x 513 tokens = 22.5 MiB per sequence; 8 requests,
-    # in and out: 360.7 MiB + 256 MiB base = 616.7 MiB, rounded up to 640 MiB
-    assert 2 * 30 * 3 * 64 * 4 * 513 * 8 * 2 / 2**20 + 256 == pytest.approx(616.7, abs=0.1)
-    assert pod["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "640Mi"}}]
+    # KV cache: 2 x 8 sequences x 513 tokens x 30 layers x 3 KV heads x 64 x 4 B = 180.4 MiB, in and out,
+    # plus last_logits 8 x 49152 x 4 B: 362.2 MiB; + 25 % = 452.8 MiB, rounded up to 512 MiB, the deploy notes' size
+    assert (2 * 2 * 8 * 513 * 30 * 3 * 64 * 4 + 8 * 49152 * 4) * 1.25 / 2**20 == pytest.approx(452.8, abs=0.05)
+    assert pod["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "512Mi"}}]
     assert c["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
     isvc = yaml.safe_load(files["kserve/inferenceservice.yaml"])["spec"]["predictor"]
     assert (isvc["model"]["storageUri"], isvc["model"]["runtimeVersion"]) == ("s3://models/trt-pipeline/fp8-llm", "24.10-py3")
@@ -196,7 +206,6 @@ def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch, capsy
 def test_without_a_build_the_shm_is_the_base_size(tmp_path):
     """The KV geometry is the exported graph's (never config.json's): before a build there is none."""
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"work_dir": str(tmp_path)})
-    assert k8s.kv_geometry(recipe) is None
     assert k8s.shm_mib(recipe) == (k8s.BASE_SHM_MIB, f"{k8s.BASE_SHM_MIB} MiB base (no KV cache geometry)")
 
 
@@ -294,3 +303,18 @@ def test_deploy_sizes_the_cache_from_the_published_entry(tmp_path):
     assert k8s.cmd_deploy(args) == 0
     *_, cache = yaml.safe_load_all((run_dir / "deploy" / "kserve-localmodelcache" / "localmodelcache.yaml").read_text())
     assert cache["spec"]["modelSize"] == "1127Mi" and cache["spec"]["sourceModelUri"] == "s3://models/p"
+
+
+def test_the_deploy_notes_and_the_manifests_give_one_shm_size(tmp_path):
+    from pipeline.artifacts import ResolvedProfile, TensorSpec
+    from pipeline.models.text_generation.triton import write_deploy_notes
+
+    files = generate("fp8-llm", tmp_path)
+    recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"work_dir": str(tmp_path / "work")})
+    rec = json.loads((tmp_path / "work" / recipe.name / "manifest.json").read_text())["artifacts"]
+    notes = write_deploy_notes(recipe, [TensorSpec(**s) for s in rec["export"]["inputs"]],
+                               [TensorSpec(**s) for s in rec["export"]["outputs"]],
+                               [ResolvedProfile(**p) for p in rec["build"]["profiles"]]).read_text()
+    assert "`--shm-size=512m`" in notes and "`deploy k8s` gives its /dev/shm the same 512 MiB" in notes
+    assert "sizeLimit: 512Mi" in files["plain/deployment.yaml"] and "# /dev/shm 512 MiB: 8 sequences x 513 tokens" in (
+        files["plain/deployment.yaml"])

@@ -50,10 +50,10 @@ Inputs, in order of precedence:
   and pass it with ``--image``.
 * ``/dev/shm`` (an emptyDir in memory; Docker's ``--shm-size``): for an LLM, every
   decode step of a request moves its KV cache through the python backend's
-  shared memory, in and out: ``max_batch_size`` x 2 x KV bytes per sequence at
-  the context limit (2 x layers x KV heads x head dim x 4 bytes x tokens; FP32
-  as exported; the geometry is the last build's exported graph's, from its
-  ``manifest.json``) + 256 MiB; 256 MiB for a graph without a KV cache, or before a build.
+  shared memory, in and out. The size is the deploy notes' own
+  (:func:`pipeline.models.text_generation.triton.shm_size` of the last build's
+  exported graph and profiles, from its ``manifest.json``); 256 MiB for a graph
+  without a KV cache, or before a build.
 """
 from __future__ import annotations
 
@@ -67,7 +67,6 @@ import yaml
 
 from pipeline.errors import PipelineError
 from pipeline.manifest import last_manifest
-from pipeline.recipe_kinds import PAST_DIM  # the past inputs' axis-2 name the LLM export gives
 from pipeline.serving_targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
 BASE_SHM_MIB = 256
@@ -143,52 +142,30 @@ def last_published(run_dir: Path) -> dict | None:
     return entries[-1] if entries else None
 
 
-def kv_geometry(recipe) -> tuple[int, int, int] | None:
-    """(layers, KV heads, head dim) of the graph the last build exported: its
-    ``past_key_values.N.key/value`` inputs in ``<work_dir>/<recipe>/manifest.json``
-    (:func:`pipeline.models.text_generation.kv.kv_layout`, what the exported model itself
-    returns). None for a graph without a KV cache, or before a build."""
-    from pipeline.artifacts import TensorSpec
-    from pipeline.models.text_generation import kv
+def shm_mib(recipe) -> tuple[int, str]:
+    """``/dev/shm`` size in MiB and how it was sized (a comment for the manifests): for a graph
+    with a KV cache, :func:`pipeline.models.text_generation.triton.shm_size` of the last build
+    (its ``manifest.json``: the exported graph's inputs and outputs, the resolved profiles), the
+    number its deploy notes give; else :data:`BASE_SHM_MIB`.
+
+    Raises:
+        TritonConfigError: the last build's KV cache inputs are incomplete.
+    """
+    from pipeline.artifacts import ResolvedProfile, TensorSpec
+    from pipeline.models.text_generation import kv, triton
 
     try:
         man = last_manifest(Path(recipe.work_dir) / recipe.name)
-        inputs = [TensorSpec(**spec) for spec in man["artifacts"]["export"]["inputs"]]
+        export = man["artifacts"]["export"]
+        inputs = [TensorSpec(**spec) for spec in export["inputs"]]
+        outputs = [TensorSpec(**spec) for spec in export["outputs"]]
+        profiles = [ResolvedProfile(**p) for p in man["artifacts"]["build"]["profiles"]]
     except (KeyError, TypeError):
-        return None
+        inputs = []
     if not any(kv.PAST_RE.match(spec.name) for spec in inputs):
-        return None
-    layout = kv.kv_layout(inputs, error=PipelineError)
-    return layout.num_layers, layout.kv_heads, layout.head_dim
-
-
-def max_context(recipe) -> int | None:
-    """Context limit of profile 0: min(attention_mask length max, past length max + 1)."""
-    axes = recipe.export.dynamic_axes
-    dims = recipe.build.profiles[0].dims
-    limits = []
-    mask = axes.get("attention_mask", {}).get(1)
-    if mask in dims:
-        limits.append(dims[mask].max)
-    past = next((a.get(2) for n, a in axes.items() if n.startswith("past_key_values")), PAST_DIM)
-    if past in dims:
-        limits.append(dims[past].max + 1)
-    return min(limits) if limits else None
-
-
-def shm_mib(recipe) -> tuple[int, str]:
-    """``/dev/shm`` size in MiB and how it was sized (a comment for the manifest)."""
-    geometry, context = kv_geometry(recipe), max_context(recipe)
-    if geometry is None or context is None:
         return BASE_SHM_MIB, f"{BASE_SHM_MIB} MiB base (no KV cache geometry)"
-    layers, kv_heads, head_dim = geometry
-    per_seq = 2 * layers * kv_heads * head_dim * 4 * context
-    batch = max(recipe.triton.max_batch_size, 1)
-    total = BASE_SHM_MIB + math.ceil(batch * 2 * per_seq / 2**20)
-    size = 64 * math.ceil(total / 64)
-    return size, (f"{batch} requests x 2 (in + out) x KV {per_seq / 2**20:.1f} MiB per sequence "
-                  f"(2 x {layers} layers x {kv_heads} KV heads x {head_dim} head dim x 4 B x {context} tokens) "
-                  f"+ {BASE_SHM_MIB} MiB, rounded up to 64 MiB")
+    size = triton.shm_size(recipe, inputs, outputs, profiles)
+    return size.mib, size.how()
 
 
 def model_names(recipe) -> list[str]:

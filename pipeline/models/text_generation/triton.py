@@ -6,6 +6,7 @@ which checks and publishes them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.artifacts import BuildArtifact, ExportArtifact, ResolvedProfile, TensorSpec
@@ -45,28 +46,65 @@ def shm_bytes(kv: KVLayout, batch: int, context: int, vocab: int) -> dict[str, i
     return {"kv_cache": cache, "last_logits": logits, "step": need, "total": need + need // 4}
 
 
-def write_deploy_notes(recipe: Recipe, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-                       profiles: Sequence[ResolvedProfile]) -> Path:
-    """``<work_dir>/<recipe>/triton/deploy_notes.md``: the ``--shm-size`` the repository needs
-    (:func:`shm_bytes` at max_batch_size sequences of the max context). Outside the
-    model folders, so it is not part of their published hashes. Returns its path."""
+SHM_STEP_MIB = 64  # --shm-size and the /dev/shm emptyDir are rounded up to this (Docker's default size)
+
+
+@dataclass(frozen=True)
+class ShmSize:
+    """The /dev/shm a KV-cache repository needs: ``mib`` (Docker's ``--shm-size``, the
+    Kubernetes emptyDir's ``sizeLimit``) and what it was sized from (:func:`shm_bytes`)."""
+
+    mib: int
+    need: dict[str, int]
+    kv: KVLayout
+    batch: int
+    context: int
+    vocab: int
+
+    def how(self) -> str:
+        """One line: the formula with its numbers."""
+        return (f"{self.batch} sequences x {self.context} tokens: KV cache {self.need['kv_cache'] / 2**20:.1f} MiB "
+                f"in and out, plus last_logits, plus 25 % = {self.need['total'] / 2**20:.1f} MiB, rounded up to "
+                f"{SHM_STEP_MIB} MiB")
+
+
+def shm_size(recipe: Recipe, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+             profiles: Sequence[ResolvedProfile]) -> ShmSize:
+    """The repository's /dev/shm: :func:`shm_bytes` at ``triton.max_batch_size`` sequences of the
+    profiles' max context (:func:`pipeline.triton.repository.context_limits`; 2048 tokens when
+    none bounds it), rounded up to 64 MiB. One number for the deploy notes and ``deploy k8s``.
+
+    Raises:
+        PipelineError: ``inputs`` hold no complete KV cache (:func:`pipeline.models.text_generation.kv.kv_layout`).
+    """
     kv = kv_layout(inputs)
     vocab = next((int(s.shape[-1]) for s in outputs if s.name == "logits" and isinstance(s.shape[-1], int)), 0)
     batch = max(1, recipe.triton.max_batch_size)
     context = context_limits(profiles)["max_context"] or DEFAULT_SHM_CONTEXT
     need = shm_bytes(kv, batch, context, vocab)
-    shm_mib = max(64, -(-need["total"] // (1 << 20)))
+    step = SHM_STEP_MIB << 20
+    return ShmSize(max(1, -(-need["total"] // step)) * SHM_STEP_MIB, need, kv, batch, context, vocab)
+
+
+def write_deploy_notes(recipe: Recipe, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                       profiles: Sequence[ResolvedProfile]) -> Path:
+    """``<work_dir>/<recipe>/triton/deploy_notes.md``: the ``--shm-size`` the repository needs
+    (:func:`shm_size`). Outside the model folders, so it is not part of their published hashes.
+    Returns its path."""
+    size = shm_size(recipe, inputs, outputs, profiles)
+    kv, need, batch, context, vocab = size.kv, size.need, size.batch, size.context, size.vocab
     mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
     text = (
         f"# Deploying {recipe.name}\n\n"
-        f"Run Triton with `--shm-size={shm_mib}m` (e.g. `docker run --gpus all --shm-size={shm_mib}m ...`).\n\n"
+        f"Run Triton with `--shm-size={size.mib}m` (e.g. `docker run --gpus all --shm-size={size.mib}m ...`; "
+        f"`deploy k8s` gives its /dev/shm the same {size.mib} MiB).\n\n"
         "The python-backend generation model moves the KV cache through /dev/shm at every step:\n\n"
         f"- KV cache: 2 x B {batch} x S {context} x L {kv.num_layers} x H_kv {kv.kv_heads} x D {kv.head_dim} "
         f"x {_DTYPE_BYTES.get(kv.dtype, 4)} bytes ({kv.dtype}) = {mib(need['kv_cache'])}\n"
         f"- one step holds it twice (past in, present out), plus `last_logits` [B {batch}, V {vocab}] float32 "
         f"= {mib(need['last_logits'])}: {mib(need['step'])}\n"
-        f"- with 25 % headroom: {mib(need['total'])}; Docker's default /dev/shm is 64 MiB"
-        + (" (too small)" if need["total"] > DOCKER_DEFAULT_SHM else "") + ".\n\n"
+        f"- with 25 % headroom: {mib(need['total'])}, rounded up to {SHM_STEP_MIB} MiB; Docker's default /dev/shm "
+        f"is 64 MiB" + (" (too small)" if need["total"] > DOCKER_DEFAULT_SHM else "") + ".\n\n"
         f"B is triton.max_batch_size (concurrent generations), S the max context of the optimization profiles. "
         f"Request `last_logits` ([batch, vocab]) rather than `logits` ([batch, sequence, vocab]) per step: a "
         f"{context}-token prefill's full logits alone are {mib(batch * context * vocab * 4)}.\n"
