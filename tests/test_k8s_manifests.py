@@ -183,8 +183,13 @@ def test_deploy_uses_the_published_entry_or_refuses(tmp_path, monkeypatch, capsy
     recipe_path.write_text(yaml.safe_dump(data))
     parser = argparse.ArgumentParser()
     k8s.add_deploy_arguments(parser)
-    with pytest.raises(PipelineError, match="no `published` entry; publish first"):
+    with pytest.raises(PipelineError, match="no `published` entry; publish first") as e:
         k8s.cmd_deploy(parser.parse_args(["k8s", str(recipe_path)]))
+    assert "make " not in str(e.value)  # a recipe outside recipes/: the make forms would read another file
+    shipped = parser.parse_args(["k8s", str(ROOT / "recipes" / "int8-encoder.yaml"), "--set", f"work_dir={tmp_path / 'w'}"])
+    with pytest.raises(PipelineError, match="make publish RECIPE=int8-encoder TO=s3://...") as e:
+        k8s.cmd_deploy(shipped)
+    assert "(make deploy RECIPE=int8-encoder ARGS='--storage-uri s3://...')" in str(e.value)
     run_dir = tmp_path / "artifacts" / "int8-encoder"
     run_dir.mkdir(parents=True)
     published = {"to": "s3://models/p", "triton_url": "s3://minio.svc:9000/models/p", "target": "python-onnxruntime"}

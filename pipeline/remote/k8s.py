@@ -447,6 +447,13 @@ def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override, as for build")
 
 
+def _make_name(recipe_path: str) -> str | None:
+    """The ``RECIPE=`` of a recipe in this checkout's ``recipes/`` (the only ones the Makefile
+    reads), else None."""
+    path = Path(recipe_path).resolve()
+    return path.stem if path.parent == Path(__file__).resolve().parents[2] / "recipes" else None
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``python -m pipeline deploy k8s RECIPE``: write the manifests, print the kubectl commands.
 
@@ -460,9 +467,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     published = last_published(run_dir)
     uri = args.storage_uri or (published or {}).get("triton_url") or (published or {}).get("to")
     if not uri:
-        raise PipelineError(f"{run_dir / 'manifest.json'}: no `published` entry; publish first "
-                            f"(.venv/bin/python -m pipeline publish {args.recipe} --to s3://bucket/prefix; make publish "
-                            "TO=s3://...) or pass --storage-uri (make deploy ARGS='--storage-uri s3://...')")
+        publish = f".venv/bin/python -m pipeline publish {args.recipe} --to s3://bucket/prefix"
+        make = _make_name(args.recipe)
+        raise PipelineError(f"{run_dir / 'manifest.json'}: no `published` entry; publish first ({publish}"
+                            + (f"; make publish RECIPE={make} TO=s3://...) or pass --storage-uri (make deploy "
+                               f"RECIPE={make} ARGS='--storage-uri s3://...')" if make else ") or pass --storage-uri"))
     if args.max_replicas < 1:
         raise PipelineError(f"--max-replicas {args.max_replicas}: must be >= 1")
     out = Path(args.out) if args.out else run_dir / "deploy"
