@@ -280,6 +280,11 @@ def test_agreement_metrics_per_output_and_worst_output():
     assert m["mean_cosine:hidden"] == 1.0 and m["rel_l2:hidden"] == 0.0  # an all-zero pair counts 1
     assert m["mean_cosine"] == pytest.approx(2 / 3) and m["max_abs_diff"] == 2.0 and m["top1_agreement"] == m[
         "top1_agreement:logits"]
+    # the worst output's per-sample values [1, 0, 1]: a bootstrap SE near sqrt(2/9 / 3) = 0.27
+    assert m["mean_cosine_stderr"] == m["top1_agreement_stderr"] == pytest.approx(0.27, abs=0.03)
+    assert m["stderr_basis"]["mean_cosine"]["n"] == 3 and "eval samples of logits" in m["stderr_basis"]["mean_cosine"][
+        "method"]
+    assert "min_cosine_stderr" not in m and "max_abs_diff_stderr" not in m  # extremes have no standard error
     broken = agreement(ref, {**cand, "hidden": np.full((3, 2), np.nan, np.float32)})
     assert math.isnan(broken["mean_cosine"]) and broken["top1_agreement:logits"] == pytest.approx(2 / 3)
     only_hidden = agreement({"hidden": ref["hidden"]}, {"hidden": cand["hidden"]})

@@ -28,6 +28,7 @@ import onnx
 from pipeline import export_checks, onnx_io
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError, RecipeError
+from pipeline.gates import BASIS_KEY
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 import pipeline.models.generic.feeds as F
@@ -189,13 +190,17 @@ class GenericAdapter(OnnxRuntimeRunners, SourceFiles):
         v = ctx.recipe.validate_
         data = _validate_data(ctx)
         cut = F.batches(F.samples(data, exp.inputs, getattr(v, "max_windows", None)), v.batch_size)
-        ref = _run_all(self.reference_runner(exp), cut)
-        metrics: dict[str, Any] = {"eval_samples": int(len(next(iter(ref.values())))),
-                                   "eval_data": data.describe(), "reference": self.reference_note}
-        metrics.update(agreement(ref, _run_all(self.candidate_runner(q), cut)))
+        with ctx.progress.step(f"validate: {q.precision} against the reference on {data.describe()}"):
+            ref = _run_all(self.reference_runner(exp), cut)
+            metrics: dict[str, Any] = {"eval_samples": int(len(next(iter(ref.values())))),
+                                       "eval_data": data.describe(), "reference": self.reference_note}
+            metrics.update(agreement(ref, _run_all(self.candidate_runner(q), cut)))
         if engine is not None:
-            got = agreement(ref, _run_all(engine, cut))
+            with ctx.progress.step("validate: the engine against the reference"):
+                got = agreement(ref, _run_all(engine, cut))
+            basis = got.pop(BASIS_KEY, {})
             metrics.update({f"engine.{k}": val for k, val in got.items()})
+            metrics.setdefault(BASIS_KEY, {}).update({f"engine.{k}": b for k, b in basis.items()})
         return metrics, {}
 
     # --- serving -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,30 @@ def output_agreement(name: str, ref: np.ndarray, cand: np.ndarray) -> dict[str, 
     return out
 
 
-def agreement(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> dict[str, float | str]:
+def _per_sample_top1(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Fraction of each sample's positions whose argmax agrees, float64 ``[n]``."""
+    same = (ref.argmax(-1) == cand.argmax(-1)).reshape(ref.shape[0], -1)
+    return same.mean(axis=1, dtype=np.float64)
+
+
+#: the gateable means over samples, and each one's per-sample values (ref, cand -> ``[n]``)
+_SAMPLE_MEANS = {"mean_cosine": cosines, "top1_agreement": _per_sample_top1}
+
+
+def _add_stderr(out: dict, metric: str, per_sample: np.ndarray, output: str) -> None:
+    """``<metric>_stderr`` (bootstrap over samples, :mod:`pipeline.metrics.uncertainty`) and its
+    ``stderr_basis`` record; below 2 samples a ``_stderr_reason`` instead."""
+    from pipeline.metrics import uncertainty
+
+    n = len(per_sample)
+    if n < 2:
+        out[f"{metric}{uncertainty.STDERR_SUFFIX}_reason"] = f"one eval sample ({output}) has no spread"
+        return
+    out[f"{metric}{uncertainty.STDERR_SUFFIX}"] = uncertainty.ratio_of_sums_stderr(per_sample, np.ones(n))
+    out.setdefault(uncertainty.BASIS_KEY, {})[metric] = uncertainty.basis(n, "samples", n, f"eval samples of {output}")
+
+
+def agreement(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """Per-output metrics (``<metric>:<output>``) and the gateable worst-output ones.
 
     Args:
@@ -91,6 +115,8 @@ def agreement(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> 
     Returns:
         ``{"mean_cosine": ..., "mean_cosine:<output>": ..., ...}``; ``top1_agreement``
         is NaN with a ``top1_agreement_reason`` when no output looks like class scores.
+        ``mean_cosine`` and ``top1_agreement`` (means over samples) also get ``<metric>_stderr``
+        of their worst output, a paired bootstrap over samples, with ``stderr_basis``.
 
     Raises:
         AccuracyError: an output is missing from ``cand``, shapes differ, or the reference is non-finite.
@@ -98,15 +124,22 @@ def agreement(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> 
     missing = sorted(set(ref) - set(cand))
     if missing:
         raise AccuracyError(f"validate: the candidate returns no output(s) {missing}; it returns {sorted(cand)}")
-    out: dict[str, float | str] = {}
-    per: dict[str, list[float]] = {k: [] for k in _WORST}
+    out: dict[str, Any] = {}
+    per: dict[str, dict[str, float]] = {k: {} for k in _WORST}  # metric -> output -> value
     for name in ref:
         for metric, value in output_agreement(name, ref[name], cand[name]).items():
             out[f"{metric}:{name}"] = value
-            per.get(metric, []).append(value)
+            per.get(metric, {})[name] = value
     for metric, values in per.items():
-        if values:
-            out[metric] = math.nan if any(math.isnan(v) for v in values) else _WORST[metric](values)
+        if not values:
+            continue
+        if any(math.isnan(v) for v in values.values()):
+            out[metric] = math.nan
+            continue
+        worst = _WORST[metric](values, key=lambda n: values[n])
+        out[metric] = values[worst]
+        if metric in _SAMPLE_MEANS:
+            _add_stderr(out, metric, _SAMPLE_MEANS[metric](ref[worst], cand[worst]), worst)
     if not per["top1_agreement"]:
         out["top1_agreement"] = math.nan
         out["top1_agreement_reason"] = ("no output looks like class scores (a float output of rank >= 2 named "
