@@ -142,7 +142,7 @@ def report_markdown(man: dict) -> str:
         lines += _metric_rows(man["metrics"])
         lines += generation_note(man["metrics"], man.get("gates") or [])
     for title, section in man.get("sections", {}).items():  # added after the build, e.g. by `pipeline plan`
-        lines += ["", f"## {title}", "", capped_section(section["markdown"], section.get("file"))]
+        lines += ["", f"## {title}", "", capped_section(nested_headings(section["markdown"]), section.get("file"))]
     lines += ["", "## Versions", ""] + [f"- {k}: {v}" for k, v in man["versions"].items()]
     if man.get("cpu_model"):
         lines.append(f"- cpu model: {man['cpu_model']}")
@@ -174,6 +174,21 @@ def gate_table(gates: list[dict]) -> list[str]:
             notes.append(f"{g['name']}: {g['statistic']} at confidence {g.get('confidence')}: compared with "
                          f"threshold {_fmt(g.get('threshold'))} (bound ± z·se; pipeline/gates.py)")
     return rows + ([""] + [f"- {n}" for n in dict.fromkeys(notes)] if notes else [])
+
+
+def nested_headings(markdown: str, levels: int = 2) -> str:
+    """``markdown`` with each ATX heading ``levels`` deeper (at most ``######``), outside code
+    fences: a section file's own ``# Title`` sits under the report's ``## Section``."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if line.startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            hashes = len(line) - len(line.lstrip("#"))
+            if line[hashes:hashes + 1] in (" ", ""):
+                line = "#" * min(6, hashes + levels) + line[hashes:]
+        out.append(line)
+    return "\n".join(out)
 
 
 def capped_section(markdown: str, file: str | None = None, max_lines: int = SECTION_MAX_LINES,

@@ -267,9 +267,10 @@ def test_report_opens_with_the_verdict_the_gate_table_and_the_stages(tmp_path):
 def test_a_huge_section_is_capped_with_a_pointer_to_its_file():
     table = "\n".join(f"| {i} | + layers.{i}.mlp.down_proj | {'x' * 200} |" for i in range(2000))
     man = _manifest(_results(), {"Accuracy budget": {"markdown": table, "file": "quantize/budget.md"},
-                                 "Deploy notes": {"markdown": "short notes"}})
+                                 "Deploy notes": {"markdown": "# Deploying x\n\nshort notes\n\n## KV\n```\n# cmd\n```"}})
     report = M.report_markdown(man)
-    assert len(report.encode()) < 10_000 and "short notes" in report
+    assert len(report.encode()) < 10_000
+    assert "## Deploy notes\n\n### Deploying x\n\nshort notes\n\n#### KV\n```\n# cmd\n```" in report  # nested, fences kept
     kept = report.split("## Accuracy budget\n\n")[1].split("\n\n... ")[0].splitlines()
     assert kept == table.splitlines()[:len(kept)] and 0 < len(kept) <= M.SECTION_MAX_LINES
     assert f"... {2000 - len(kept)} more lines: the full section is in `quantize/budget.md`" in report
