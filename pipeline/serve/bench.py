@@ -401,11 +401,11 @@ def bench_variants(served: Served, server: TritonServer, variants: Sequence[Vari
     """The bucketed workload on each variant (loaded, measured, unloaded in turn) and the ratios."""
     cfg = served.recipe.serve
     feeds = bucket_feeds(served.artifacts["export"].inputs, cfg.bucket_tokens, vocab_size(served))
-    shapes = {n: list(a.shape) for n, a in feeds.items() if "past" not in n}
+    shapes = ", ".join(f"{n} {'x'.join(map(str, a.shape))}" for n, a in feeds.items() if "past" not in n)
     rows = []
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         for v in variants:
-            log(f"{v.name}: {cfg.batching_requests} requests at concurrency {cfg.batching_concurrency}, shapes {shapes}")
+            log(f"{v.name}: {cfg.batching_requests} requests at concurrency {cfg.batching_concurrency} ({shapes})")
             rows.append(variant_row(client, server.grpc_url, v, feeds, cfg.batching_requests, cfg.batching_concurrency))
     by = {(r["dynamic_batching"], r["instances"]): r["inferences_per_s"] for r in rows}
     ratios = {
