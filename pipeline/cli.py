@@ -356,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         if storage_fault(e) is not None:  # unless the file system refused a write: exit 4
             return _storage_error(e)
         return _oom_error(e) or _internal_error(args, e)  # or memory ran out: exit 4
+    except SystemExit as e:  # sys.exit() in a library or a model's forward: its code would read as ours
+        err = RuntimeError(f"sys.exit({e.code!r}) was called inside the command (by a library or the model's code)")
+        err.__cause__ = e
+        return _internal_error(args, err)
 
 
 def _oom_error(exc: BaseException) -> int | None:

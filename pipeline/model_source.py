@@ -263,6 +263,10 @@ class EntrySource(_ModelSource):
             raise
         except Exception as e:  # user code: any exception, reported with its type
             raise ModelFileError(f"{where}: {self.entry} failed: {type(e).__name__}: {e}") from e
+        except SystemExit as e:  # sys.exit() or argparse at import: never the pipeline's own exit code
+            raise ModelFileError(f"{where}: {self.entry} called sys.exit({e.code!r}) (argparse does on a command "
+                                 "line it does not know); valid: an entry file that only defines and returns "
+                                 "the model, its command-line code under `if __name__ == \"__main__\":`") from None
         finally:
             sys.path.remove(str(script.parent))
         return _entry_result(result, where, self.entry, torch)

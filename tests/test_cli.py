@@ -216,3 +216,24 @@ def test_the_cli_turns_library_tqdm_bars_off_unless_the_user_set_it(tmp_path, mo
     monkeypatch.setenv("TQDM_DISABLE", "")  # the user's own setting wins: bars shown
     assert main(["check", str(tmp_path / "missing.yaml")]) == 2
     assert "Loading weights" in subprocess.run(bar, capture_output=True, text=True, check=True).stderr
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_sys_exit_in_a_model_entry_is_an_error_naming_the_entry_never_its_code(tmp_path, capsys, code, monkeypatch):
+    import shutil
+
+    project = tmp_path / "p"
+    shutil.copytree(ROOT / "examples" / "custom-model", project)
+    (project / "model.py").write_text(f"import sys\n\n\ndef make_model():\n    sys.exit({code})\n")
+    monkeypatch.chdir(project)
+    assert main(["build", "recipe.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.source.entry: ./model.py:make_model called sys.exit({code})" in err
+
+
+def test_sys_exit_deeper_inside_a_command_is_an_internal_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "cmd_check", lambda args: sys.exit(0))
+    monkeypatch.setattr(cli, "preflight", lambda args: sys.exit(0))
+    assert main(["check", str(ROOT / "recipes" / "fp8-llm.yaml")]) == 3
+    assert "internal error: RuntimeError: sys.exit(0) was called inside the command" in capsys.readouterr().err
