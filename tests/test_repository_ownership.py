@@ -146,3 +146,42 @@ def test_check_names_free_names_the_recipe_field_of_each_taken_model(tmp_path):
     msg = str(err.value)
     assert "model 'smollm2_generate'" in msg and "belongs to recipe 'chat-bot'" in msg
     assert "it is this recipe's triton.generate_model_name" in msg and "'smollm2_fp8'" not in msg
+
+
+def test_a_hand_made_folder_of_the_same_name_is_refused_before_any_stage(owner_built, capsys):
+    repo = repo_of(owner_built)
+    (repo / "handmade" / "1").mkdir(parents=True)
+    (repo / "handmade" / "1" / "model.bin").write_text("precious")
+    try:
+        assert cli.main(["build", str(owner_built), "--quiet", "--set", "triton.model_name=handmade"]) == 2
+        err = capsys.readouterr().err
+        assert f"model 'handmade' ({repo / 'handmade'}) is a folder no recipe published (not in {INDEX_FILE})" in err
+        assert (repo / "handmade" / "1" / "model.bin").read_text() == "precious"
+        assert cli.main(["verify-repo", str(repo)]) == 4  # the whole repository: an unlisted model folder
+        assert f"{repo / 'handmade'}: a model folder not listed in {INDEX_FILE}" in capsys.readouterr().err
+    finally:
+        import shutil
+
+        shutil.rmtree(repo / "handmade")
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"models": ', "unreadable"),
+    ("[]", 'its top level is not an object with a "models" object'),
+    ('{"models": {"x": 5}}', "entry 'x' is not an object"),
+    ('{"models": {"../victim": {"recipe": "a", "files": {}}}}', "entry '../victim' is not a model folder name"),
+])
+def test_a_corrupt_index_fails_verification_and_builds_exit_4_deleting_nothing(tmp_path, capsys, text, says):
+    repo = tmp_path / "repo"
+    staging, entries = staged(tmp_path, "m", "x")
+    publish.publish(staging, repo, {"m": {**entries["m"], "recipe": "a"}}, "a")
+    (tmp_path / "victim").mkdir()
+    (repo / INDEX_FILE).write_text(text)
+    before = snapshot(tmp_path)
+    assert cli.main(["verify-repo", str(repo)]) == 4
+    assert f"{repo / INDEX_FILE}: " in capsys.readouterr().err
+    staging, entries = staged(tmp_path / "b", "n", "y")
+    with pytest.raises(publish.RepositoryCorrupt, match=says) as err:
+        publish.publish(staging, repo, {"n": {**entries["n"], "recipe": "a"}}, "a")
+    assert err.value.exit_code == 4
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("b/")} == before

@@ -32,6 +32,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -71,13 +72,43 @@ def repository_lock(repo: Path, *, shared: bool = False) -> Iterator[None]:
         yield
 
 
+#: a model name an index may hold: the recipe's ``triton.model_name`` pattern (one folder, never
+#: a path: ``..`` or ``/`` would reach outside the repository)
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
 def read_index(repo: Path) -> dict[str, dict]:
-    """model name -> entry of ``repo/repository.json`` ({} when absent or unreadable)."""
+    """model name -> entry of ``repo/repository.json`` ({} when there is none).
+
+    Raises:
+        RepositoryCorrupt: (exit 4) the file exists but is not a JSON object whose ``models``
+            maps model names (``[A-Za-z0-9_-]+``: a folder of the repository) to objects;
+            names the file and what is wrong. Nothing is written or deleted on its word then.
+    """
+    path = repo / INDEX_FILE
     try:
-        models = json.loads((repo / INDEX_FILE).read_text()).get("models", {})
-    except (OSError, json.JSONDecodeError, AttributeError):
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
-    return {k: v for k, v in models.items() if isinstance(v, dict)}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RepositoryCorrupt(f"{path}: unreadable ({e}); restore it from a published copy, or remove it "
+                                "and rebuild every recipe that publishes into this repository") from None
+    models = data.get("models") if isinstance(data, dict) else None
+    bad = ("its top level is not an object with a \"models\" object" if not isinstance(models, dict) else
+           next((f"entry {k!r} is {'not an object' if _MODEL_NAME.match(k) else 'not a model folder name'}"
+                 for k, v in models.items() if not (_MODEL_NAME.match(k) and isinstance(v, dict))), None))
+    if bad:
+        raise RepositoryCorrupt(f"{path}: not a model repository index: {bad}; valid: "
+                                "{\"models\": {\"<name [A-Za-z0-9_-]+>\": {\"recipe\": ..., \"files\": {...}}}}")
+    return models
+
+
+def unlisted_folders(repo: Path, index: dict[str, dict]) -> list[str]:
+    """Model folders in ``repo`` that ``index`` does not list (dot-folders, the publish's own
+    staging and journal, are not models)."""
+    if not repo.is_dir():
+        return []
+    return sorted(p.name for p in repo.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in index)
 
 
 def published_models(repo: Path, recipe_name: str) -> list[str]:
@@ -89,7 +120,7 @@ class ModelOwnedElsewhere(PipelineError):
     """A recipe would publish a model name that ``repository.json`` assigns to another recipe (exit 2)."""
 
 
-def foreign_owners(repo: Path, recipe_name: str, names: Sequence[str]) -> dict[str, str]:
+def foreign_owners(repo: Path, recipe_name: str, names: Sequence[str]) -> dict[str, str | None]:
     """model name -> owning recipe, for each of ``names`` that ``repo/repository.json``
     assigns to a recipe other than ``recipe_name`` (a folder with no entry is nobody's)."""
     index = read_index(Path(repo))
@@ -127,17 +158,21 @@ def check_ownership(repo: Path, recipe_name: str, names: Sequence[str] | dict[st
     """
     repo = Path(repo)
     taken = foreign_owners(repo, recipe_name, list(names))
+    if pending(repo) is None:  # an interrupted publish's own folders are not indexed yet; recovery lists them
+        unlisted = set(unlisted_folders(repo, read_index(repo)))
+        taken.update({n: None for n in names if n in unlisted})
     if not taken:
         return
     fields = names if isinstance(names, dict) else {}
-    lines = [f"model {n!r} ({repo / n}) belongs to recipe {owner!r}"
+    lines = [f"model {n!r} ({repo / n}) " + (f"belongs to recipe {owner!r}" if owner else
+                                             f"is a folder no recipe published (not in {INDEX_FILE})")
              + (f"; it is this recipe's {fields[n]}" if n in fields else "") for n, owner in taken.items()]
     raise ModelOwnedElsewhere(
-        f"{repo}: recipe {recipe_name!r} would replace models that {INDEX_FILE} assigns to other recipes; "
+        f"{repo}: recipe {recipe_name!r} would replace model folders that are not its own; "
         "nothing was published:\n  " + "\n  ".join(lines) + "\n"
         "Give this recipe's model another name (triton.model_name, or triton.generate_model_name for the "
-        "generation model), or, if the other recipe's model should go, delete its folder and its entry under "
-        f"\"models\" in {repo / INDEX_FILE} (no pipeline command removes another recipe's models)"
+        "generation model), or, if that model should go, delete its folder (and its entry under "
+        f"\"models\" in {repo / INDEX_FILE}, if any; no pipeline command removes models it did not publish)"
     )
 
 
@@ -403,7 +438,8 @@ def verify_repository(repo: Path, models: Sequence[str] | None = None, recipe: s
     ``models``: check only these (default: every indexed model). ``recipe``: these
     models must also be assigned to this recipe. Returns one line per problem
     (empty: the repository is exactly what was published): a pending publish
-    journal, a missing index or model folder, a model another recipe owns, and
+    journal, a missing or unreadable index, a missing model folder (or, for the whole
+    repository, one the index does not list), a model another recipe owns, and
     every file that is missing, differs from its recorded sha256, or is not recorded.
     """
     repo = Path(repo)
@@ -419,7 +455,12 @@ def _verify_locked(repo: Path, models: Sequence[str] | None, recipe: str | None)
                         f"({JOURNAL_FILE} present); the next build of that recipe completes it")
     if not (repo / INDEX_FILE).is_file():
         return problems + [f"{repo / INDEX_FILE}: missing; {repo} is not a published repository"]
-    index = read_index(repo)
+    try:
+        index = read_index(repo)
+    except RepositoryCorrupt as e:
+        return problems + [str(e)]
+    if models is None:
+        problems += [f"{repo / n}: a model folder not listed in {INDEX_FILE}" for n in unlisted_folders(repo, index)]
     for name in models if models is not None else sorted(index):
         owner = index.get(name, {}).get("recipe")
         if recipe is not None and name in index and owner != recipe:
