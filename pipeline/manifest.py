@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -290,25 +291,37 @@ def _fmt(v, reason: str | None = None) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+#: what XML 1.0 cannot hold (control characters but tab, LF, CR) and ANSI colour codes
+_NOT_XML = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _attr(text: object) -> str:
+    return quoteattr(_NOT_XML.sub("", str(text)))
+
+
+def _text(text: object) -> str:
+    return escape(_NOT_XML.sub("", str(text)))
+
+
 def junit_xml(man: dict) -> str:
     """One <testcase> per accuracy gate, plus one per failed stage. A gate's case holds
     ``<properties>`` (value, stderr, bound, margin_se, within_noise, n, statistic,
     threshold: the fields it has) and its message as ``<system-out>``; a failed gate's
-    message is also the ``<failure>`` message."""
+    message is also the ``<failure>`` message. Characters XML 1.0 cannot hold (a control
+    character, an ANSI colour code in an error message) are left out, so the file parses."""
     gates = man.get("gates", [])
     failed_stages = {k: v for k, v in man["stages"].items() if v["status"] == "failed"}
     cases = []
     for g in gates:
-        body = "" if g["passed"] else f"<failure message={quoteattr(g['message'])}/>"
-        props = "".join(f"<property name={quoteattr(k)} value={quoteattr(str(g[k]))}/>" for k in _JUNIT_PROPERTIES
+        body = "" if g["passed"] else f"<failure message={_attr(g['message'])}/>"
+        props = "".join(f"<property name={_attr(k)} value={_attr(g[k])}/>" for k in _JUNIT_PROPERTIES
                         if g.get(k) is not None)
-        out = f"<properties>{props}</properties>{body}<system-out>{escape(g['message'])}</system-out>"
-        cases.append(f'  <testcase classname="gates" name={quoteattr(g["name"])}>{out}</testcase>')
+        out = f"<properties>{props}</properties>{body}<system-out>{_text(g['message'])}</system-out>"
+        cases.append(f'  <testcase classname="gates" name={_attr(g["name"])}>{out}</testcase>')
     for st, r in failed_stages.items():
-        cases.append(f'  <testcase classname="stages" name={quoteattr(st)}><error message={quoteattr(r["reason"])}/></testcase>')
+        cases.append(f'  <testcase classname="stages" name={_attr(st)}><error message={_attr(r["reason"])}/></testcase>')
     failures = sum(not g["passed"] for g in gates)
-    name = escape(man["recipe"]["name"])
-    return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{name}" tests="{len(cases)}" '
+    return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name={_attr(man["recipe"]["name"])} tests="{len(cases)}" '
             f'failures="{failures}" errors="{len(failed_stages)}">\n' + "\n".join(cases) + "\n</testsuite>\n")
 
 

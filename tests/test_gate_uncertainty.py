@@ -305,3 +305,13 @@ def test_a_nan_fraction_prints_no_unit_or_percentage():
                            {"relative_perplexity_increase": None})
     assert res.unit == "fraction"
     assert res.message == "max_relative_perplexity_increase FAILED: relative_perplexity_increase = nan (bound <= 0.01)"
+
+
+def test_junit_parses_when_a_failed_stage_says_control_characters_and_ansi_colours():
+    import xml.etree.ElementTree as ET
+
+    man = _manifest(_results())
+    man["stages"]["export"] = M.stage_record("failed", "bad <tag> & \x01 \x1b[31mred\x1b[0m \"q\"", 1.0, 10.0)
+    root = ET.fromstring(M.junit_xml(man))
+    error = root.find("testcase[@classname='stages']/error")
+    assert error is not None and error.get("message") == 'bad <tag> &  red "q"'
