@@ -247,3 +247,17 @@ def test_offline_tokenizer_is_a_hub_cache_entry_that_offline_lookup_finds(tmp_pa
     assert (found / "tokenizer.json").resolve() == (folder / "tokenizer.json").resolve()
     assert (found / "config.json").read_text() == "{}\n"  # transformers 5 reads one before the tokenizer
     assert offline_tokenizer(folder, "gen", tmp_path / "hf_cache")[0] == name  # rebuilt in place
+
+
+def test_a_model_without_a_tokenizer_is_bucketed_without_a_vocabulary(tmp_path):
+    """The generic kind (examples/custom-model) has no tokenizer.json: bench used to open one."""
+    from types import SimpleNamespace
+
+    from pipeline.serve.bench import vocab_size
+
+    for folder in (None, "", str(tmp_path)):
+        served = SimpleNamespace(artifacts={"export": SimpleNamespace(tokenizer_dir=folder)})
+        assert vocab_size(served) is None
+    specs = [TensorSpec("byte_ids", "int64", ["batch", "length"]), TensorSpec("input_ids", "int64", ["batch", "s"])]
+    feeds = bucket_feeds(specs, 4, None)
+    assert {k: v.tolist() for k, v in feeds.items()} == {"byte_ids": [[0, 0, 0, 0]], "input_ids": [[0, 0, 0, 0]]}

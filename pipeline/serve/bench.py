@@ -111,14 +111,15 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
     return results, duration
 
 
-def bucket_feeds(inputs: Sequence[TensorSpec], tokens: int, vocab: int) -> dict[str, np.ndarray]:
+def bucket_feeds(inputs: Sequence[TensorSpec], tokens: int, vocab: int | None) -> dict[str, np.ndarray]:
     """One request of batch 1 where every symbolic axis is ``tokens`` long, except
-    ``past*`` axes (0: an LLM prefill). ``input_ids``: spread over ``[0, vocab)``;
-    ``attention_mask``: ones; other inputs: zeros. Shapes include the batch axis."""
+    ``past*`` axes (0: an LLM prefill). ``input_ids``: spread over ``[0, vocab)`` (zeros
+    without a vocabulary); ``attention_mask``: ones; other inputs: zeros. Shapes include
+    the batch axis."""
     feeds = {}
     for spec in inputs:
         shape = [_bucket_dim(axis, d, tokens) for axis, d in enumerate(spec.shape)]
-        if spec.name == "input_ids":
+        if spec.name == "input_ids" and vocab:
             array = (np.arange(int(np.prod(shape))) * 7919 + 13) % vocab
         elif spec.name == "attention_mask":
             array = np.ones(shape)
@@ -401,11 +402,12 @@ def bench_variants(served: Served, server: TritonServer, variants: Sequence[Vari
     """The bucketed workload on each variant (loaded, measured, unloaded in turn) and the ratios."""
     cfg = served.recipe.serve
     feeds = bucket_feeds(served.artifacts["export"].inputs, cfg.bucket_tokens, vocab_size(served))
-    shapes = ", ".join(f"{n} {'x'.join(map(str, a.shape))}" for n, a in feeds.items() if "past" not in n)
+    shapes = {n: list(a.shape) for n, a in feeds.items() if "past" not in n}
+    said = ", ".join(f"{n} {'x'.join(map(str, shape))}" for n, shape in shapes.items())
     rows = []
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         for v in variants:
-            log(f"{v.name}: {cfg.batching_requests} requests at concurrency {cfg.batching_concurrency} ({shapes})")
+            log(f"{v.name}: {cfg.batching_requests} requests at concurrency {cfg.batching_concurrency} ({said})")
             rows.append(variant_row(client, server.grpc_url, v, feeds, cfg.batching_requests, cfg.batching_concurrency))
     by = {(r["dynamic_batching"], r["instances"]): r["inferences_per_s"] for r in rows}
     ratios = {
@@ -448,11 +450,15 @@ def wait_unloaded(client: grpcclient.InferenceServerClient, model: str, timeout_
         time.sleep(0.2)
 
 
-def vocab_size(served: Served) -> int:
-    """Vocabulary size of the export's tokenizer (tokenizer.json, added tokens included)."""
+def vocab_size(served: Served) -> int | None:
+    """Vocabulary size of the export's tokenizer (tokenizer.json, added tokens included);
+    None for a model without one (the generic kind)."""
     from tokenizers import Tokenizer
 
-    path = Path(served.artifacts["export"].tokenizer_dir) / "tokenizer.json"
+    folder = served.artifacts["export"].tokenizer_dir
+    path = Path(folder) / "tokenizer.json" if folder else None
+    if path is None or not path.is_file():
+        return None
     return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
 
 
