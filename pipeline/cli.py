@@ -70,6 +70,7 @@ def preflight(args):
     from pipeline.model_source import package_file
 
     recipe = load_from_args(args)
+    _check_output_folders(recipe)
     _check_disjoint_data(recipe, args)
     from pipeline.stages.triton import check_names_free
 
@@ -80,6 +81,24 @@ def preflight(args):
 
     registry.adapter(recipe.model).check_files()  # what later stages read from the source (tokenizer, EOS)
     return recipe, weights
+
+
+def _check_output_folders(recipe) -> None:
+    """``work_dir`` and ``output_dir`` must be folders this process can write (checked with a
+    probe folder it removes), so a bad path fails before the first stage, not at the last.
+
+    Raises:
+        RecipeError: names the key, the path and why (a file in the way, or the OS's refusal;
+            a read-only or full file system under it is exit 4, as any storage fault).
+    """
+    from pipeline.errors import RecipeError
+    from pipeline.fsutil import folder_problem
+
+    for key in ("work_dir", "output_dir"):
+        problem = folder_problem(getattr(recipe, key))
+        if problem is not None:
+            raise RecipeError(f"{key}: {getattr(recipe, key)} cannot be written ({problem}); valid: a folder "
+                              "this user can create files in") from (problem if isinstance(problem, OSError) else None)
 
 
 def _check_disjoint_data(recipe, args) -> None:

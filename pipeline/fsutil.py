@@ -210,3 +210,23 @@ def write_json_atomic(path: Path, data: dict, *, strict: bool = True) -> None:
     else:
         text = json.dumps(data, indent=2, default=str)
     write_text_atomic(path, text)
+
+
+def folder_problem(path: str | Path) -> OSError | str | None:
+    """Why ``path`` cannot be (or become) a folder this process writes into, without leaving
+    anything behind: a file is in the way (a message), or a probe folder cannot be made in its
+    nearest existing ancestor (the OSError: EROFS, EACCES, ENOENT under ``/proc``...); None when
+    it can."""
+    import tempfile
+
+    p = Path(path).absolute()
+    near = p
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    if not near.is_dir():
+        return f"{near} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=near))
+    except OSError as e:
+        return e
+    return None

@@ -237,3 +237,15 @@ def test_sys_exit_deeper_inside_a_command_is_an_internal_error(monkeypatch, tmp_
     monkeypatch.setattr(cli, "preflight", lambda args: sys.exit(0))
     assert main(["check", str(ROOT / "recipes" / "fp8-llm.yaml")]) == 3
     assert "internal error: RuntimeError: sys.exit(0) was called inside the command" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["work_dir", "output_dir"])
+def test_an_output_folder_that_cannot_be_written_fails_the_preflight_naming_its_key(tmp_path, capsys, key):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    recipe = str(ROOT / "recipes" / "int8-encoder.yaml")
+    assert main(["check", recipe, "--set", f"{key}={blocker / 'sub'}"]) == 2
+    assert f"error: {key}: {blocker / 'sub'} cannot be written ({blocker} is a file, not a folder)" in capsys.readouterr().err
+    assert main(["check", recipe, "--set", f"{key}=/proc/no-such-folder"]) == 2
+    assert f"error: {key}: /proc/no-such-folder cannot be written (" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the probe leaves nothing
