@@ -154,7 +154,7 @@ def cmd_tune(args) -> int:
     from pipeline.runner import run_tune
 
     recipe, _ = preflight(args)
-    if recipe.quantize.calibration is None:
+    if recipe.quantize.precision not in ("fp8", "int8") or recipe.quantize.calibration is None:
         raise RecipeError(f"{args.recipe}: quantize.precision {recipe.quantize.precision!r} has no calibration "
                           "or search to pin; tune applies to fp8 and int8 recipes")
     art, cand = run_tune(recipe, Path(args.recipe), quiet=args.quiet)

@@ -142,6 +142,16 @@ def test_tune_writes_a_pin_beside_the_recipe(tuned):
     assert Path(pin.pin_path(path, "tiny-llm")).parent == ws / "tuned"  # outside the recipes glob
 
 
+def test_tune_refuses_a_precision_without_calibration_even_with_a_calibration_section(tuned, capsys):
+    """An fp16 run writes no candidate; a leftover int8 one must never be pinned in its name."""
+    ws, path = tuned
+    before = pin.pin_path(path, "tiny-llm").read_bytes()
+    fp16 = ["quantize.precision=fp16", "quantize.accuracy_budget=null", "quantize.sensitivity=null"]
+    assert main(["tune", str(path), "--quiet", *[a for s in fp16 for a in ("--set", s)]]) == 2
+    assert "quantize.precision 'fp16' has no calibration or search to pin" in capsys.readouterr().err
+    assert pin.pin_path(path, "tiny-llm").read_bytes() == before
+
+
 def test_build_uses_the_pin_and_quantizes_the_same_bytes(tuned):
     ws, path = tuned
     run = ws / "artifacts" / "tiny-llm"

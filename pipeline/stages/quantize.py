@@ -56,6 +56,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     q = ctx.recipe.quantize
     out = ctx.stage_dir / "model.onnx"
     src = Path(exp.onnx_path)
+    (ctx.stage_dir / pin.CANDIDATE).unlink(missing_ok=True)  # an earlier run's candidate is never this run's
     model = onnx.load(str(src), load_external_data=False)  # graph only: weights are read when needed
     if q.precision == "fp32":
         return _save(QuantizedArtifact(str(out), "fp32", [], []), model, src)
