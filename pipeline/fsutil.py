@@ -95,6 +95,27 @@ def sha256_file(path: str | Path, _cache: dict = {}) -> str:
     return _cache[key]
 
 
+def scratch_prefix(path: Path) -> str:
+    """Name prefix of the scratch file or folder a write of ``path`` makes beside it
+    (``.<name>.tmp-``); what a killed writer leaves, :func:`remove_scratch` removes."""
+    return f".{path.name}.tmp-"
+
+
+def remove_scratch(folder: Path) -> list[str]:
+    """Remove what killed writers left in ``folder`` (names starting ``.`` and holding
+    ``.tmp-``, :func:`scratch_prefix`); call only while no writer runs there (the run
+    lock). Returns the names removed."""
+    import shutil
+
+    if not folder.is_dir():
+        return []
+    gone = sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and ".tmp-" in p.name)
+    for name in gone:
+        p = folder / name
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+    return gone
+
+
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], *, durable: bool = False) -> None:
     """Replace ``path`` atomically with what ``write(fh)`` writes to a binary file: a temp
     file in the same folder (mode 0644), then ``os.replace``; a reader sees the old or the
@@ -112,7 +133,7 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], *, durable
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=scratch_prefix(path))
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide reports and indexes from other users
         with os.fdopen(fd, "wb") as fh:

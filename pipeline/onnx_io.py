@@ -34,6 +34,7 @@ from onnx import TensorProto, external_data_helper as edh
 
 from pipeline.errors import EnvironmentFault, PipelineError
 from pipeline.faults import fault_point
+from pipeline.fsutil import scratch_prefix
 
 if TYPE_CHECKING:
     from pipeline.artifacts import TensorSpec
@@ -198,7 +199,7 @@ def replacing(path: str | Path, *, strip: bool = True) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=scratch_prefix(path)))
     try:
         tmp = scratch / path.name
         fault_point(f"write:{path.name}", path)

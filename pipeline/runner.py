@@ -37,6 +37,7 @@ from pipeline import manifest as M
 from pipeline.context import Progress, StageContext
 from pipeline.errors import EXIT_INTERNAL, InternalError, LockHeld, PipelineError
 from pipeline.faults import fault_point
+from pipeline.fsutil import remove_scratch
 from pipeline.memory import PeakRSS, frozen_between_stages, memory_fault, release_freed
 from pipeline.provenance import code_hash, portable
 from pipeline.recipe import Recipe
@@ -367,6 +368,7 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
     # The old record goes first: a crash while the stage rewrites its files must not leave a
     # record that a later run with the old key would trust.
     (ctx.run_dir / stage.name / "stage.json").unlink(missing_ok=True)
+    remove_scratch(ctx.run_dir / stage.name)  # a killed run's half-written files (the run lock is held)
     start, mem = time.perf_counter(), PeakRSS()
     try:
         with mem:

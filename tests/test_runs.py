@@ -90,8 +90,12 @@ def test_interrupted_stage_keeps_earlier_work_and_resumes(tmp_path, tiny_model, 
     assert (run_dir / "export" / "stage.json").is_file()
     assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == published
     monkeypatch.undo()
+    killed = run_dir / "quantize" / ".model.onnx.tmp-x1y2z3"  # what a SIGKILL mid-write leaves
+    killed.mkdir()
+    (killed / "model.onnx").write_bytes(b"half")
     resumed = _run(path, **{"quantize.calibration.samples": 12})
     assert _hits(resumed.manifest)["export"] and not _hits(resumed.manifest)["quantize"]
+    assert not [p.name for p in (run_dir / "quantize").iterdir() if ".tmp-" in p.name]
 
 
 def test_sigterm_mid_build_then_resume(tmp_path, tiny_model):
