@@ -79,6 +79,7 @@ def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
         node = loader.get_single_node()
         if node is None:
             return None, None
+        _refuse_alias_blowup(node)
         _refuse_duplicates(loader, node, ())
         return loader.construct_document(node), node
     except yaml.YAMLError as e:
@@ -89,6 +90,38 @@ def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
         raise RecipeError(f"{source}: {e}") from None
     finally:
         loader.dispose()
+
+
+#: nodes a recipe may expand to through YAML aliases (``*x``); the shipped recipes have < 1000
+MAX_NODES = 100_000
+
+
+def _refuse_alias_blowup(root: yaml.Node) -> None:
+    """Refuse an alias that contains itself (``a: &x [*x]``) or aliases that expand past
+    :data:`MAX_NODES` (a "billion laughs" document), before anything is built from them.
+
+    Raises:
+        RecipeError: names the line of the offending alias or the count.
+    """
+    count, on_path = 0, set()
+
+    def visit(node: yaml.Node) -> None:
+        nonlocal count
+        count += 1
+        if count > MAX_NODES:
+            raise RecipeError(f"its aliases expand to more than {MAX_NODES:,} values (line "
+                              f"{node.start_mark.line + 1}); valid: a recipe without nested alias fan-out")
+        if id(node) in on_path:
+            raise RecipeError(f"line {node.start_mark.line + 1}: an alias refers to a value that contains it; "
+                              "valid: aliases of finished values only")
+        children = node.value if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)) else []
+        on_path.add(id(node))
+        for child in children:
+            for sub in (child if isinstance(child, tuple) else (child,)):
+                visit(sub)
+        on_path.discard(id(node))
+
+    visit(root)
 
 
 def yaml_line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:

@@ -139,6 +139,21 @@ def test_a_tag_its_value_does_not_fit_is_a_recipe_error(tmp_path):
         load_recipe(path)
 
 
+def test_an_alias_inside_itself_and_an_alias_bomb_are_recipe_errors(tmp_path):
+    path = tmp_path / "alias.yaml"
+    path.write_text("name: x\nlist: &x [1, *x]\n")
+    with pytest.raises(RecipeError, match=rf"^{path}: line 2: an alias refers to a value that contains it"):
+        load_recipe(path)
+    rows = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]  # 10**9 values
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(RecipeError, match=rf"^{path}: its aliases expand to more than 100,000 values"):
+        load_recipe(path)
+    path.write_text("a: &d {max: 8}\nb: *d\n")  # an ordinary alias still reads (then the schema speaks)
+    with pytest.raises(RecipeError, match="invalid recipe"):
+        load_recipe(path)
+
+
 def test_schema_error_gives_the_yaml_line(tmp_path):
     text = RECIPE.read_text().replace("    method: max", "    method: minmax", 1)
     path = tmp_path / "bad.yaml"
