@@ -212,3 +212,12 @@ def test_unbuilt_recipe_says_to_build_first(tmp_path):
     with pytest.raises(PipelineError, match="make build RECIPE=tiny-llm") as e:
         P.cmd_plan(_args(path))
     assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("flag, value", [("--rate", "nan"), ("--rate", "inf"), ("--rate", "-1"),
+                                         ("--workspace-gib", "-1"), ("--workspace-gib", "nan")])
+def test_a_rate_or_workspace_that_is_not_a_finite_positive_number_is_bad_input(tiny_built, flag, value):
+    path, _ = tiny_built
+    with pytest.raises(PipelineError, match=rf"^{flag}: must be a finite number > 0, got") as e:
+        P.cmd_plan(_args(path, flag, value))
+    assert e.value.exit_code == 2

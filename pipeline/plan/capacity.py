@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -275,6 +276,12 @@ def kv_dtype_of(onnx_path: str) -> str:
     return kv_layout(graph_specs(onnx.load(onnx_path, load_external_data=False))[0]).dtype
 
 
+def _check_positive(flag: str, value: float) -> None:
+    """Raises PipelineError (exit 2) naming ``flag`` unless ``value`` is finite and > 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise PipelineError(f"{flag}: must be a finite number > 0, got {value:g}")
+
+
 def build_plan(recipe: Recipe, *, rate: float | None = None, prompt: int | None = None, output: int | None = None,
                workspace_bytes: int | None = None, measure: bool = False, bandwidth: dict | None = None,
                gpus: tuple[GPU, ...] = GPUS) -> dict:
@@ -299,8 +306,7 @@ def build_plan(recipe: Recipe, *, rate: float | None = None, prompt: int | None 
     rate_source = "--rate" if rate is not None else "default (the recipe's serve section has no request rate)"
     rate = DEFAULT_RATE if rate is None else rate
     for flag, value in (("--rate", rate), ("--prompt-tokens", prompt), ("--output-tokens", output)):
-        if value <= 0:
-            raise PipelineError(f"{flag}: must be > 0, got {value}")
+        _check_positive(flag, value)
     if prompt + output > f.max_context:
         raise PipelineError(f"--prompt-tokens + --output-tokens = {prompt + output} exceeds the max context "
                             f"{f.max_context} of build.profiles[0]")
@@ -354,6 +360,8 @@ def cmd_plan(args) -> int:
     from pipeline.recipe_load import load_from_args
 
     recipe = load_from_args(args)
+    if args.workspace_gib is not None:
+        _check_positive("--workspace-gib", args.workspace_gib)
     workspace = None if args.workspace_gib is None else int(args.workspace_gib * 2**30)
     plan = build_plan(recipe, rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens,
                       workspace_bytes=workspace, measure=args.measure)
