@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from pipeline import cli
 from pipeline.errors import PipelineError
 from pipeline.recipe_load import load_recipe
 from pipeline.remote import k8s
@@ -323,3 +324,21 @@ def test_the_deploy_notes_and_the_manifests_give_one_shm_size(tmp_path):
     assert "`--shm-size=512m`" in notes and "`deploy k8s` gives its /dev/shm the same 512 MiB" in notes
     assert "sizeLimit: 512Mi" in files["plain/deployment.yaml"] and "# /dev/shm 512 MiB: 8 sequences x 513 tokens" in (
         files["plain/deployment.yaml"])
+
+
+def test_deploy_flags_are_checked_and_an_old_cache_variant_goes(tmp_path, capsys):
+    recipe = str(ROOT / "recipes" / "int8-encoder.yaml")
+    out = tmp_path / "deploy"
+    base = ["deploy", "k8s", recipe, "--storage-uri", "s3://models/p", "--out", str(out)]
+    assert cli.main([*base, "--local-model-cache", "gpu-nodes"]) == 0
+    assert (out / "kserve-localmodelcache" / "localmodelcache.yaml").is_file()
+    assert cli.main(base) == 0  # without the flag: no stale variant naming an old URI and image
+    assert sorted(p.name for p in out.iterdir()) == ["kserve", "plain"]
+    capsys.readouterr()
+    assert cli.main([*base, "--local-model-cache", "Bad_Name!"]) == 2
+    assert "--local-model-cache 'Bad_Name!': not a Kubernetes object name" in capsys.readouterr().err
+    assert cli.main(["deploy", "k8s", recipe, "--storage-uri", "notauri"]) == 2
+    assert "error: --storage-uri 'notauri': expected s3://bucket/prefix" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert cli.main([*base[:-1], str(tmp_path / "file" / "d")]) == 2
+    assert f"--out {tmp_path / 'file' / 'd'}: cannot be written ({tmp_path / 'file'} is a file" in capsys.readouterr().err

@@ -66,6 +66,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import PipelineError
+from pipeline.fsutil import folder_problem
 from pipeline.manifest import last_manifest
 from pipeline.serving_targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
@@ -351,7 +352,7 @@ def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None
     """
     from pipeline.remote.s3 import S3Location
 
-    loc = S3Location.parse(storage_uri)
+    loc = S3Location.parse(storage_uri, "--storage-uri")
     name = resource_name(recipe.name)
     img, gpu = resolve_image(recipe, image), target == "tensorrt"
     shm, shm_why = shm_mib(recipe)
@@ -418,10 +419,23 @@ def render(comment: str, objects: list[dict]) -> str:
     return head + "---\n".join(yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=1000) for o in objects)
 
 
+#: the folders :func:`manifests` writes under ``out_dir``
+VARIANTS = ("kserve", "plain", "kserve-localmodelcache")
+#: a Kubernetes object name (DNS-1123 subdomain), e.g. a LocalModelNodeGroup's
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
 def write_manifests(recipe, out_dir: Path, **kwargs: Any) -> list[Path]:
-    """Write :func:`manifests` under ``out_dir``; returns the files written."""
+    """Write :func:`manifests` under ``out_dir``; returns the files written. A variant folder
+    an earlier call wrote and this one does not (``kserve-localmodelcache/`` without
+    ``node_group``) is removed: it would name an old URI and image."""
+    import shutil
+
+    files = manifests(recipe, **kwargs)
+    for variant in set(VARIANTS) - {rel.split("/")[0] for rel in files}:
+        shutil.rmtree(out_dir / variant, ignore_errors=True)
     written = []
-    for rel, (comment, objects) in manifests(recipe, **kwargs).items():
+    for rel, (comment, objects) in files.items():
         path = out_dir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(comment, objects))
@@ -474,9 +488,15 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                                f"RECIPE={make} ARGS='--storage-uri s3://...')" if make else ") or pass --storage-uri"))
     if args.max_replicas < 1:
         raise PipelineError(f"--max-replicas {args.max_replicas}: must be >= 1")
-    out = Path(args.out) if args.out else run_dir / "deploy"
-    target = resolve_target(recipe, published if not args.storage_uri else None, args.target)
     group = getattr(args, "local_model_cache", None)
+    if group is not None and not (len(group) <= 253 and _K8S_NAME.match(group)):
+        raise PipelineError(f"--local-model-cache {group!r}: not a Kubernetes object name; valid: lower-case "
+                            "letters, digits, '-' and '.', starting and ending with a letter or digit")
+    out = Path(args.out) if args.out else run_dir / "deploy"
+    problem = folder_problem(out)
+    if problem is not None:
+        raise PipelineError(f"--out {out}: cannot be written ({problem}); valid: a folder this user can create files in")
+    target = resolve_target(recipe, published if not args.storage_uri else None, args.target)
     size = repository_bytes(recipe, published if not args.storage_uri else None) if group else None
     files = write_manifests(recipe, out, storage_uri=uri, target=target, image=args.image, max_replicas=args.max_replicas,
                             node_group=group, size_bytes=size)
