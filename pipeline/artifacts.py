@@ -144,6 +144,8 @@ class GateResult:
     confidence: float | None = None
     threshold: float | None = None
     unit: str | None = None
+    #: why a metric that has a standard error elsewhere has none here (e.g. one eval sample)
+    no_stderr: str | None = None
 
     @property
     def message(self) -> str:
@@ -164,6 +166,8 @@ class GateResult:
             notes.append(f"{self.statistic} at {self.confidence:.0%}: threshold {self.threshold:.6g}")
         if self.margin_se is not None:
             notes.append(f"margin {self.margin_se:+.2f} SE")
+        if self.no_stderr:
+            notes.append(f"no standard error: {self.no_stderr}")
         text = f"{self.name} {verdict}: {self.metric} = {value} ({'; '.join(notes)})"
         return text + (f"; {self.noise_note}" if self.within_noise else "")
 

@@ -219,6 +219,8 @@ def _evaluate_one(gate: Gate, metrics: dict, prefix: str) -> GateResult:
                      confidence=gate.confidence if gate.statistic != "point" else None)
     if se is not None and math.isfinite(value):
         _add_uncertainty(res, se, upper, metrics.get(BASIS_KEY, {}).get(metric, {}))
+    elif f"{metric}{STDERR_SUFFIX}" in metrics or metrics.get(f"{metric}{STDERR_SUFFIX}_reason"):
+        res.no_stderr = str(metrics.get(f"{metric}{STDERR_SUFFIX}_reason") or "fewer than 2 eval units to resample")
     return res
 
 

@@ -209,3 +209,15 @@ def test_cli_set_on_a_gate_bound(tmp_path, capsys):
            "[from --set validate.gates.0.min]" in capsys.readouterr().err
     whole = "validate.gates=[{metric: token_agreement, min: 0.2}, {metric: relative_perplexity_increase, max: 1}]"
     assert main(["check", str(LLM), "--set", whole]) == 0
+
+
+def test_a_gate_on_too_few_eval_units_says_it_has_no_standard_error():
+    """A truncated eval file (one window, one sample) still passes a point gate, but never silently."""
+    [one] = gates.evaluate([Gate(metric="kld_mean", max=0.1)], {"kld_mean": 0.01, "kld_mean_stderr": None})
+    assert one.passed and one.message == ("max_kld_mean passed: kld_mean = 0.01 nats (bound <= 0.1; "
+                                          "no standard error: fewer than 2 eval units to resample)")
+    [why] = gates.evaluate([Gate(metric="mean_cosine", min=0.9)],
+                           {"mean_cosine": 0.99, "mean_cosine_stderr_reason": "one eval sample (y) has no spread"})
+    assert why.message.endswith("(bound >= 0.9; no standard error: one eval sample (y) has no spread)")
+    [extreme] = gates.evaluate([Gate(metric="min_cosine", min=0.9)], {"min_cosine": 0.99})
+    assert "standard error" not in extreme.message  # a minimum never has one
