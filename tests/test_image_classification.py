@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact, TensorSpec
-from pipeline.datasets import load
+from pipeline.datasets import DataError, load
 from pipeline.errors import ExportError, TritonConfigError
 from pipeline.models.base import ModelAdapter
 from pipeline.models.image_classification import graph, metrics, preprocess, render, serving
@@ -383,6 +383,16 @@ def test_recipe_builds_end_to_end_on_a_small_subset(lines, tmp_path):
     assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == [
         "textline_cls_int8", "textline_cls_int8_ensemble", "textline_cls_int8_preprocess"]
     assert (repo / "textline_cls_int8_preprocess" / "1" / "model.py").is_file()
+    import shutil
+
+    [turned] = [p for p in (lines / "eval").iterdir() if p.is_dir() and p.name != sorted(
+        q.name for q in (lines / "eval").iterdir() if q.is_dir())[0]]
+    shutil.copytree(turned, tmp_path / "one-class" / turned.name)  # "180" alone would become class 0
+    one = load_recipe(path, {"work_dir": str(tmp_path / "artifacts"), "output_dir": str(tmp_path / "model_repository"),
+                             "quantize.calibration.data.path": str(lines / "calibration"),
+                             "quantize.calibration.samples": 16, "validate.data.path": str(tmp_path / "one-class")})
+    with pytest.raises(DataError, match=rf"has 1 label folder\(s\) \['{turned.name}'\] but the model scores 2 classes"):
+        run_pipeline(one, path, quiet=True)
 
 
 def test_served_models_are_what_triton_models_writes(tmp_path):

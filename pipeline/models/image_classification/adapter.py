@@ -145,6 +145,7 @@ class ImageClassificationAdapter(OnnxRuntimeRunners, SourceFiles):
             raise AccuracyError(f"validate.data: {v.data.describe()} has no labels; valid: an image folder "
                                 f"(subfolder = label) or an npz with a labels array")
         out = exp.outputs[0].name
+        _check_label_folders(v.data, exp.outputs[0].shape[-1])
         runs = {"fp32": self.reference_runner(exp), "candidate": self.candidate_runner(q)}
         if engine is not None:
             runs["engine"] = engine
@@ -271,3 +272,19 @@ def _compare(ref: np.ndarray, cand: np.ndarray, labels: np.ndarray) -> dict[str,
         out["top1_accuracy_fp32"], out["samples"] = metrics.accuracy(ref, labels), int(len(ref))
         return out
     return metrics.compare(ref, cand, labels)
+
+
+def _check_label_folders(data, classes) -> None:
+    """An image folder's labels are its sorted subfolder names, so a class without a folder
+    shifts every later label: refuse fewer folders than the model scores classes.
+
+    Raises:
+        DataError: names the folder, its label folders and the model's class count.
+    """
+    if not hasattr(data, "classes") or not isinstance(classes, int):
+        return
+    found = data.classes()
+    if len(found) < classes:
+        raise DataError(f"validate.data.path: {data.location()} has {len(found)} label folder(s) {found} but the "
+                        f"model scores {classes} classes; label i is the i-th sorted folder name, so a missing "
+                        "class shifts the others; valid: one folder, with images, per class")
