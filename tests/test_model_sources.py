@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import math
 import textwrap
 
@@ -244,6 +245,16 @@ def test_jsonl_numeric_rows_become_stacked_feeds_in_graph_dtypes(tmp_path):
     with pytest.raises(DataError, match=r"validate.data.field: .*d.jsonl line 2: input 'x' has shape \[1, 2\], the "
                                         r"first record \[2, 2\]"):
         F.samples(whole, specs)
+
+
+@pytest.mark.parametrize("value, says", [(72.5, "holds 72.5; valid: whole numbers"), (10**20, "beyond int64"),
+                                          (3_000_000_000, "holds 3000000000; valid: whole numbers in [-2147483648,")])
+def test_an_integer_input_never_takes_a_value_it_cannot_hold(tmp_path, value, says):
+    """A fraction was truncated and a huge JSON integer was an internal error (OverflowError)."""
+    (tmp_path / "d.jsonl").write_text(json.dumps({"inputs": {"ids": [1, value]}}) + "\n")
+    data = datasets.load({"type": "jsonl", "path": "d.jsonl", "field": "inputs"}, tmp_path, "validate.data")
+    with pytest.raises(DataError, match=re.escape(says)):
+        F.samples(data, [TensorSpec("ids", "int32", ["batch", 2])])
 
 
 def test_npz_feeds_and_text_data_for_a_generic_model(tmp_path):

@@ -81,11 +81,30 @@ def samples(data, inputs: list[TensorSpec], limit: int | None = None) -> Feeds:
         raise DataError(f"{data._where}: a generic model reads recorded feeds from an npz file or a jsonl file of "
                         f"numeric rows; {data.describe()} holds {data.record_kind}")
     dtypes = {s.name: np.dtype(s.dtype) for s in inputs}
-    out = {n: np.asarray(a[:limit] if limit is not None else a).astype(dtypes[n], copy=False)
+    out = {n: _cast(np.asarray(a[:limit] if limit is not None else a), dtypes[n], n, data)
            for n, a in arrays.items()}
     if not len(next(iter(out.values()))):
         raise DataError(f"{data._where}: {data.describe()} gives no sample")
     return out
+
+
+def _cast(array: np.ndarray, dtype: np.dtype, name: str, data) -> np.ndarray:
+    """``array`` in the graph input's ``dtype``; values an integer input cannot hold exactly
+    (a fraction, or beyond its range) are refused, never truncated.
+
+    Raises:
+        DataError: names the input, the data and the first such value.
+    """
+    if np.issubdtype(dtype, np.integer) and array.size and array.dtype.kind in "fiu":
+        info = np.iinfo(dtype)
+        wide = array.astype(np.float64) if array.dtype.kind == "f" else array
+        bad = (wide < info.min) | (wide > info.max)
+        if array.dtype.kind == "f":
+            bad |= ~np.isfinite(wide) | (wide != np.round(wide))
+        if bad.any():
+            raise DataError(f"{data._where}: {data.describe()}: input {name!r} is {dtype} in the graph, but holds "
+                            f"{array[bad].flat[0].item()!r}; valid: whole numbers in [{info.min}, {info.max}]")
+    return array.astype(dtype, copy=False)
 
 
 def _jsonl_rows(data, names: list[str], limit: int | None) -> Feeds:
@@ -111,6 +130,8 @@ def _jsonl_rows(data, names: list[str], limit: int | None) -> Feeds:
                 value = np.asarray(feeds[name], dtype=np.float64 if _has_float(feeds[name]) else np.int64)
             except (ValueError, TypeError):
                 raise DataError(f"{where}: input {name!r} is not a rectangular nested list of numbers") from None
+            except OverflowError:
+                raise DataError(f"{where}: input {name!r} holds an integer beyond int64") from None
             if rows[name] and value.shape != rows[name][0].shape:
                 raise DataError(f"{where}: input {name!r} has shape {list(value.shape)}, the first record "
                                 f"{list(rows[name][0].shape)}; every record needs the same shape (pad them)")
