@@ -86,6 +86,14 @@ def test_graph_onnx_runtime_cannot_load_exits_2_naming_the_file(tmp_path, capsys
     assert "NoSuchReduce" in err and "internal error" not in err
 
 
+def test_an_empty_onnx_file_is_named_as_such(tmp_path, capsys):
+    path = onnx_workspace(tmp_path, byte_graph())
+    (path.parent / "model.onnx").write_bytes(b"")  # protobuf parses 0 bytes as an empty model
+    code, err = build(path, capsys)
+    assert code == 2, err
+    assert f"model.source.onnx: {path.parent / 'model.onnx'} holds no ONNX graph (0 bytes)" in err
+
+
 def test_adapter_source_session_failure_is_an_export_error(tmp_path):
     from pipeline.models.generic.adapter import _source_session
 

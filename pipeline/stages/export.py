@@ -85,7 +85,8 @@ def run(ctx: StageContext) -> ExportArtifact:
     loaded = adapter.load(ctx)
     module = loaded.module
     out = ctx.stage_dir / "model.onnx"
-    with ctx.progress.step("export: torch.onnx.export(dynamo=True)"):
+    how = "torch.onnx.export(dynamo=True)" if module is not None else f"copy {ctx.recipe.model.source.describe()}"
+    with ctx.progress.step(f"export: {how}"):
         with onnx_io.replacing(out) as tmp:  # new files renamed into place, never rewritten
             adapter.export(module, ctx.recipe.export, tmp)
     onnx_io.require_loadable(out, "export")

@@ -33,7 +33,7 @@ from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 import pipeline.models.generic.feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
-from pipeline.model_source import EntrySource, OnnxSource, check_entry_axes, external_data_files
+from pipeline.model_source import EntrySource, ModelFileError, OnnxSource, check_entry_axes, external_data_files
 from pipeline.recipe_kinds import source_problem
 
 NO_TORCH = ("model.source is an ONNX graph exported elsewhere: ONNX Runtime FP32 is the reference and no torch "
@@ -132,6 +132,9 @@ class GenericAdapter(OnnxRuntimeRunners, SourceFiles):
             src = self.source.location()
             external_data_files(src, "model.source")  # a missing or short data file, named, before the copy
             model = onnx.load(str(src), load_external_data=False)
+            if not model.graph.node and not model.graph.input:  # protobuf reads an empty file as an empty model
+                raise ModelFileError(f"model.source.onnx: {src} holds no ONNX graph ({src.stat().st_size} bytes); "
+                                     "valid: a model saved with onnx.save or torch.onnx.export")
             onnx_io.name_nodes(model)  # quantization addresses nodes by name
             onnx_io.save_model_atomic(model, out, base_dir=src.parent)
             return
