@@ -155,7 +155,8 @@ class GateResult:
         ``fraction`` adds its percentage as the first note; another unit follows the value."""
         verdict = "passed" if self.passed else "FAILED"
         value = f"{self.value:.6g}" + (f" ± {self.stderr:.2g}" if self.stderr is not None else "")
-        notes = [f"bound {self.op} {self.bound:.6g}"]
+        short = f"{self.bound:.6g}"
+        notes = [f"bound {self.op} {short if float(short) == self.bound else repr(self.bound)}"]  # 0.9999999, not 1
         if self.unit == "fraction":
             if math.isfinite(self.value):
                 spread = f" ± {100 * self.stderr:.2f} %" if self.stderr is not None else ""

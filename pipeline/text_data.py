@@ -154,7 +154,8 @@ def prompt_texts(tokenizer, docs: list[str], count: int, prompt_len: int = PROMP
             out.append(text)
         if len(out) == count:
             return out
-    raise DataError(f"need {count} prompts of {prompt_len} tokens, the split has {len(out)}")
+    raise DataError(f"validate.data: the greedy prompts (validate.generation.prompts) need {count} documents of at "
+                    f"least {prompt_len} tokens; the data gives {len(out)}; valid: a larger split, or fewer prompts")
 
 
 def prompts(tokenizer, docs: list[str], count: int, prompt_len: int = PROMPT_TOKENS) -> np.ndarray:

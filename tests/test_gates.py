@@ -221,3 +221,8 @@ def test_a_gate_on_too_few_eval_units_says_it_has_no_standard_error():
     assert why.message.endswith("(bound >= 0.9; no standard error: one eval sample (y) has no spread)")
     [extreme] = gates.evaluate([Gate(metric="min_cosine", min=0.9)], {"min_cosine": 0.99})
     assert "standard error" not in extreme.message  # a minimum never has one
+
+
+def test_a_bound_is_printed_as_given_when_six_digits_would_round_it():
+    [g] = gates.evaluate([Gate(metric="mean_cosine", min=0.9999999)], {"mean_cosine": 0.99999995})
+    assert "(bound >= 0.9999999)" in g.message  # not "bound >= 1", which the value would seem to miss

@@ -342,3 +342,10 @@ def test_entry_examples_follow_forward_order_whatever_the_dict_order():
             return xs[0]
 
     assert list(forward_order(Star(), feeds)) == ["attention_mask", "byte_ids"]  # no names to follow
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    row = json.dumps({"inputs": {"x": [1.0, 2.0]}})
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + (row + "\n" + row + "\n").encode())
+    data = datasets.load({"type": "jsonl", "path": "bom.jsonl", "field": "inputs"}, tmp_path, "validate.data")
+    np.testing.assert_array_equal(F.samples(data, [TensorSpec("x", "float32", ["batch", 2])])["x"], [[1, 2], [1, 2]])

@@ -125,13 +125,13 @@ def files_sha256(files: list[Path], root: Path) -> str:
 
 
 def read_text(src, path: Path) -> str:
-    """A UTF-8 file's text.
+    """A UTF-8 file's text, without a leading byte-order mark (Windows editors write one).
 
     Raises:
         DataError: the file cannot be read or is not UTF-8 (names the byte offset).
     """
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"{src._where}.path: {path} is not UTF-8 text (byte {e.start}); valid: a UTF-8 file") from None
     except OSError as e:

@@ -61,7 +61,7 @@ def held_out_sentences(docs: list[str], limit: int, min_chars: int = 20) -> list
     """
     out = [s for d in docs for s in _SENTENCE_END.split(d) if len(s) >= min_chars][:limit]
     if not out:
-        raise AccuracyError("validate.split gives no sentence; nothing would be compared")
+        raise AccuracyError("validate.data gives no sentence; nothing would be compared")
     return out
 
 
@@ -311,7 +311,7 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
                     candidate: runners.Runner | None = None) -> dict:
     """Accuracy of the candidate encoder vs the FP32 reference, and of ORT's naive PTQ.
 
-    Reads ``validate.split`` (held-out sentences: at most ``max_windows`` of them,
+    Reads ``validate.data`` (held-out sentences: at most ``max_windows`` of them,
     ``seq_len`` tokens max, ``batch_size`` rows per run) and the word-similarity sets.
     ``reference`` / ``candidate`` default to both graphs in ONNX Runtime; with
     ``engine``, the same eval runs with the engine as the candidate (keys ``engine.*``).

@@ -92,7 +92,8 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     docs = text_data.documents(v.data)
     windows = text_data.token_windows(tok, docs, v.seq_len, v.max_windows)
     if len(windows) == 0:
-        raise AccuracyError(f"validate.split gives no window of {v.seq_len} tokens; nothing would be compared")
+        raise AccuracyError(f"validate.data: {v.data.describe()} gives no window of {v.seq_len} tokens (validate.seq_len); "
+                            "nothing would be compared")
     layout = layout_from_specs(exp.inputs, exp.outputs)
     # ONNX Runtime sessions, and the engine seen as one: run(names, feeds) -> list
     reference = reference or runners.OrtRunner(exp.onnx_path)
