@@ -113,3 +113,21 @@ def test_server_backends_are_the_folders_of_its_backend_directory(tmp_path):
     (tmp_path / "backends" / "README").write_text("not a backend")
     dist = ServerDist(tmp_path / "bin", tmp_path / "libs", tmp_path / "backends" / "python", tmp_path / "stub")
     assert dist.backends == ["onnxruntime", "python"]
+
+
+def test_endpoint_flags_for_a_recipe_without_a_generation_model_are_said_to_be_unused(monkeypatch):
+    """An encoder has no OpenAI endpoint: --openai-port and --host were ignored without a word."""
+    from types import SimpleNamespace
+
+    from pipeline.serve import run
+
+    seen = {}
+    monkeypatch.setattr(run, "_serve", lambda served, sock, **kw: seen.update(sock=sock, **kw) or 0)
+    lines: list[str] = []
+    encoder = SimpleNamespace(generate_model=None)
+    assert run.serve_forever(encoder, log=lines.append, host="0.0.0.0", openai_port=99999) == 0
+    assert lines == ["note: this recipe has no generation model, so no OpenAI endpoint: --host and --openai-port "
+                     "are not used"]
+    assert seen["sock"] is None and seen["host"] == "127.0.0.1" and seen["key"] is None  # no key demanded either
+    lines.clear()
+    assert run.serve_forever(encoder, log=lines.append) == 0 and lines == []

@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -506,7 +507,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         print(f"note: {image} is a stock Triton image, without the packages this repository's python-backend "
               "models import (tokenizers, onnxruntime; Pillow for images): build a derived image "
               f"(FROM {image} + pip install) and pass it with --image (docs/publishing-and-kubernetes.md)")
-    print(f"KServe:  kubectl apply -f {out / 'kserve'}/\nplain:   kubectl apply -f {out / 'plain'}/")
+    folder = lambda name: shlex.quote(f"{out / name}/")  # noqa: E731  a path with spaces stays one argument
+    print(f"KServe:  kubectl apply -f {folder('kserve')}\nplain:   kubectl apply -f {folder('plain')}")
     if group:
-        print(f"KServe with a node-local copy: kubectl apply -f {out / 'kserve-localmodelcache'}/")
+        print(f"KServe with a node-local copy: kubectl apply -f {folder('kserve-localmodelcache')}")
     return 0
