@@ -60,7 +60,7 @@ def test_serve_refuses_to_start_off_loopback_without_a_key(monkeypatch):
     started = []
     monkeypatch.setattr(run, "launch", lambda served: started.append(served))
     with pytest.raises(PipelineError, match="needs an API key") as err:
-        run.serve_forever(object(), host="0.0.0.0", log=lambda line: None)
+        run.serve_forever(types.SimpleNamespace(generate_model="gen"), host="0.0.0.0", log=lambda line: None)
     assert err.value.exit_code == 2 and started == []  # refused before tritonserver starts
 
 
