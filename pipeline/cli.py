@@ -190,9 +190,10 @@ def cmd_serve(args) -> int:
     from pipeline.serve.prepare import generate_model_of
     from pipeline.serve.run import endpoint_socket, serve_forever
 
-    api_key = resolve_api_key(args.host, args.api_key)  # refused before any build when off loopback without a key
     recipe = load_from_args(args)
-    sock = endpoint_socket(args.host, args.openai_port) if generate_model_of(recipe) else None  # busy: before any build
+    generates = generate_model_of(recipe) is not None  # else no endpoint: its flags are said to be unused
+    api_key = resolve_api_key(args.host, args.api_key) if generates else None  # off loopback, no key: before any build
+    sock = endpoint_socket(args.host, args.openai_port) if generates else None  # busy: before any build
     try:
         code = serve_forever(_served(args, recipe), check=args.check, host=args.host, openai_port=args.openai_port,
                              api_key=api_key, sock=sock)

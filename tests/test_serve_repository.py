@@ -126,8 +126,22 @@ def test_endpoint_flags_for_a_recipe_without_a_generation_model_are_said_to_be_u
     lines: list[str] = []
     encoder = SimpleNamespace(generate_model=None)
     assert run.serve_forever(encoder, log=lines.append, host="0.0.0.0", openai_port=99999) == 0
-    assert lines == ["note: this recipe has no generation model, so no OpenAI endpoint: --host and --openai-port "
-                     "are not used"]
+    assert lines == ["note: this recipe has no generation model, so no OpenAI endpoint: --host, --openai-port and "
+                     "--api-key are not used"]
     assert seen["sock"] is None and seen["host"] == "127.0.0.1" and seen["key"] is None  # no key demanded either
     lines.clear()
     assert run.serve_forever(encoder, log=lines.append) == 0 and lines == []
+
+
+def test_the_cli_lets_an_encoder_serve_with_host_flags_it_does_not_use(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from conftest import ROOT
+    from pipeline import cli
+    from pipeline.serve import run
+
+    monkeypatch.delenv("PIPELINE_API_KEY", raising=False)
+    monkeypatch.setattr(cli, "_served", lambda args, recipe=None: SimpleNamespace(generate_model=None))
+    monkeypatch.setattr(run, "_serve", lambda served, sock, **kw: 0)
+    assert cli.main(["serve", str(ROOT / "recipes" / "int8-encoder.yaml"), "--host", "0.0.0.0"]) == 0  # no key asked
+    assert "--host, --openai-port and --api-key are not used" in capsys.readouterr().out

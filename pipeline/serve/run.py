@@ -84,9 +84,11 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
         TritonServerError: it did not start, or exited on its own (log tail included).
         EnvironmentFault: the endpoint's port cannot be bound, checked before tritonserver starts.
     """
-    if not served.generate_model and (openai_port not in (None, DEFAULT_OPENAI_PORT) or host != "127.0.0.1"):
-        log("note: this recipe has no generation model, so no OpenAI endpoint: --host and --openai-port are not used")
-        host = "127.0.0.1"
+    if not served.generate_model and (openai_port not in (None, DEFAULT_OPENAI_PORT) or host != "127.0.0.1"
+                                      or api_key):
+        log("note: this recipe has no generation model, so no OpenAI endpoint: --host, --openai-port and "
+            "--api-key are not used")
+        host, api_key = "127.0.0.1", None
     key = resolve_api_key(host, api_key)
     if sock is None and served.generate_model:
         sock = endpoint_socket(host, openai_port)  # a busy port fails before tritonserver starts
