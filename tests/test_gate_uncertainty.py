@@ -184,6 +184,8 @@ def test_a_statistical_test_on_a_metric_without_stderr_is_refused():
                    "'spearman_drop_wordsim353']")
     assert gates.problems([Gate(metric="top1_agreement", min=0.9, statistic="evidence_of_meeting")],
                           "image-classification", ("validate", "gates"))
+    assert not gates.problems([Gate(metric=m, min=0.9, statistic="evidence_of_meeting") for m in
+                               ("mean_cosine", "top1_agreement")], "generic", ("validate", "gates"))  # bootstrapped
     # measured without one (a single eval window): refused, not silently a point comparison
     tested = Gate(metric="relative_perplexity_increase", max=0.01, statistic="evidence_of_meeting")
     with pytest.raises(RecipeError, match="asks for statistic evidence_of_meeting, but relative_perplexity_increase "
