@@ -86,6 +86,8 @@ def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
         raise RecipeError(f"{source}: not valid YAML: {e}") from None
     except (ValueError, TypeError) as e:  # an explicit tag the value does not fit: !!int x
         raise RecipeError(f"{source}: not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise RecipeError(f"{source}: nested deeper than a recipe can be ({MAX_DEPTH} levels at most)") from None
     except RecipeError as e:
         raise RecipeError(f"{source}: {e}") from None
     finally:
@@ -94,6 +96,8 @@ def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
 
 #: nodes a recipe may expand to through YAML aliases (``*x``); the shipped recipes have < 1000
 MAX_NODES = 100_000
+#: nesting a recipe may have (the schema's deepest path is 6 levels)
+MAX_DEPTH = 64
 
 
 def _refuse_alias_blowup(root: yaml.Node) -> None:
@@ -108,6 +112,9 @@ def _refuse_alias_blowup(root: yaml.Node) -> None:
     def visit(node: yaml.Node) -> None:
         nonlocal count
         count += 1
+        if len(on_path) > MAX_DEPTH:
+            raise RecipeError(f"line {node.start_mark.line + 1}: nested deeper than a recipe can be "
+                              f"({MAX_DEPTH} levels at most)")
         if count > MAX_NODES:
             raise RecipeError(f"its aliases expand to more than {MAX_NODES:,} values (line "
                               f"{node.start_mark.line + 1}); valid: a recipe without nested alias fan-out")

@@ -149,6 +149,10 @@ def test_an_alias_inside_itself_and_an_alias_bomb_are_recipe_errors(tmp_path):
     path.write_text("\n".join(rows) + "\n")
     with pytest.raises(RecipeError, match=rf"^{path}: its aliases expand to more than 100,000 values"):
         load_recipe(path)
+    for depth in (80, 2000):  # past the limit; past Python's recursion limit in PyYAML's composer
+        path.write_text("x: " + "[" * depth + "]" * depth + "\n")
+        with pytest.raises(RecipeError, match=rf"^{path}: (line 1: )?nested deeper than a recipe can be"):
+            load_recipe(path)
     path.write_text("a: &d {max: 8}\nb: *d\n")  # an ordinary alias still reads (then the schema speaks)
     with pytest.raises(RecipeError, match="invalid recipe"):
         load_recipe(path)
