@@ -69,6 +69,7 @@ def preflight(args):
     """
     from pipeline.model_source import package_file
 
+    _check_utf8_path(Path(args.recipe).absolute())
     recipe = load_from_args(args)
     _check_output_folders(recipe)
     _check_disjoint_data(recipe, args)
@@ -83,6 +84,22 @@ def preflight(args):
     return recipe, weights
 
 
+def _check_utf8_path(path: Path) -> None:
+    """Refuse a path that is not UTF-8 (its bytes decode to lone surrogates): torch's exporter
+    and TensorRT's parser take paths as UTF-8 strings and fail on it with unrelated errors.
+
+    Raises:
+        RecipeError: names the path, its bad bytes escaped.
+    """
+    from pipeline.errors import RecipeError
+
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise RecipeError(f"{shown}: the path is not UTF-8; valid: a recipe folder whose name is UTF-8") from None
+
+
 def _check_output_folders(recipe) -> None:
     """``work_dir`` and ``output_dir`` must be folders this process can write (checked with a
     probe folder it removes), so a bad path fails before the first stage, not at the last.
@@ -95,6 +112,7 @@ def _check_output_folders(recipe) -> None:
     from pipeline.fsutil import folder_problem
 
     for key in ("work_dir", "output_dir"):
+        _check_utf8_path(Path(getattr(recipe, key)).absolute())
         problem = folder_problem(getattr(recipe, key))
         if problem is not None:
             raise RecipeError(f"{key}: {getattr(recipe, key)} cannot be written ({problem}); valid: a folder "
@@ -339,7 +357,7 @@ def _internal_error(args, exc: BaseException) -> int:
     for log in dict.fromkeys([_error_log(args), FALLBACK_LOG]):
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(f"{_prog()} {' '.join(getattr(args, 'argv', []))}\n{text}")
+            log.write_text(f"{_prog()} {' '.join(getattr(args, 'argv', []))}\n{text}", errors="backslashreplace")
             where = f"traceback in {log}"
             break
         except OSError:
@@ -353,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit code (see the module docstring). Libraries'
     tqdm bars are off (each step prints its own timed line); ``TQDM_DISABLE=`` (empty) shows them."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # read when tqdm is imported, which comes later
+    for stream in (sys.stdout, sys.stderr):  # a message naming a non-UTF-8 path must print, not crash the handler
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

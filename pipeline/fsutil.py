@@ -160,8 +160,9 @@ def write_bytes_atomic(path: str | Path, data: bytes | memoryview, *, durable: b
 
 
 def write_text_atomic(path: str | Path, text: str, *, durable: bool = False) -> None:
-    """:func:`write_atomic` of ``text`` encoded as UTF-8."""
-    write_atomic(path, lambda fh: fh.write(text.encode("utf-8")), durable=durable)
+    """:func:`write_atomic` of ``text`` encoded as UTF-8 (a lone surrogate, from a file name
+    that is not UTF-8, is written as its ``\\udcxx`` escape rather than failing the write)."""
+    write_atomic(path, lambda fh: fh.write(text.encode("utf-8", "backslashreplace")), durable=durable)
 
 
 REASON_SUFFIX = "_reason"

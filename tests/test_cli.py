@@ -249,3 +249,12 @@ def test_an_output_folder_that_cannot_be_written_fails_the_preflight_naming_its_
     assert main(["check", recipe, "--set", f"{key}=/proc/no-such-folder"]) == 2
     assert f"error: {key}: /proc/no-such-folder cannot be written (" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the probe leaves nothing
+
+
+def test_a_recipe_folder_whose_name_is_not_utf8_is_bad_input_not_a_crash(tmp_path, capsys):
+    import shutil
+
+    folder = os.fsdecode(os.fsencode(tmp_path) + b"/p\xff")  # the byte 0xff decodes to a lone surrogate
+    shutil.copytree(ROOT / "examples" / "custom-model", folder)
+    assert main(["check", os.path.join(folder, "recipe.yaml")]) == 2
+    assert f"error: {tmp_path}/p\\xff/recipe.yaml: the path is not UTF-8" in capsys.readouterr().err
