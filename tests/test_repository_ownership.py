@@ -170,6 +170,8 @@ def test_a_hand_made_folder_of_the_same_name_is_refused_before_any_stage(owner_b
     ("[]", 'its top level is not an object with a "models" object'),
     ('{"models": {"x": 5}}', "entry 'x' is not an object"),
     ('{"models": {"../victim": {"recipe": "a", "files": {}}}}', "entry '../victim' is not a model folder name"),
+    ('{"models": {"m": {"recipe": "a", "files": null}}}', "entry 'm': \"files\" is not an object"),
+    ('{"models": {"m": {"recipe": "a", "files": {"1/model.onnx": 5}}}}', "entry 'm': \"files\" is not an object"),
 ])
 def test_a_corrupt_index_fails_verification_and_builds_exit_4_deleting_nothing(tmp_path, capsys, text, says):
     repo = tmp_path / "repo"

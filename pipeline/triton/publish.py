@@ -92,15 +92,28 @@ def read_index(repo: Path) -> dict[str, dict]:
         return {}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RepositoryCorrupt(f"{path}: unreadable ({e}); restore it from a published copy, or remove it "
-                                "and rebuild every recipe that publishes into this repository") from None
+                                f"together with the model folders in {repo} and rebuild every recipe that "
+                                "publishes into this repository") from None
     models = data.get("models") if isinstance(data, dict) else None
     bad = ("its top level is not an object with a \"models\" object" if not isinstance(models, dict) else
-           next((f"entry {k!r} is {'not an object' if _MODEL_NAME.match(k) else 'not a model folder name'}"
-                 for k, v in models.items() if not (_MODEL_NAME.match(k) and isinstance(v, dict))), None))
+           next(filter(None, (_entry_problem(k, v) for k, v in models.items())), None))
     if bad:
         raise RepositoryCorrupt(f"{path}: not a model repository index: {bad}; valid: "
-                                "{\"models\": {\"<name [A-Za-z0-9_-]+>\": {\"recipe\": ..., \"files\": {...}}}}")
+                                "{\"models\": {\"<name [A-Za-z0-9_-]+>\": {\"recipe\": ..., \"files\": {...}}}} "
+                                f"(restore it, or remove it together with the model folders in {repo}, then rebuild)")
     return models
+
+
+def _entry_problem(name: str, entry) -> str | None:
+    """What is wrong with one ``models`` entry of an index (None: nothing)."""
+    if not _MODEL_NAME.match(name):
+        return f"entry {name!r} is not a model folder name"
+    if not isinstance(entry, dict):
+        return f"entry {name!r} is not an object"
+    files = entry.get("files", {})
+    if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
+        return f"entry {name!r}: \"files\" is not an object of relative path -> sha256"
+    return None
 
 
 def unlisted_folders(repo: Path, index: dict[str, dict]) -> list[str]:
