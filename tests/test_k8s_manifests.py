@@ -328,8 +328,13 @@ def test_the_deploy_notes_and_the_manifests_give_one_shm_size(tmp_path):
 
 def test_deploy_flags_are_checked_and_an_old_cache_variant_goes(tmp_path, capsys):
     recipe = str(ROOT / "recipes" / "int8-encoder.yaml")
+    repo = tmp_path / "repo"  # a local publish, whose bytes size the LocalModelCache
+    (repo / "minilm_int8" / "1").mkdir(parents=True)
+    (repo / "minilm_int8" / "1" / "model.onnx").write_bytes(b"x" * 100)
+    (repo / "repository.json").write_text(json.dumps({"models": {"minilm_int8": {"recipe": "int8-encoder",
+                                                                                 "files": {}}}}))
     out = tmp_path / "deploy"
-    base = ["deploy", "k8s", recipe, "--storage-uri", "s3://models/p", "--out", str(out)]
+    base = ["deploy", "k8s", recipe, "--storage-uri", "s3://models/p", "--set", f"output_dir={repo}", "--out", str(out)]
     assert cli.main([*base, "--local-model-cache", "gpu-nodes"]) == 0
     assert (out / "kserve-localmodelcache" / "localmodelcache.yaml").is_file()
     assert cli.main(base) == 0  # without the flag: no stale variant naming an old URI and image
