@@ -120,6 +120,12 @@ def test_gate_refuses_a_failed_verdict_a_missing_run_and_a_tampered_copy(built, 
     assert e.value.exit_code == EXIT_ENVIRONMENT
     with pytest.raises(PipelineError, match="holds no model of recipe 'tiny-llm'"):
         publish_recipe(recipe, loc)  # model_repository/ was never built here
+    run = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**run, "recipe_hash": "f" * 64}))  # built from other overrides
+    with pytest.raises(PipelineError, match=r"its passing run built recipe hash ffffffffffff, and this recipe \(with its "
+                                            rf"--set overrides\) hashes {recipe.digest[:12]}: nothing published") as e:
+        publish_recipe(recipe, loc, serve_copy=True)
+    assert e.value.exit_code == 2
     assert keys(client, loc) == []
 
 

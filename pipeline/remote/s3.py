@@ -474,7 +474,8 @@ def publish_recipe(recipe, loc: S3Location, *, serve_copy: bool = False, rollbac
     Raises:
         GateFailed: the last run's verdict is not pass, or there was none.
         RepositoryCorrupt: the local folder fails verification.
-        PipelineError: the folder holds none of the recipe's models.
+        PipelineError: the folder holds none of the recipe's models, or the recipe (with its
+            ``--set`` overrides) is not the one the last passing run built (exit 2).
         LockHeld: a build of the recipe is running.
         EnvironmentFault: storage or network errors.
     """
@@ -486,6 +487,11 @@ def publish_recipe(recipe, loc: S3Location, *, serve_copy: bool = False, rollbac
     repo = run_dir / SERVE_DIR if serve_copy else Path(recipe.output_dir)
     with run_lock(run_dir):
         man = passing_manifest(run_dir)
+        if man.get("recipe_hash") not in (None, recipe.digest):
+            raise PipelineError(f"{run_dir / 'manifest.json'}: its passing run built recipe hash "
+                                f"{man['recipe_hash'][:12]}, and this recipe (with its --set overrides) hashes "
+                                f"{recipe.digest[:12]}: nothing published; valid: the overrides of that build, or "
+                                "build with these first")
         models = published_models(repo, recipe.name)
         if not models:
             how = f"`python -m pipeline serve {recipe.name}` writes it" if serve_copy else "build the recipe"
