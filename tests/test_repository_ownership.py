@@ -157,12 +157,16 @@ def test_a_hand_made_folder_of_the_same_name_is_refused_before_any_stage(owner_b
         err = capsys.readouterr().err
         assert f"model 'handmade' ({repo / 'handmade'}) is a folder no recipe published (not in {INDEX_FILE})" in err
         assert (repo / "handmade" / "1" / "model.bin").read_text() == "precious"
+        (repo / "handfile").write_text("a file of the model's name")
+        assert cli.main(["build", str(owner_built), "--quiet", "--set", "triton.model_name=handfile"]) == 2
+        assert "model 'handfile' " in capsys.readouterr().err and (repo / "handfile").is_file()
         assert cli.main(["verify-repo", str(repo)]) == 4  # the whole repository: an unlisted model folder
         assert f"{repo / 'handmade'}: a model folder not listed in {INDEX_FILE}" in capsys.readouterr().err
     finally:
         import shutil
 
         shutil.rmtree(repo / "handmade")
+        (repo / "handfile").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("text, says", [
@@ -186,4 +190,24 @@ def test_a_corrupt_index_fails_verification_and_builds_exit_4_deleting_nothing(t
     with pytest.raises(publish.RepositoryCorrupt, match=says) as err:
         publish.publish(staging, repo, {"n": {**entries["n"], "recipe": "a"}}, "a")
     assert err.value.exit_code == 4
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("b/")} == before
+
+
+@pytest.mark.parametrize("journal", ["null", "[]", '{"recipe": "a"}', "VICTIM"])
+def test_a_journal_no_publish_wrote_is_refused_and_nothing_is_done_on_its_word(tmp_path, capsys, journal):
+    repo = tmp_path / "repo"
+    staging, entries = staged(tmp_path, "m", "x")
+    publish.publish(staging, repo, {"m": {**entries["m"], "recipe": "a"}}, "a")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("keep")
+    if journal == "VICTIM":  # well formed, but its staging folder is an unrelated one
+        journal = json.dumps({"recipe": "a", "staging": str(victim), "models": {}, "stale": [], "index": {"models": {}}})
+    (repo / JOURNAL_FILE).write_text(journal)
+    before = snapshot(tmp_path)
+    assert cli.main(["verify-repo", str(repo)]) == 4
+    assert f"{repo / JOURNAL_FILE}: not a publish journal of {repo}" in capsys.readouterr().err
+    staging, entries = staged(tmp_path / "b", "n", "y")
+    with pytest.raises(publish.RepositoryCorrupt, match="nothing was done on its word"):
+        publish.publish(staging, repo, {"n": {**entries["n"], "recipe": "a"}}, "a")
     assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("b/")} == before

@@ -172,13 +172,13 @@ def check_ownership(repo: Path, recipe_name: str, names: Sequence[str] | dict[st
     repo = Path(repo)
     taken = foreign_owners(repo, recipe_name, list(names))
     if pending(repo) is None:  # an interrupted publish's own folders are not indexed yet; recovery lists them
-        unlisted = set(unlisted_folders(repo, read_index(repo)))
-        taken.update({n: None for n in names if n in unlisted})
+        index = read_index(repo)
+        taken.update({n: None for n in names if n not in index and ((repo / n).exists() or (repo / n).is_symlink())})
     if not taken:
         return
     fields = names if isinstance(names, dict) else {}
     lines = [f"model {n!r} ({repo / n}) " + (f"belongs to recipe {owner!r}" if owner else
-                                             f"is a folder no recipe published (not in {INDEX_FILE})")
+                                             f"is a {'folder' if (repo / n).is_dir() else 'file'} no recipe published (not in {INDEX_FILE})")
              + (f"; it is this recipe's {fields[n]}" if n in fields else "") for n, owner in taken.items()]
     raise ModelOwnedElsewhere(
         f"{repo}: recipe {recipe_name!r} would replace model folders that are not its own; "
@@ -256,13 +256,44 @@ def _failed(repo: Path, exc: OSError, state: str) -> PipelineError:
 
 
 def pending(repo: Path) -> dict | None:
-    """The journal of an interrupted publish into ``repo``, or None."""
+    """The journal of an interrupted publish into ``repo``, or None.
+
+    Raises:
+        RepositoryCorrupt: (exit 4) the journal is unreadable, or is not one a publish into
+            ``repo`` wrote (:func:`_journal_problem`): recovery would move or delete what it
+            names, so nothing is done on its word.
+    """
+    path = repo / JOURNAL_FILE
     try:
-        return json.loads((repo / JOURNAL_FILE).read_text())
+        journal = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as e:
-        raise RepositoryCorrupt(f"{repo / JOURNAL_FILE}: unreadable publish journal ({e})") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RepositoryCorrupt(f"{path}: unreadable publish journal ({e})") from e
+    problem = _journal_problem(repo, journal)
+    if problem:
+        raise RepositoryCorrupt(f"{path}: not a publish journal of {repo} ({problem}); nothing was done on its word. "
+                                "Remove it once no build publishes here, then run verify-repo")
+    return journal
+
+
+def _journal_problem(repo: Path, journal) -> str | None:
+    """What makes ``journal`` one no publish into ``repo`` wrote (None: nothing)."""
+    if not isinstance(journal, dict) or not isinstance(journal.get("recipe"), str):
+        return "no recipe"
+    staging = Path(str(journal.get("staging", "")))
+    real = repo.resolve()
+    if staging.parent not in (real.parent, real) or not staging.name.startswith(staging_prefix(repo, journal["recipe"])):
+        return f"its staging folder {staging} is not one of this repository's"
+    models, stale, index = journal.get("models"), journal.get("stale"), journal.get("index")
+    if not (isinstance(models, dict) and all(_MODEL_NAME.match(k) and isinstance(v, int) for k, v in models.items())):
+        return "its models are not model folder name -> inode"
+    if not (isinstance(stale, list) and all(isinstance(n, str) and _MODEL_NAME.match(n) for n in stale)):
+        return "its stale models are not model folder names"
+    entries = index.get("models") if isinstance(index, dict) else None
+    if not isinstance(entries, dict):
+        return "no index"
+    return next(filter(None, (_entry_problem(k, v) for k, v in entries.items())), None)
 
 
 def recover(repo: Path) -> str | None:
