@@ -419,8 +419,23 @@ def _finish(man: dict, arts: dict, run_dir: Path, recipe: Recipe) -> RunResult:
     man["verdict"] = "pass" if val.passed else "fail"
     man["artifacts"] = {k: A.to_jsonable(v) for k, v in arts.items()}
     man["sections"] = _report_sections(run_dir)
+    if val.passed and (kept := _kept_publishes(man, run_dir)):
+        man["published"] = kept
     path = M.write_run_outputs(man, run_dir)
     return RunResult(man, path, val.passed, arts)
+
+
+def _kept_publishes(man: dict, run_dir: Path) -> list[dict]:
+    """The last passing run's ``published`` entries (``publish``: its models in S3), kept when
+    this run's triton stage was a cache hit with the same artifact: the same models, so what
+    was published is still this run's. Else none (``deploy k8s`` then asks to publish again)."""
+    import json
+
+    if not man["stages"].get("triton", {}).get("cache_hit"):
+        return []
+    last = M.last_manifest(run_dir)
+    same = json.loads(json.dumps(man["artifacts"].get("triton"))) == (last.get("artifacts") or {}).get("triton")
+    return list(last.get("published") or []) if last.get("verdict") == "pass" and same else []
 
 
 #: report.md sections that stages leave as Markdown files in their folders.

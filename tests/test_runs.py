@@ -171,3 +171,18 @@ def test_fp16_recipe_casts_the_graph_and_validates(tmp_path, tiny_model, tiny_ex
     assert onnx.TensorProto.FLOAT16 in types
     assert {i.type.tensor_type.elem_type for i in model.graph.input if i.name == "input_ids"} == {onnx.TensorProto.INT64}
 
+
+
+def test_a_rebuild_keeps_the_publish_record_of_the_same_models_only(tmp_path, tiny_model, tiny_export):
+    """`deploy k8s` reads the last `published` entry: a no-op rebuild lost it, so deploy said to publish again."""
+    path = tiny_recipe(tmp_path, tiny_model)
+    seed_export(tmp_path, tiny_export)
+    run_dir = tmp_path / "artifacts" / "tiny-llm"
+    assert _run(path).passed
+    man = json.loads((run_dir / "manifest.json").read_text())
+    entry = {"action": "publish", "to": "s3://bkt/p", "version": 1}
+    (run_dir / "manifest.json").write_text(json.dumps({**man, "published": [entry]}))
+    assert _run(path).manifest["published"] == [entry]  # every stage a cache hit: the same models
+    assert json.loads((run_dir / "manifest.json").read_text())["published"] == [entry]
+    changed = _run(path, **{"triton.max_batch_size": 2})  # new models: what S3 holds is not them
+    assert "published" not in changed.manifest
