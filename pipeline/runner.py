@@ -248,6 +248,7 @@ _ENGINE_TOOLS = ("tensorrt", "tensorrt-rtx")
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False,
          remote: SharedCache | None = None, unpinned: str = "") -> RunResult:
     _note_another_recipe(recipe, recipe_path, run_dir, progress)
+    remove_scratch(run_dir)  # a killed run's half-written manifest.json / report.md (the run lock is held)
     _repair_published(recipe, progress)
     man: dict = {}
     arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote, pin_ignore=unpinned)

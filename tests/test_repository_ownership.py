@@ -211,3 +211,15 @@ def test_a_journal_no_publish_wrote_is_refused_and_nothing_is_done_on_its_word(t
     with pytest.raises(publish.RepositoryCorrupt, match="nothing was done on its word"):
         publish.publish(staging, repo, {"n": {**entries["n"], "recipe": "a"}}, "a")
     assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("b/")} == before
+
+
+def test_a_publish_removes_what_a_killed_write_left_in_the_repository(tmp_path):
+    repo = tmp_path / "repo"
+    staging, entries = staged(tmp_path, "m", "x")
+    publish.publish(staging, repo, {"m": {**entries["m"], "recipe": "a"}}, "a")
+    for left in (".repository.json.tmp-abc", "..publish-journal.json.tmp-def"):  # write_atomic's scratch
+        (repo / left).write_text("half")
+    staging, entries = staged(tmp_path / "b", "m", "y")
+    publish.publish(staging, repo, {"m": {**entries["m"], "recipe": "a"}}, "a")
+    assert sorted(p.name for p in repo.iterdir()) == [".publish.lock", "m", INDEX_FILE]
+

@@ -182,7 +182,9 @@ def test_a_rebuild_keeps_the_publish_record_of_the_same_models_only(tmp_path, ti
     man = json.loads((run_dir / "manifest.json").read_text())
     entry = {"action": "publish", "to": "s3://bkt/p", "version": 1}
     (run_dir / "manifest.json").write_text(json.dumps({**man, "published": [entry]}))
+    (run_dir / ".manifest.json.tmp-k1ll3d").write_text("half")  # what a SIGKILL mid-write leaves
     assert _run(path).manifest["published"] == [entry]  # every stage a cache hit: the same models
+    assert not (run_dir / ".manifest.json.tmp-k1ll3d").exists()
     assert json.loads((run_dir / "manifest.json").read_text())["published"] == [entry]
     changed = _run(path, **{"triton.max_batch_size": 2})  # new models: what S3 holds is not them
     assert "published" not in changed.manifest

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError, RepositoryCorrupt, StorageFault, TritonConfigError, storage_fault
 from pipeline.faults import fault_point
-from pipeline.fsutil import exchange, file_sha256, write_text_atomic
+from pipeline.fsutil import exchange, file_sha256, remove_scratch, write_text_atomic
 
 INDEX_FILE = "repository.json"
 JOURNAL_FILE = ".publish-journal.json"
@@ -219,6 +219,7 @@ def publish(staging: Path, repo: Path, entries: dict[str, dict], recipe_name: st
     """
     with repository_lock(repo):
         _recover(repo)
+        remove_scratch(repo)  # a killed write of repository.json or the journal (the lock is held)
         check_ownership(repo, recipe_name, list(entries))
         before = read_index(repo)  # read under the lock
         index = {k: v for k, v in before.items() if v.get("recipe") != recipe_name}
