@@ -362,6 +362,8 @@ def cmd_plan(args) -> int:
     recipe = load_from_args(args)
     if args.workspace_gib is not None:
         _check_positive("--workspace-gib", args.workspace_gib)
+        if not math.isfinite(args.workspace_gib * 2**30):
+            raise PipelineError(f"--workspace-gib: {args.workspace_gib:g} GiB is more bytes than a float holds")
     workspace = None if args.workspace_gib is None else int(args.workspace_gib * 2**30)
     plan = build_plan(recipe, rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens,
                       workspace_bytes=workspace, measure=args.measure)
