@@ -244,6 +244,8 @@ def folder_problem(path: str | Path) -> OSError | str | None:
     p = Path(path).absolute()
     near = p
     while not near.exists() and near != near.parent:
+        if near.is_symlink():
+            return f"{near} is a symlink to a missing {os.readlink(near)}"
         near = near.parent
     if not near.is_dir():
         return f"{near} is a file, not a folder"

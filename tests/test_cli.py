@@ -248,7 +248,10 @@ def test_an_output_folder_that_cannot_be_written_fails_the_preflight_naming_its_
     assert f"error: {key}: {blocker / 'sub'} cannot be written ({blocker} is a file, not a folder)" in capsys.readouterr().err
     assert main(["check", recipe, "--set", f"{key}=/proc/no-such-folder"]) == 2
     assert f"error: {key}: /proc/no-such-folder cannot be written (" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the probe leaves nothing
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    assert main(["check", recipe, "--set", f"{key}={tmp_path / 'dangling' / 'x'}"]) == 2
+    assert f"{tmp_path / 'dangling'} is a symlink to a missing {tmp_path / 'gone'}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling"]  # the probe leaves nothing
 
 
 def test_a_recipe_folder_whose_name_is_not_utf8_is_bad_input_not_a_crash(tmp_path, capsys):
