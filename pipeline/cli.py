@@ -117,6 +117,12 @@ def _check_output_folders(recipe) -> None:
         if problem is not None:
             raise RecipeError(f"{key}: {getattr(recipe, key)} cannot be written ({problem}); valid: a folder "
                               "this user can create files in") from (problem if isinstance(problem, OSError) else None)
+    repo, work = Path(recipe.output_dir).resolve(), Path(recipe.work_dir).resolve()
+    run = work / recipe.name
+    if repo == work or repo.is_relative_to(run) or run.is_relative_to(repo):
+        raise RecipeError(f"output_dir: {recipe.output_dir} overlaps the run folder {run} (work_dir/name): stage "
+                          "files would sit among the published model folders; valid: a folder apart from it, "
+                          "e.g. model_repository")
 
 
 def _check_disjoint_data(recipe, args) -> None:

@@ -261,3 +261,11 @@ def test_a_recipe_folder_whose_name_is_not_utf8_is_bad_input_not_a_crash(tmp_pat
     shutil.copytree(ROOT / "examples" / "custom-model", folder)
     assert main(["check", os.path.join(folder, "recipe.yaml")]) == 2
     assert f"error: {tmp_path}/p\\xff/recipe.yaml: the path is not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["artifacts/int8-encoder/export", "artifacts", "."])
+def test_an_output_dir_that_overlaps_the_run_folder_is_refused(tmp_path, capsys, monkeypatch, where):
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(ROOT / "recipes" / "int8-encoder.yaml"), "--set", f"output_dir={where}"]) == 2
+    assert f"error: output_dir: {where} overlaps the run folder {tmp_path / 'artifacts' / 'int8-encoder'}" in (
+        capsys.readouterr().err)
