@@ -223,3 +223,14 @@ def test_a_publish_removes_what_a_killed_write_left_in_the_repository(tmp_path):
     publish.publish(staging, repo, {"m": {**entries["m"], "recipe": "a"}}, "a")
     assert sorted(p.name for p in repo.iterdir()) == [".publish.lock", "m", INDEX_FILE]
 
+
+
+def test_verify_repo_writes_nothing_into_the_repository_it_checks(tmp_path, capsys):
+    repo = tmp_path / "copied"
+    staging, entries = staged(tmp_path, "m", "x")
+    publish.publish(staging, tmp_path / "repo", {"m": {**entries["m"], "recipe": "a"}}, "a")
+    import shutil
+
+    shutil.copytree(tmp_path / "repo", repo, ignore=shutil.ignore_patterns(publish.LOCK_FILE))  # e.g. a synced copy
+    assert cli.main(["verify-repo", str(repo)]) == 0
+    assert sorted(p.name for p in repo.iterdir()) == ["m", INDEX_FILE]

@@ -52,8 +52,8 @@ LOCK_FILE = ".publish.lock"
 def repository_lock(repo: Path, *, shared: bool = False) -> Iterator[None]:
     """Hold ``flock`` on ``repo/.publish.lock`` (created, with ``repo``, if missing): exclusive
     for a recovery or publish, ``shared`` for a verification; blocks until it is free.
-    A shared lock on a repository where the lock file cannot be created (read-only)
-    is skipped: nothing can publish there either.
+    A shared lock never creates the file: where it is missing (nothing ever published
+    there) or cannot be opened, verification goes on without it.
 
     Raises:
         OSError: the exclusive lock file cannot be created (e.g. EROFS, ENOSPC).
@@ -61,7 +61,7 @@ def repository_lock(repo: Path, *, shared: bool = False) -> Iterator[None]:
     try:
         if not shared:
             repo.mkdir(parents=True, exist_ok=True)
-        fh = open(repo / LOCK_FILE, "a")
+        fh = open(repo / LOCK_FILE, "a" if not shared else "r")  # a verification writes nothing
     except OSError:
         if not shared:
             raise
