@@ -89,6 +89,7 @@ STDERR_METRICS: dict[str, frozenset[str]] = {
     "sentence-embedding": frozenset({"spearman_drop_wordsim353", "spearman_drop_simlex999", "spearman_drop_max",
                                      "mean_cosine"}),
     "generic": frozenset({"mean_cosine", "top1_agreement"}),  # pipeline.models.generic.metrics: over eval samples
+    "image-classification": frozenset({"top1_accuracy_drop", "top1_agreement"}),  # over eval images
 }
 STDERR_METRICS["causal-lm"] = STDERR_METRICS["text-generation"]
 STDERR_METRICS["encoder"] = STDERR_METRICS["sentence-embedding"]

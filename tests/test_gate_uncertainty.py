@@ -182,10 +182,12 @@ def test_a_statistical_test_on_a_metric_without_stderr_is_refused():
     assert msg == ("evidence_of_regression needs a standard error, and 'min_cosine' has none; use statistic: point, "
                    "or a metric with one: ['mean_cosine', 'spearman_drop_max', 'spearman_drop_simlex999', "
                    "'spearman_drop_wordsim353']")
-    assert gates.problems([Gate(metric="top1_agreement", min=0.9, statistic="evidence_of_meeting")],
+    assert gates.problems([Gate(metric="top1_accuracy_fp32", min=0.9, statistic="evidence_of_meeting")],
                           "image-classification", ("validate", "gates"))
     assert not gates.problems([Gate(metric=m, min=0.9, statistic="evidence_of_meeting") for m in
                                ("mean_cosine", "top1_agreement")], "generic", ("validate", "gates"))  # bootstrapped
+    assert not gates.problems([Gate(metric="top1_agreement", min=0.9, statistic="evidence_of_meeting")],
+                              "image-classification", ("validate", "gates"))
     # measured without one (a single eval window): refused, not silently a point comparison
     tested = Gate(metric="relative_perplexity_increase", max=0.01, statistic="evidence_of_meeting")
     with pytest.raises(RecipeError, match="asks for statistic evidence_of_meeting, but relative_perplexity_increase "

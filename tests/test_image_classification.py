@@ -200,8 +200,16 @@ def test_metrics_values():
     ref = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]])
     cand = np.array([[0.9, 0.1], [0.7, 0.3], [0.4, 0.6], [0.3, 0.7]])
     got = metrics.compare(ref, cand, np.array([0, 1, 1, 1]))
+    basis = got.pop("stderr_basis")
+    se = {k: got.pop(k) for k in ("top1_accuracy_drop_stderr", "top1_agreement_stderr")}
     assert got == {"top1_accuracy_fp32": 0.75, "top1_accuracy_candidate": 0.75, "top1_accuracy_drop": 0.0,
                    "top1_agreement": 0.5, "samples": 4}
+    # per image: drop [0, 100, -100, 0] points, agreement [1, 0, 0, 1]; bootstrap SEs near sqrt(var / n)
+    assert se["top1_accuracy_drop_stderr"] == pytest.approx(np.std([0, 100, -100, 0]) / 2, rel=0.15)
+    assert se["top1_agreement_stderr"] == pytest.approx(0.25, rel=0.15)
+    assert basis["top1_agreement"]["n"] == 4 and basis["top1_agreement"]["unit"] == "images"
+    one = metrics.compare(ref[:1], cand[:1], np.array([0]))
+    assert one["top1_agreement_stderr_reason"] == "one eval image has no spread" and "top1_agreement_stderr" not in one
     assert metrics.compare(ref, ref[:, ::-1], np.array([0, 1, 0, 1]))["top1_accuracy_drop"] == 100.0
     with pytest.raises(ValueError, match="valid: \\[0, 1\\]"):
         metrics.accuracy(ref, np.array([0, 1, 2, 0]))
@@ -303,7 +311,7 @@ def test_adapter_implements_the_contract_from_an_onnx_source(lines, tmp_path):
     q = QuantizedArtifact(str(tmp_path / "model.onnx"), "fp32", [], [])  # candidate = the FP32 graph itself
     ctx = SimpleNamespace(recipe=SimpleNamespace(validate_=SimpleNamespace(data=images(lines / "eval"), batch_size=16)))
     got, tokens = adapter.metrics(ctx, exp, q)
-    assert tokens == {} and set(got) == set(metrics.METRICS)
+    assert tokens == {} and set(got) == {*metrics.METRICS, "stderr_basis", *(f"{m}_stderr" for m in metrics.GATE_METRICS)}
     assert got["top1_agreement"] == 1.0 and got["top1_accuracy_drop"] == 0.0 and got["samples"] == 48
     assert got["top1_accuracy_fp32"] >= 0.9
 

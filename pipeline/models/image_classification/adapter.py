@@ -19,6 +19,7 @@ import numpy as np
 from pipeline.artifacts import TensorSpec
 from pipeline.datasets import DataError
 from pipeline.errors import AccuracyError, ExportError
+from pipeline.gates import BASIS_KEY
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 from pipeline.models.image_classification import graph, metrics, preprocess, serving
@@ -155,7 +156,10 @@ class ImageClassificationAdapter(OnnxRuntimeRunners, SourceFiles):
         try:
             result = _compare(scores["fp32"], scores["candidate"], labels)
             if "engine" in scores:
-                result |= {f"engine.{k}": val for k, val in _compare(scores["fp32"], scores["engine"], labels).items()}
+                got = _compare(scores["fp32"], scores["engine"], labels)
+                basis = got.pop(BASIS_KEY, {})
+                result |= {f"engine.{k}": val for k, val in got.items()}
+                result.setdefault(BASIS_KEY, {}).update({f"engine.{k}": b for k, b in basis.items()})
         except ValueError as e:  # labels that do not fit the model's classes
             raise DataError(f"validate.data: {v.data.describe()}: {e}") from None
         return result, {}
@@ -266,7 +270,7 @@ def _scores(runner, x: np.ndarray, name: str, output: str, batch: int) -> np.nda
     return np.concatenate([runner.run(f)[output] for f in batches(x, name, batch)])
 
 
-def _compare(ref: np.ndarray, cand: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+def _compare(ref: np.ndarray, cand: np.ndarray, labels: np.ndarray) -> dict:
     if not np.all(np.isfinite(cand)):
         out = dict.fromkeys(metrics.METRICS, float("nan"))
         out["top1_accuracy_fp32"], out["samples"] = metrics.accuracy(ref, labels), int(len(ref))

@@ -42,9 +42,10 @@ def accuracy(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((pred == labels).mean())
 
 
-def compare(reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+def compare(reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray) -> dict:
     """Every metric of :data:`METRICS` for reference and candidate scores
-    (float ``[n, classes]`` each, same order as ``labels`` int ``[n]``).
+    (float ``[n, classes]`` each, same order as ``labels`` int ``[n]``), and the gate
+    metrics' standard errors (:func:`stderrs`).
 
     Raises:
         ValueError: the shapes disagree (see :func:`accuracy`).
@@ -53,10 +54,31 @@ def compare(reference: np.ndarray, candidate: np.ndarray, labels: np.ndarray) ->
     if reference.shape != candidate.shape:
         raise ValueError(f"reference scores {reference.shape} and candidate scores {candidate.shape} differ in shape")
     ref_acc, cand_acc = accuracy(reference, labels), accuracy(candidate, labels)
+    labels = np.asarray(labels, np.int64).reshape(-1)
+    per_image = {"top1_accuracy_drop": 100.0 * ((top1(reference) == labels).astype(np.float64)
+                                                - (top1(candidate) == labels)),
+                 "top1_agreement": (top1(reference) == top1(candidate)).astype(np.float64)}
     return {
         "top1_accuracy_fp32": ref_acc,
         "top1_accuracy_candidate": cand_acc,
         "top1_accuracy_drop": 100.0 * (ref_acc - cand_acc),
-        "top1_agreement": float((top1(reference) == top1(candidate)).mean()),
+        "top1_agreement": float(per_image["top1_agreement"].mean()),
         "samples": int(reference.shape[0]),
+        **stderrs(per_image),
     }
+
+
+def stderrs(per_image: dict[str, np.ndarray]) -> dict:
+    """``<metric>_stderr`` of each gate metric, a paired bootstrap over images
+    (:mod:`pipeline.metrics.uncertainty`: the reference and candidate of one image are
+    resampled together), and their ``stderr_basis``; fewer than 2 images: a reason instead."""
+    from pipeline.metrics import uncertainty
+
+    n = len(next(iter(per_image.values())))
+    if n < 2:
+        return {f"{m}{uncertainty.STDERR_SUFFIX}_reason": "one eval image has no spread" for m in per_image}
+    ones, counts = np.ones(n), uncertainty.resample_counts(n)
+    out: dict = {f"{m}{uncertainty.STDERR_SUFFIX}": uncertainty.ratio_of_sums_stderr(v, ones, counts=counts)
+                 for m, v in per_image.items()}
+    out[uncertainty.BASIS_KEY] = {m: uncertainty.basis(n, "images", n, "eval images") for m in per_image}
+    return out
