@@ -248,6 +248,7 @@ def test_jsonl_numeric_rows_become_stacked_feeds_in_graph_dtypes(tmp_path):
 
 
 @pytest.mark.parametrize("value, says", [(72.5, "holds 72.5; valid: whole numbers"), (10**20, "beyond int64"),
+                                         ("72", "not a JSON number"), (True, "not a JSON number"),
                                           (3_000_000_000, "holds 3000000000; valid: whole numbers in [-2147483648,")])
 def test_an_integer_input_never_takes_a_value_it_cannot_hold(tmp_path, value, says):
     """A fraction was truncated and a huge JSON integer was an internal error (OverflowError)."""
@@ -349,3 +350,11 @@ def test_a_jsonl_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + (row + "\n" + row + "\n").encode())
     data = datasets.load({"type": "jsonl", "path": "bom.jsonl", "field": "inputs"}, tmp_path, "validate.data")
     np.testing.assert_array_equal(F.samples(data, [TensorSpec("x", "float32", ["batch", 2])])["x"], [[1, 2], [1, 2]])
+
+
+def test_an_npz_array_of_strings_is_bad_input(tmp_path):
+    np.savez(tmp_path / "s.npz", x=np.array([["84.0", "1"]]))
+    data = datasets.load({"type": "npz", "path": "s.npz"}, tmp_path, "validate.data")
+    with pytest.raises(DataError, match="input 'x' holds <U4 values, which are not float32; valid: a numeric array"):
+        F.samples(data, [TensorSpec("x", "float32", ["batch", 2])])
+

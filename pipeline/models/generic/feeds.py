@@ -95,6 +95,9 @@ def _cast(array: np.ndarray, dtype: np.dtype, name: str, data) -> np.ndarray:
     Raises:
         DataError: names the input, the data and the first such value.
     """
+    if array.dtype.kind not in "biuf":  # strings or objects: numpy would parse "84.0" as a number, silently
+        raise DataError(f"{data._where}: {data.describe()}: input {name!r} holds {array.dtype} values, which are not "
+                        f"{dtype}; valid: a numeric array")
     if np.issubdtype(dtype, np.integer) and array.size and array.dtype.kind in "fiu":
         info = np.iinfo(dtype)
         wide = array.astype(np.float64) if array.dtype.kind == "f" else array
@@ -126,6 +129,9 @@ def _jsonl_rows(data, names: list[str], limit: int | None) -> Feeds:
         for name in names:
             if name not in feeds:
                 raise DataError(f"{where}: {data.field!r} has no graph input {name!r} (it has {sorted(feeds)})")
+            if not _numbers_only(feeds[name]):
+                raise DataError(f"{where}: input {name!r} holds a value that is not a JSON number (a string, "
+                                "true/false or null); valid: numbers only")
             try:
                 value = np.asarray(feeds[name], dtype=np.float64 if _has_float(feeds[name]) else np.int64)
             except (ValueError, TypeError):
@@ -137,6 +143,13 @@ def _jsonl_rows(data, names: list[str], limit: int | None) -> Feeds:
                                 f"{list(rows[name][0].shape)}; every record needs the same shape (pad them)")
             rows[name].append(value)
     return {n: np.stack(v) if v else np.zeros((0,)) for n, v in rows.items()}
+
+
+def _numbers_only(value) -> bool:
+    """Every leaf of a nested list is a JSON number (bool is not, though Python counts it as int)."""
+    if isinstance(value, list):
+        return all(_numbers_only(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _has_float(value) -> bool:
