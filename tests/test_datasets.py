@@ -361,3 +361,10 @@ def test_manifest_hashes_each_data_use_of_a_shipped_recipe():
                                                      "built-in corpus lee_background, documents [200, 220)",
                                                      "built-in corpus lee_background, documents [220, 300)"]
     check_disjoint(uses)
+
+
+def test_an_empty_data_file_says_so_not_start_below_zero(tmp_path):
+    (tmp_path / "e.txt").write_text("\n")
+    src = load({"type": "text", "path": "e.txt"}, tmp_path, "validate.data")
+    with pytest.raises(DataError, match=r"is empty \(0 documents\); valid: a .*e.txt with at least one document$"):
+        src.items()

@@ -106,8 +106,8 @@ def select(src, count: int, unit: str, name: str) -> tuple[int, int]:
         raise DataError(f"{src._where}.split: split {r} reaches past the {count} {unit}s of {name}; "
                         f"valid: stop <= {count}")
     if r.start >= stop:
-        raise DataError(f"{src._where}.split: split {r} of {name} is empty ({count} {unit}s); "
-                        f"valid: start < {count}")
+        valid = f"start < {stop}" if count else f"a {name} with at least one {unit}"
+        raise DataError(f"{src._where}.split: split {r} of {name} is empty ({count} {unit}s); valid: {valid}")
     return r.start, stop
 
 
