@@ -248,7 +248,7 @@ def test_jsonl_numeric_rows_become_stacked_feeds_in_graph_dtypes(tmp_path):
 
 
 @pytest.mark.parametrize("value, says", [(72.5, "holds 72.5; valid: whole numbers"), (10**20, "beyond int64"),
-                                         ("72", "not a JSON number"), (True, "not a JSON number"),
+                                         ("72", "not a JSON number"), (True, "true/false among numbers"),
                                           (3_000_000_000, "holds 3000000000; valid: whole numbers in [-2147483648,")])
 def test_an_integer_input_never_takes_a_value_it_cannot_hold(tmp_path, value, says):
     """A fraction was truncated and a huge JSON integer was an internal error (OverflowError)."""
@@ -355,6 +355,17 @@ def test_a_jsonl_file_with_a_byte_order_mark_reads_as_without(tmp_path):
 def test_an_npz_array_of_strings_is_bad_input(tmp_path):
     np.savez(tmp_path / "s.npz", x=np.array([["84.0", "1"]]))
     data = datasets.load({"type": "npz", "path": "s.npz"}, tmp_path, "validate.data")
-    with pytest.raises(DataError, match="input 'x' holds <U4 values, which are not float32; valid: a numeric array"):
+    with pytest.raises(DataError, match=r"input 'x' holds <U4 values, which are not float32; valid: numbers \(or true/false\)"):
         F.samples(data, [TensorSpec("x", "float32", ["batch", 2])])
+
+
+def test_a_bool_input_takes_json_true_false_or_0_1_only(tmp_path):
+    (tmp_path / "b.jsonl").write_text(json.dumps({"inputs": {"keep": [True, False], "x": [1, 2]}}) + "\n")
+    data = datasets.load({"type": "jsonl", "path": "b.jsonl", "field": "inputs"}, tmp_path, "validate.data")
+    got = F.samples(data, [TensorSpec("keep", "bool", ["batch", 2]), TensorSpec("x", "int64", ["batch", 2])])
+    assert got["keep"].tolist() == [[True, False]] and got["x"].tolist() == [[1, 2]]
+    assert F.samples(data, [TensorSpec("keep", "int64", ["batch", 2]), TensorSpec("x", "int64", ["batch", 2])])[
+        "keep"].tolist() == [[1, 0]]  # exact either way
+    with pytest.raises(DataError, match="input 'x' is bool in the graph, but holds 2; valid: true/false or 0/1"):
+        F.samples(data, [TensorSpec("keep", "bool", ["batch", 2]), TensorSpec("x", "bool", ["batch", 2])])
 

@@ -97,7 +97,10 @@ def _cast(array: np.ndarray, dtype: np.dtype, name: str, data) -> np.ndarray:
     """
     if array.dtype.kind not in "biuf":  # strings or objects: numpy would parse "84.0" as a number, silently
         raise DataError(f"{data._where}: {data.describe()}: input {name!r} holds {array.dtype} values, which are not "
-                        f"{dtype}; valid: a numeric array")
+                        f"{dtype}; valid: numbers (or true/false)")
+    if dtype.kind == "b" and array.dtype.kind != "b" and not np.isin(array, (0, 1)).all():
+        raise DataError(f"{data._where}: {data.describe()}: input {name!r} is bool in the graph, but holds "
+                        f"{array[~np.isin(array, (0, 1))].flat[0].item()!r}; valid: true/false or 0/1")
     if np.issubdtype(dtype, np.integer) and array.size and array.dtype.kind in "fiu":
         info = np.iinfo(dtype)
         wide = array.astype(np.float64) if array.dtype.kind == "f" else array
@@ -129,11 +132,13 @@ def _jsonl_rows(data, names: list[str], limit: int | None) -> Feeds:
         for name in names:
             if name not in feeds:
                 raise DataError(f"{where}: {data.field!r} has no graph input {name!r} (it has {sorted(feeds)})")
-            if not _numbers_only(feeds[name]):
-                raise DataError(f"{where}: input {name!r} holds a value that is not a JSON number (a string, "
-                                "true/false or null); valid: numbers only")
+            kinds = _leaf_kinds(feeds[name])
+            if not kinds <= {"number", "bool"} or kinds == {"number", "bool"}:
+                raise DataError(f"{where}: input {name!r} holds a value that is not a JSON number (a string or "
+                                "null, or true/false among numbers); valid: numbers only, or true/false only")
+            dtype = np.bool_ if kinds == {"bool"} else np.float64 if _has_float(feeds[name]) else np.int64
             try:
-                value = np.asarray(feeds[name], dtype=np.float64 if _has_float(feeds[name]) else np.int64)
+                value = np.asarray(feeds[name], dtype=dtype)
             except (ValueError, TypeError):
                 raise DataError(f"{where}: input {name!r} is not a rectangular nested list of numbers") from None
             except OverflowError:
@@ -145,11 +150,12 @@ def _jsonl_rows(data, names: list[str], limit: int | None) -> Feeds:
     return {n: np.stack(v) if v else np.zeros((0,)) for n, v in rows.items()}
 
 
-def _numbers_only(value) -> bool:
-    """Every leaf of a nested list is a JSON number (bool is not, though Python counts it as int)."""
+def _leaf_kinds(value) -> set[str]:
+    """What the leaves of a nested list are: ``number``, ``bool`` (not a number, though Python
+    counts it as int) or ``other``."""
     if isinstance(value, list):
-        return all(_numbers_only(v) for v in value)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return set().union(*(_leaf_kinds(v) for v in value)) if value else set()
+    return {"bool"} if isinstance(value, bool) else {"number"} if isinstance(value, (int, float)) else {"other"}
 
 
 def _has_float(value) -> bool:
