@@ -197,7 +197,7 @@ def _picked_index(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> tuple[
         return int(attrs.get("axis", 0)), int(consts[node.input[1]])
     if node.op_type == "Slice" and len(node.input) >= 4 and all(i in consts for i in node.input[1:4]):
         starts, ends, axes = (consts[i].reshape(-1) for i in node.input[1:4])
-        if len(axes) == 1 and ends[0] - starts[0] == 1:
+        if len(axes) == 1 and int(ends[0]) - int(starts[0]) == 1:  # Python ints: INT64_MAX ends cannot overflow
             return int(axes[0]), int(starts[0])
     return None
 
