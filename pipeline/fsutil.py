@@ -112,7 +112,10 @@ def remove_scratch(folder: Path) -> list[str]:
     gone = sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and ".tmp-" in p.name)
     for name in gone:
         p = folder / name
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return gone
 
 

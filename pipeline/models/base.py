@@ -49,6 +49,17 @@ Feeds = dict[str, np.ndarray]
 ENGINE_PREFIX = "engine."
 
 
+def add_engine_metrics(metrics: dict, engine: dict) -> None:
+    """Merge the engine's metrics into ``metrics`` as ``engine.<name>``; their ``stderr_basis``
+    records join ``metrics``' own under the same prefixed names."""
+    from pipeline.gates import BASIS_KEY
+
+    basis = engine.get(BASIS_KEY, {})
+    metrics.update({f"{ENGINE_PREFIX}{k}": v for k, v in engine.items() if k != BASIS_KEY})
+    if basis:
+        metrics.setdefault(BASIS_KEY, {}).update({f"{ENGINE_PREFIX}{k}": b for k, b in basis.items()})
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A model loaded for export (FP32, eval mode). Immutable: stages share it.

@@ -28,8 +28,7 @@ import onnx
 from pipeline import export_checks, onnx_io
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError, RecipeError
-from pipeline.gates import BASIS_KEY
-from pipeline.models.base import BenchWorkload, LoadedModel
+from pipeline.models.base import BenchWorkload, LoadedModel, add_engine_metrics
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 import pipeline.models.generic.feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
@@ -200,10 +199,7 @@ class GenericAdapter(OnnxRuntimeRunners, SourceFiles):
             metrics.update(agreement(ref, _run_all(self.candidate_runner(q), cut)))
         if engine is not None:
             with ctx.progress.step("validate: the engine against the reference"):
-                got = agreement(ref, _run_all(engine, cut))
-            basis = got.pop(BASIS_KEY, {})
-            metrics.update({f"engine.{k}": val for k, val in got.items()})
-            metrics.setdefault(BASIS_KEY, {}).update({f"engine.{k}": b for k, b in basis.items()})
+                add_engine_metrics(metrics, agreement(ref, _run_all(engine, cut)))
         return metrics, {}
 
     # --- serving -----------------------------------------------------------------------------

@@ -19,8 +19,7 @@ import numpy as np
 from pipeline.artifacts import TensorSpec
 from pipeline.datasets import DataError
 from pipeline.errors import AccuracyError, ExportError
-from pipeline.gates import BASIS_KEY
-from pipeline.models.base import BenchWorkload, LoadedModel
+from pipeline.models.base import BenchWorkload, LoadedModel, add_engine_metrics
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 from pipeline.models.image_classification import graph, metrics, preprocess, serving
 from pipeline.models.image_classification.data import batches, labelled_inputs
@@ -156,10 +155,7 @@ class ImageClassificationAdapter(OnnxRuntimeRunners, SourceFiles):
         try:
             result = _compare(scores["fp32"], scores["candidate"], labels)
             if "engine" in scores:
-                got = _compare(scores["fp32"], scores["engine"], labels)
-                basis = got.pop(BASIS_KEY, {})
-                result |= {f"engine.{k}": val for k, val in got.items()}
-                result.setdefault(BASIS_KEY, {}).update({f"engine.{k}": b for k, b in basis.items()})
+                add_engine_metrics(result, _compare(scores["fp32"], scores["engine"], labels))
         except ValueError as e:  # labels that do not fit the model's classes
             raise DataError(f"validate.data: {v.data.describe()}: {e}") from None
         return result, {}

@@ -17,7 +17,7 @@ from onnxruntime.quantization import CalibrationDataReader
 
 from pipeline import runners
 from pipeline.errors import AccuracyError
-from pipeline.models.base import ENGINE_PREFIX
+from pipeline.models.base import add_engine_metrics
 from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, only
 
 WORD_SETS = ("wordsim353", "simlex999")
@@ -348,9 +348,7 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
         with ctx.progress.step("validate: word similarity + cosine (engine)"):
             res = similarity_metrics(models, tok, sentences, v.batch_size, v.seq_len, names)
         flat = _flatten(res, q.precision, len(sentences))
-        basis = flat.pop("stderr_basis")
-        out.update({f"{ENGINE_PREFIX}{k}": val for k, val in flat.items() if not k.endswith("_fp32")})
-        out["stderr_basis"].update({f"{ENGINE_PREFIX}{k}": rec for k, rec in basis.items()})
+        add_engine_metrics(out, {k: val for k, val in flat.items() if not k.endswith("_fp32")})
     return out
 
 
