@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv lock build tune check test docs typecheck bench bench-build bench-scale serve publish deploy plan verify clean
+.PHONY: venv lock build tune check test test-fast docs typecheck bench bench-build bench-scale serve publish deploy plan verify clean
 
 # A recipe target with a RECIPE that is not recipes/$(RECIPE).yaml stops here, before any install,
 # naming the recipes there. (A recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml.)
@@ -86,12 +86,17 @@ TEST_WORKERS ?= auto
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses=4 --dist loadgroup --no-loadscope-reorder
 
-# Regenerate docs/reference/recipe.md from the recipe schema (tests/test_docs_reference.py checks it is current).
+# The unit tests (tests/unit/, mirroring pipeline/) and the architecture tests: no model run, no server;
+# a couple of minutes. `make test` runs them too, with integration/, server/, e2e/ and docs/.
+test-fast: $(DEV_STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses=4 --dist loadgroup --no-loadscope-reorder tests/unit tests/architecture -m "not e2e and not server"
+
+# Regenerate docs/reference/recipe.md from the recipe schema (tests/docs/test_docs_reference.py checks it is current).
 docs: $(STAMP)
 	$(PY) -m pipeline.docs_reference
 
 typecheck: $(DEV_STAMP)
-	$(PY) -m pytest -q tests/test_build_typecheck.py
+	$(PY) -m pytest -q tests/unit/trt/test_typecheck.py
 
 # Serve the recipe's Triton repository on the pytriton wheel's tritonserver (127.0.0.1, free
 # ports) until Ctrl-C; `bench` starts it, measures (recipe serve: section) and stops it.

@@ -59,7 +59,7 @@ def main() -> int:
     from pipeline.context import Progress, StageContext
     from pipeline.models import registry
     from pipeline.quant import budget, sensitivity as S
-    from pipeline.recipe_load import load_recipe
+    from pipeline.recipe.load import load_recipe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "fp8-llm.yaml"))

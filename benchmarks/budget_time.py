@@ -70,7 +70,7 @@ def main() -> int:
     from pipeline.context import Progress, StageContext
     from pipeline.models import registry
     from pipeline.quant import budget
-    from pipeline.recipe_load import load_recipe
+    from pipeline.recipe.load import load_recipe
     from pipeline.stages import export
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -67,8 +67,8 @@ _STAGE_DRIVERS = [
 
 def _stage_process(recipe: str, ws: Path, call: str, code_dir: Path) -> None:
     """``call`` in a fresh ``python -c`` run in ``code_dir``, whose ``pipeline`` package it imports."""
-    code = ("import sys; from pathlib import Path; from pipeline.recipe_load import load_recipe; "
-            "from pipeline.runner import run_pipeline, run_tune; path = Path(sys.argv[1]); "
+    code = ("import sys; from pathlib import Path; from pipeline.recipe.load import load_recipe; "
+            "from pipeline.run.runner import run_pipeline, run_tune; path = Path(sys.argv[1]); "
             "recipe = load_recipe(path, {'work_dir': sys.argv[2], 'output_dir': sys.argv[3]}); " + call)
     proc = subprocess.run([sys.executable, "-c", code, recipe, str(ws / "artifacts"), str(ws / "model_repository")],
                           capture_output=True, text=True, cwd=code_dir)
@@ -146,8 +146,8 @@ def make_large_llama(folder: Path) -> int:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pipeline.model_source import package_file
-    from pipeline.recipe_load import load_recipe
+    from pipeline.sources.model import package_file
+    from pipeline.recipe.load import load_recipe
 
     src = package_file(load_recipe(Path("recipes/fp8-llm.yaml")).model)
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)

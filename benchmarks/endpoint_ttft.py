@@ -35,7 +35,7 @@ def served_from(args, work: Path):
 
         served = prepare(llm_recipe(work), llm_artifacts(work, build=context_build(512)), backends=["python"])
         return served, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6]
-    from pipeline.recipe_load import load_recipe
+    from pipeline.recipe.load import load_recipe
     from pipeline.serve.bench import llm_prompts
     from pipeline.serve.prepare import built_artifacts
     from pipeline.serve.run import prepare_for_server

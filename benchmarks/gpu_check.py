@@ -28,11 +28,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import text_data  # noqa: E402
+from pipeline.models import text as text_data  # noqa: E402
 from pipeline.artifacts import ExportArtifact, TensorSpec  # noqa: E402
 from pipeline.models.text_generation.model import prefill_feeds  # noqa: E402
-from pipeline.recipe import Recipe
-from pipeline.recipe_load import load_recipe# noqa: E402
+from pipeline.recipe.schema import Recipe
+from pipeline.recipe.load import load_recipe# noqa: E402
 from pipeline.ort_sessions import ort_session  # noqa: E402
 from pipeline.models.text_generation.metrics import mean_nll  # noqa: E402
 

@@ -80,8 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pipeline.onnx_io import files_on_disk_bytes
-    from pipeline.recipe_load import load_recipe
-    from pipeline.runner import run_pipeline, run_tune
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline, run_tune
 
     with tempfile.TemporaryDirectory(prefix="trtpipe-stage-mem-") as tmp:
         ws = args.workspace or Path(tmp)

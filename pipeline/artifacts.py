@@ -46,7 +46,7 @@ class QuantizedArtifact:
     quantized_nodes: list[str]
     excluded_nodes: list[str]
     calibration: dict[str, Any] = field(default_factory=dict)
-    #: the calibration batches (``.npz``, :mod:`pipeline.feeds`), handed forward; None for fp32 / fp16
+    #: the calibration batches (``.npz``, :mod:`pipeline.quant.feeds`), handed forward; None for fp32 / fp16
     calibration_feeds_path: str | None = None
     #: the same graph with UINT8 activations for ONNX Runtime on CPU (:func:`pipeline.quant.qdq.uint8_activations`,
     #: 7-bit INT8 weights only); None: ``onnx_path`` is what ONNX Runtime runs too
@@ -85,7 +85,7 @@ class BuildArtifact:
     stamp_path: str | None
     trtexec_cmd_path: str
     profiles: list[ResolvedProfile]
-    #: who built ``engine_path`` (pipeline.engine_backends): "tensorrt" (a datacenter plan, which
+    #: who built ``engine_path`` (pipeline.trt.backends): "tensorrt" (a datacenter plan, which
     #: validate runs and Triton serves) or "tensorrt-rtx" (a build artifact: Triton cannot load it)
     backend: str = "tensorrt"
     #: the stamp's headline numbers (backend_label, tensorrt_version, targets, check_only,
@@ -112,7 +112,7 @@ class BuildArtifact:
 
 @dataclass
 class GateResult:
-    """One gate's verdict (:func:`pipeline.gates.evaluate`), as the manifest's ``gates``
+    """One gate's verdict (:func:`pipeline.recipe.gates.evaluate`), as the manifest's ``gates``
     list, ``report.md`` and ``junit.xml`` carry it.
 
     ``value``, ``stderr`` and ``bound`` are in the metric's unit. ``bound`` is the
@@ -123,8 +123,8 @@ class GateResult:
     (value - bound) / stderr for a min bound (positive on the passing side);
     ``within_noise`` when |margin_se| < 2; ``n`` eval tokens or items (``n_unit``)
     the metric rests on, ``n_needed`` the count that would put the bound 2 standard
-    errors away (:func:`pipeline.gates.n_needed`), ``stderr_method`` how it was computed;
-    ``unit`` the value's unit where it has one (:data:`pipeline.gates.UNITS`).
+    errors away (:func:`pipeline.recipe.gates.n_needed`), ``stderr_method`` how it was computed;
+    ``unit`` the value's unit where it has one (:data:`pipeline.recipe.gates.UNITS`).
     """
 
     name: str

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator, TypeVar
 from rich.console import Console
 from rich.progress import track
 
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """The recipe reference, ``docs/reference/recipe.md``, generated from the pydantic schema.
 
-Every model reached from :class:`pipeline.recipe.Recipe` (nested sections, list items,
+Every model reached from :class:`pipeline.recipe.schema.Recipe` (nested sections, list items,
 the members of the model-source and data-source unions) gets one table: each field's
 YAML key, type, default and ``description``. ``python -m pipeline.docs_reference``
 (``make docs``) rewrites the file; ``--check`` exits 1 when the committed file differs.
@@ -18,16 +18,16 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 
 #: The generated file, relative to the repository root.
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "recipe.md"
 
 HEADER = """# Recipe reference
 
-Generated from the pydantic schema (`pipeline/recipe.py`, `pipeline/datasets/schema.py`,
-`pipeline/model_source.py`) by `make docs` (`python -m pipeline.docs_reference`); do not
-edit by hand: `tests/test_docs_reference.py` fails when this file is stale. The guide to
+Generated from the pydantic schema (`pipeline/recipe/schema.py`, `pipeline/sources/data/schema.py`,
+`pipeline/sources/model.py`) by `make docs` (`python -m pipeline.docs_reference`); do not
+edit by hand: `tests/docs/test_docs_reference.py` fails when this file is stale. The guide to
 writing a recipe is [docs/recipes-and-gates.md](../recipes-and-gates.md).
 
 Every section forbids unknown keys. *required* marks a field without a default.

@@ -1,6 +1,6 @@
 """What produced an artifact: the versions of the tools that shape it, the CPU features
 that change ONNX Runtime's kernels, and the hash of this package's code (the stage cache
-key's code part). Recorded in ``manifest.json`` (:mod:`pipeline.manifest`)."""
+key's code part). Recorded in ``manifest.json`` (:mod:`pipeline.run.report`)."""
 from __future__ import annotations
 
 import functools

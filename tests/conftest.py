@@ -6,11 +6,19 @@ costly fixture on one worker and hands out the slowest groups first."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Test modules import helpers from one another by file name (``from test_repository import ...``): every
+# folder of the suite is on the path, and each test file's name is unique across them (checked in
+# tests/architecture/test_suite_split.py).
+TEST_DIRS = sorted({p.parent for p in Path(__file__).resolve().parent.rglob("test_*.py")})
+for _folder in TEST_DIRS:
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 MOTO_BUCKET = "models"  # the bucket moto_s3 creates
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -63,8 +71,8 @@ def smollm2_export(llm_workspace) -> Path:
     """The export stage of the real fp8-llm recipe (SmolLM2-135M), made once per session: the
     flagship run below continues from it, and int8-llm, whose model and export section are the
     same (the same stage key), starts from its cache record. Returns the stage folder."""
-    from pipeline.recipe_load import load_recipe
-    from pipeline.runner import run_pipeline
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline
 
     path = ROOT / "recipes" / "fp8-llm.yaml"
     run_pipeline(load_recipe(path, llm_overrides(llm_workspace)), path, quiet=True, only=["export"])
@@ -74,8 +82,8 @@ def smollm2_export(llm_workspace) -> Path:
 @pytest.fixture(scope="session")
 def fp8_llm_run(llm_workspace, smollm2_export):
     """The real fp8-llm recipe, end to end, into a temporary workspace (export from :func:`smollm2_export`)."""
-    from pipeline.recipe_load import load_recipe
-    from pipeline.runner import run_pipeline
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline
 
     path = ROOT / "recipes" / "fp8-llm.yaml"
     recipe = load_recipe(path, llm_overrides(llm_workspace))
@@ -95,8 +103,8 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny_export(tiny_model, tmp_path_factory) -> Path:
     """The export stage of ``tiny_recipe`` on :func:`tiny_model`, run once per session; returns
     its stage folder. Tests whose subject is not the export start from it (``tiny.seed_export``)."""
-    from pipeline.recipe_load import load_recipe
-    from pipeline.runner import run_pipeline
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline
     from tiny import tiny_recipe
 
     ws = tmp_path_factory.mktemp("tiny-export")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 #: imported once by the fork server (the CLI, the stages and what a tiny LLM build calls, including
 #: the transformers modules its lazy loader imports on first use: 1.5 s less per build)
-PRELOAD = ["pipeline.cli", "pipeline.runner", "pipeline.stages.export", "pipeline.stages.quantize",
+PRELOAD = ["pipeline.cli.app", "pipeline.run.runner", "pipeline.stages.export", "pipeline.stages.quantize",
            "pipeline.stages.build", "pipeline.stages.validate", "pipeline.stages.triton",
            "pipeline.models.text_generation.adapter", "torch.onnx", "transformers", "onnxruntime",
            "transformers.models.auto.tokenization_auto", "transformers.models.llama.configuration_llama",
@@ -33,7 +33,7 @@ def _build(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
     for stream in (1, 2):
         os.dup2(fd, stream)
     sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
-    from pipeline.cli import main
+    from pipeline.cli.app import main
 
     sys.exit(main(argv))
 

@@ -2,4 +2,4 @@
 once per process for its stage keys (:func:`pipeline.imports.closure`), so each fork starts with it."""
 from pipeline import imports
 
-imports.closure("pipeline.runner")
+imports.closure("pipeline.run.runner")

@@ -1,4 +1,4 @@
-"""Small ONNX graphs for real TensorRT-RTX builds (tests/test_build_rtx.py)."""
+"""Small ONNX graphs for real TensorRT-RTX builds (tests/unit/trt/test_builder_rtx.py)."""
 from __future__ import annotations
 
 from pathlib import Path

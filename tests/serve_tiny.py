@@ -1,5 +1,5 @@
 """Tiny models for the serve / bench tests: a BERT-like encoder with an INT8 Q/DQ weight and
-a WordPiece tokenizer, a tiny KV-cache LM (from test_triton_repository), their recipes and
+a WordPiece tokenizer, a tiny KV-cache LM (from test_repository), their recipes and
 the stage artifacts a finished run would hand to pipeline.serve."""
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from pipeline.artifacts import (
     ResolvedProfile,
     ValidationArtifact,
 )
-from pipeline.recipe import Recipe, ServeConfig
+from pipeline.recipe.schema import Recipe, ServeConfig
 from pipeline.triton.config import graph_io
-from test_triton_repository import (
+from test_repository import (
     HEAD_DIM,
     HEADS,
     LAYERS,

@@ -55,8 +55,8 @@ def _gguf_tokenizer():
     """The SmolLM2 tokenizer read from its GGUF once per process (reading it takes seconds)."""
     from transformers import AutoTokenizer
 
-    from pipeline.model_source import package_file
-    from pipeline.recipe_load import load_recipe
+    from pipeline.sources.model import package_file
+    from pipeline.recipe.load import load_recipe
 
     path = package_file(load_recipe(ROOT / "recipes" / "fp8-llm.yaml").model)
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -102,7 +102,7 @@ def tiny_recipe(ws: Path, model_dir: Path, **changes) -> Path:
                                       {"batch": 2, "sequence": 7, "past_sequence": 9}]
     data["quantize"]["calibration"].update(samples=8, seq_len=32, batch_size=4)
     # Mechanics tests pin the quantization (down_proj high precision, as fp8-llm was hand-tuned);
-    # tests/test_budget.py adds the search back where it is the subject.
+    # tests/integration/test_budget.py adds the search back where it is the subject.
     for key in ("tuning", "sensitivity", "accuracy_budget"):
         data["quantize"].pop(key, None)
     data["quantize"]["exclude"] = {"nodes": ["*mlp.down_proj*"]}

@@ -240,7 +240,7 @@ def paired_perplexity(run_ref, run_cand, windows: np.ndarray, batch: int, progre
 
     Args:
         run_ref, run_cand: ``ids [b, seq] int64 -> logits [b, seq, vocab] float32``.
-        windows: int64 ``[n, seq]`` (:func:`pipeline.text_data.token_windows`).
+        windows: int64 ``[n, seq]`` (:func:`pipeline.models.text.token_windows`).
         batch: windows per call; progress: the stage's progress (``track``).
         label: the candidate's name in the progress line; context: as in :class:`QualityAccumulator`.
         acc: an empty accumulator to fill (the caller keeps its per-window sums); a new one when None.

@@ -15,7 +15,7 @@ on 2 CPU cores shared with other jobs) gave ratios of 1.016 (prefill 64 tokens) 
 1.008 (decode step); other jobs starting mid-run move single medians by several percent
 more. 10 % keeps a graph as fast as FP32 from failing on that noise, while a graph 30 %
 slower (MiniLM INT8 at the basic level) still fails. The metric stays the measured
-ratio; the margin belongs to the gate check (:func:`pipeline.gates.evaluate` passes a
+ratio; the margin belongs to the gate check (:func:`pipeline.recipe.gates.evaluate` passes a
 ``min`` gate on ``speedup_vs_fp32`` at ``>= min - SPEEDUP_MARGIN`` and reports that bound),
 so a recipe writes ``min: 1.0`` for "keep only if faster, beyond noise".
 
@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from pipeline.gates import SPEEDUP_MARGIN  # noqa: F401  (the gate's margin; its measurement is above)
+from pipeline.recipe.gates import SPEEDUP_MARGIN  # noqa: F401  (the gate's margin; its measurement is above)
 from pipeline.provenance import INT8_DOT_FLAGS, cpu_flags
 
 
@@ -106,10 +106,10 @@ def speedup_metrics(run_ref: Callable[[], object], run_cand: Callable[[], object
 
 def timed_view(runner, view):
     """What the speed line times for ``runner``: ``view`` (its session view), or for a candidate whose
-    weights validate dequantizes once (:class:`pipeline.triton.weights_fed.WeightsFed`) a session of the
+    weights validate dequantizes once (:class:`pipeline.runners.weights_fed.WeightsFed`) a session of the
     graph as written, as Triton's ONNX Runtime backend runs it (dequantizing at every run): the
     slower of the served paths, so a speed gate never passes on a path the default target skips."""
-    from pipeline.triton.weights_fed import WeightsFed
+    from pipeline.runners.weights_fed import WeightsFed
 
     session = getattr(runner, "session", None)
     return session.as_written() if isinstance(session, WeightsFed) else view
@@ -117,12 +117,12 @@ def timed_view(runner, view):
 
 def session_level(runner) -> tuple[str, list[str]] | None:
     """(ORT optimization level name, providers) of a runner holding a real
-    ``onnxruntime.InferenceSession`` (:class:`pipeline.runners.OrtRunner`; its weights possibly
-    dequantized once, :class:`pipeline.triton.weights_fed.WeightsFed`); None otherwise."""
+    ``onnxruntime.InferenceSession`` (:class:`pipeline.runners.base.OrtRunner`; its weights possibly
+    dequantized once, :class:`pipeline.runners.weights_fed.WeightsFed`); None otherwise."""
     import onnxruntime as ort
 
     from pipeline.ort_sessions import ORT_LEVELS
-    from pipeline.triton.weights_fed import WeightsFed
+    from pipeline.runners.weights_fed import WeightsFed
 
     session = getattr(runner, "session", None)
     if not isinstance(session, (ort.InferenceSession, WeightsFed)):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.gates import BASIS_KEY, STDERR_SUFFIX  # noqa: F401  (the names gates read; re-exported)
+from pipeline.recipe.gates import BASIS_KEY, STDERR_SUFFIX  # noqa: F401  (the names gates read; re-exported)
 
 RESAMPLES = 2000
 SEED = 0

@@ -23,7 +23,7 @@ Conventions for every member below:
   ``sequence``, ...); a graph dim with neither a size nor a name reads as ``"?"``
   (:func:`pipeline.onnx_io.graph_specs`, the one graph I/O reader), and
   :meth:`ModelAdapter.graph_io` writes ``-1`` for a size known only after export;
-* runners follow :class:`pipeline.runners.Runner` (``run(feeds) -> {output: array}``);
+* runners follow :class:`pipeline.runners.base.Runner` (``run(feeds) -> {output: array}``);
 * errors are :class:`pipeline.errors.PipelineError` subclasses naming the recipe
   key, file, input or axis, and what would be valid.
 """
@@ -40,9 +40,9 @@ from pipeline.artifacts import TensorSpec
 if TYPE_CHECKING:
     from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact
     from pipeline.context import StageContext
-    from pipeline.datasets import DataSource
-    from pipeline.recipe import CalibrationConfig, ExportConfig, Recipe
-    from pipeline.runners import Runner
+    from pipeline.sources.data import DataSource
+    from pipeline.recipe.schema import CalibrationConfig, ExportConfig, Recipe
+    from pipeline.runners.base import Runner
 
 Feeds = dict[str, np.ndarray]
 #: Prefix of the metrics measured through a TensorRT engine (``engine.mean_cosine``).
@@ -52,7 +52,7 @@ ENGINE_PREFIX = "engine."
 def add_engine_metrics(metrics: dict, engine: dict) -> None:
     """Merge the engine's metrics into ``metrics`` as ``engine.<name>``; their ``stderr_basis``
     records join ``metrics``' own under the same prefixed names."""
-    from pipeline.gates import BASIS_KEY
+    from pipeline.recipe.gates import BASIS_KEY
 
     basis = engine.get(BASIS_KEY, {})
     metrics.update({f"{ENGINE_PREFIX}{k}": v for k, v in engine.items() if k != BASIS_KEY})
@@ -181,7 +181,7 @@ class ModelAdapter(Protocol):
 
     def torch_outputs(self, module: Any, feeds: Feeds) -> tuple:
         """The module's outputs (torch tensors, graph output order) on ``feeds``:
-        the torch reference of the export check (see :class:`pipeline.runners.TorchRunner`)."""
+        the torch reference of the export check (see :class:`pipeline.runners.base.TorchRunner`)."""
         ...
 
     def calibration_feeds(self, exp: ExportArtifact, data: DataSource, cal: CalibrationConfig) -> list[Feeds]:

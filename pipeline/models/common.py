@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline import runners
+from pipeline.runners import base as runners
 
 
 class OnnxRuntimeRunners:
@@ -18,7 +18,7 @@ class OnnxRuntimeRunners:
         return runners.OrtRunner(exp.onnx_path, name="fp32 (onnxruntime)")
 
     def candidate_runner(self, q, engine: str | None = None) -> runners.Runner:
-        """The engine at ``engine`` (:func:`pipeline.runners.tensorrt_runner`), else ``q``'s graph in ONNX Runtime.
+        """The engine at ``engine`` (:func:`pipeline.runners.base.tensorrt_runner`), else ``q``'s graph in ONNX Runtime.
 
         Raises:
             RunnerError: the engine does not load.
@@ -47,14 +47,14 @@ def text_batches(exp, data, cal, feeds_for_ids: Callable[[object, np.ndarray], d
     """Calibration batches of token windows for text kinds.
 
     Up to ``cal.samples`` windows of ``cal.seq_len`` tokens from the documents of
-    ``data`` (:func:`pipeline.text_data.token_windows` with the exported tokenizer), in
+    ``data`` (:func:`pipeline.models.text.token_windows` with the exported tokenizer), in
     batches of ``cal.batch_size`` rows, each turned into graph feeds by
     ``feeds_for_ids(exp, ids)`` (ids int64 ``[rows, cal.seq_len]``).
 
     Raises:
         DataError: ``data`` does not hold documents.
     """
-    from pipeline import text_data
+    from pipeline.models import text as text_data
 
     docs = text_data.documents(data)
     tok = text_data.load_tokenizer(exp.tokenizer_dir)

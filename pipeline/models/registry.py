@@ -1,6 +1,6 @@
 """The one mapping of ``model.kind`` to its adapter (:class:`pipeline.models.base.ModelAdapter`).
 
-Every kind of :data:`pipeline.recipe.ModelKind` has an entry (tests check the two
+Every kind of :data:`pipeline.recipe.schema.ModelKind` has an entry (tests check the two
 agree), so the schema refuses an unknown kind and no kind falls back to another.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pipeline.models.base import ModelAdapter
-    from pipeline.recipe import ModelSource
+    from pipeline.recipe.schema import ModelSource
 
 #: kind -> "module:class" of its adapter.
 ADAPTERS = {

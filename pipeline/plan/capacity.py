@@ -64,7 +64,7 @@ from pipeline.plan.formulas import (
 )
 from pipeline.plan.gpus import GPU, GPUS
 from pipeline.plan.render import write_plan
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 
 DEFAULT_RATE = 10.0  # req/s, when --rate is not given: the recipe's serve section has no request rate
 
@@ -107,10 +107,10 @@ def model_facts(recipe: Recipe, workspace_bytes: int | None = None) -> ModelFact
             stage names a node the export lacks, or profile 0 sets no context limit.
         TritonConfigError: the export has no usable ``past_key_values.*`` inputs.
     """
-    from pipeline.profiles import resolve_profiles, shape_tensor_inputs
+    from pipeline.trt.profiles import resolve_profiles, shape_tensor_inputs
     from pipeline.onnx_io import graph_specs
     from pipeline.models.text_generation.triton import kv_layout
-    from pipeline.recipe_kinds import facts
+    from pipeline.recipe.kinds import facts
     from pipeline.triton.repository import context_limits, profile_batch
 
     if not facts(recipe.model.kind).kv_cache:
@@ -357,7 +357,7 @@ def cmd_plan(args) -> int:
     Raises:
         PipelineError: see :func:`build_plan` (exit 2; an unbuilt recipe says to run make build first).
     """
-    from pipeline.recipe_load import load_from_args
+    from pipeline.recipe.load import load_from_args
 
     recipe = load_from_args(args)
     if args.workspace_gib is not None:
@@ -369,7 +369,7 @@ def cmd_plan(args) -> int:
                       workspace_bytes=workspace, measure=args.measure)
     run_dir = Path(recipe.work_dir) / recipe.name
     paths = write_plan(plan, run_dir / "plan")
-    from pipeline.manifest import add_report_section
+    from pipeline.run.report import add_report_section
 
     add_report_section(run_dir, "Capacity plan", paths["md"].read_text() + "\n\n![plan](plan/plan.png)\n")
     print(paths["md"].read_text())

@@ -17,7 +17,7 @@ Float noise: the search estimates the trial metric's float-kernel noise once
 Values within the tolerance are ties broken by name, and a trial within it of the bound misses,
 so kernel differences between CPUs cannot flip a ranking or a verdict unless they exceed it.
 
-The budget is a :class:`pipeline.recipe.Gate` on a trial metric (``kld_mean``,
+The budget is a :class:`pipeline.recipe.schema.Gate` on a trial metric (``kld_mean``,
 ``relative_perplexity_increase``, ``top1_agreement``). Margin: the budget applies
 to the *tuning* split and the validate gate to another split, so a recipe sets
 the budget tighter than its gate. On a small tuning split prefer ``kld_mean``:
@@ -40,7 +40,8 @@ from pathlib import Path
 import onnx
 import yaml
 
-from pipeline import gates as gate_eval, onnx_io
+from pipeline import onnx_io
+from pipeline.recipe import gates as gate_eval
 from pipeline.errors import GateFailed, QuantizationError
 from pipeline.quant import qdq, sensitivity as S
 
@@ -80,7 +81,7 @@ class BudgetResult:
 
 
 def passes(budget, metrics: dict[str, float], tol: float = 0.0) -> bool:
-    """Whether ``metrics`` meet the budget gate (:func:`pipeline.gates.evaluate`) by at least
+    """Whether ``metrics`` meet the budget gate (:func:`pipeline.recipe.gates.evaluate`) by at least
     ``tol`` (metric units): a value within ``tol`` of the bound counts as a miss, conservatively."""
     if not gate_eval.evaluate([budget], metrics)[0].passed:
         return False
@@ -301,7 +302,7 @@ def check_data(recipe) -> None:
     Raises:
         DataError: (exit 2) two uses overlap, naming both keys and ranges.
     """
-    from pipeline import datasets
+    from pipeline.sources import data as datasets
 
     q = recipe.quantize
     datasets.check_disjoint({"quantize.calibration.data": q.calibration.data, "quantize.tuning.data": q.tuning.data,

@@ -26,7 +26,7 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from pipeline.errors import QuantizationError
 from pipeline.ort_sessions import SATURATION_SAFE_INT8
-from pipeline.recipe import ExcludeConfig
+from pipeline.recipe.schema import ExcludeConfig
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     python -m pipeline build RECIPE --cache s3://bucket/prefix     (or PIPELINE_CACHE=s3://...)
 
-The keys are the local stage cache's (:func:`pipeline.runner.stage_key`): they hash a
+The keys are the local stage cache's (:func:`pipeline.run.runner.stage_key`): they hash a
 stage's recipe sections, its upstream keys, the tool versions it depends on, its own
 code and the content of the model and data files, never a path or the CPU. Two
 checkouts of one recipe in different folders, on different machines, get the same keys.
@@ -50,7 +50,7 @@ from pipeline.remote.s3 import S3Location, s3_client, upload_object
 FORMAT = 1
 ENV = "PIPELINE_CACHE"
 RUN_DIR, OUTPUT_DIR = "${run_dir}", "${output_dir}"
-_MARKER = "stage.json"  # the runner's local record, rewritten after a pull (pipeline.runner)
+_MARKER = "stage.json"  # the runner's local record, rewritten after a pull (pipeline.run.runner)
 
 
 class RemoteCache:

@@ -68,8 +68,8 @@ import yaml
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import folder_problem
-from pipeline.manifest import last_manifest
-from pipeline.serving_targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
+from pipeline.run.report import last_manifest
+from pipeline.targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 
 BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
@@ -115,7 +115,7 @@ def resource_name(recipe_name: str) -> str:
 
 def resolve_image(recipe, image: str | None = None) -> str:
     """The Triton image for ``recipe`` (see the module docstring)."""
-    from pipeline import serving_targets
+    from pipeline import targets as serving_targets
 
     if image:
         return image
@@ -475,7 +475,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     Raises:
         PipelineError: no ``--storage-uri`` and nothing published (exit 2).
     """
-    from pipeline.recipe_load import load_from_args
+    from pipeline.recipe.load import load_from_args
 
     recipe = load_from_args(args)
     run_dir = Path(recipe.work_dir) / recipe.name

@@ -98,7 +98,7 @@ from urllib.parse import urlsplit
 
 from pipeline.errors import EnvironmentFault, GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.faults import fault_point
-from pipeline.manifest import FAILED_DIR
+from pipeline.run.report import FAILED_DIR
 
 CONFIG = "config.pbtxt"
 RECORD = "trt-pipeline-version.json"
@@ -479,8 +479,8 @@ def publish_recipe(recipe, loc: S3Location, *, serve_copy: bool = False, rollbac
         LockHeld: a build of the recipe is running.
         EnvironmentFault: storage or network errors.
     """
-    from pipeline.manifest import write_json_atomic
-    from pipeline.runner import run_lock
+    from pipeline.run.report import write_json_atomic
+    from pipeline.run.runner import run_lock
     from pipeline.triton.publish import published_models, read_index, verify_repository
 
     run_dir = Path(recipe.work_dir) / recipe.name
@@ -530,7 +530,7 @@ def add_publish_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     """``python -m pipeline publish``; returns 0 (errors raise, see :func:`publish_recipe`)."""
-    from pipeline.recipe_load import load_from_args
+    from pipeline.recipe.load import load_from_args
 
     loc = S3Location.parse(args.to)
     entry = publish_recipe(load_from_args(args), loc, serve_copy=args.serve_copy, rollback=args.rollback)

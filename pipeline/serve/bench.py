@@ -517,7 +517,7 @@ def bench_client_agreement(served: Served, base_url: str, log: Log) -> dict:
 
 
 def echo_perplexity(served: Served, base_url: str, log: Log) -> dict:
-    """Perplexity of the validate windows (:func:`pipeline.text_data.token_windows`, as validate cuts
+    """Perplexity of the validate windows (:func:`pipeline.models.text.token_windows`, as validate cuts
     them) from the endpoint's prompt logprobs, with the ``openai`` client in OpenAI's documented
     shape: ``/v1/completions`` with ``echo: true, logprobs: 0, max_tokens: 1``, the window as token
     ids; ``choices[0].logprobs.token_logprobs`` holds log p(token | earlier tokens) per prompt
@@ -528,7 +528,7 @@ def echo_perplexity(served: Served, base_url: str, log: Log) -> dict:
 
     import openai
 
-    from pipeline import text_data as data
+    from pipeline.models import text as data
 
     v, precision = served.recipe.validate_, served.artifacts["quantize"].precision
     tok = data.load_tokenizer(served.artifacts["export"].tokenizer_dir)
@@ -578,7 +578,7 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
     import subprocess
     import sys
 
-    from pipeline.serve.openai_api import find_model_folder
+    from pipeline.serve.openai.app import find_model_folder
 
     exe = _shutil.which("aiperf") or str(Path(sys.executable).with_name("aiperf"))
     if not Path(exe).is_file():

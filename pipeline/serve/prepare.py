@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import GateFailed, PipelineError, RepositoryCorrupt
-from pipeline.recipe import DynamicBatching, InstanceGroup, Recipe
+from pipeline.recipe.schema import DynamicBatching, InstanceGroup, Recipe
 from pipeline.stages.triton import write_repository
 from pipeline.triton.repository import INDEX_FILE, resolve_target
 
@@ -112,7 +112,7 @@ def built_artifacts(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -
             :func:`refusal`'s.
         PipelineError: a stage failed (from the runner).
     """
-    from pipeline.runner import run_pipeline
+    from pipeline.run.runner import run_pipeline
 
     result = run_pipeline(recipe, recipe_path, quiet=quiet)
     if not result.passed or "triton" not in result.artifacts:

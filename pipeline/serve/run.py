@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.manifest import write_json_atomic
-from pipeline.recipe import Recipe
+from pipeline.run.report import write_json_atomic
+from pipeline.recipe.schema import Recipe
 from pipeline.serve import bench as B
 from pipeline.serve.check import PromptCheck, check_greedy
-from pipeline.serve.openai_api import (
+from pipeline.serve.openai.app import (
     API_KEY_ENV,
     EndpointConfig,
     EndpointServer,
@@ -72,7 +72,7 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
                   openai_port: int | None = None, api_key: str | None = None, sock: socket.socket | None = None) -> int:
     """Serve in the foreground until Ctrl-C / SIGTERM; returns the server's exit code.
 
-    For a generation model the OpenAI-compatible endpoint (:mod:`pipeline.serve.openai_api`)
+    For a generation model the OpenAI-compatible endpoint (:mod:`pipeline.serve.openai.app`)
     runs in front of Triton on ``host``:``openai_port`` (default
     :data:`DEFAULT_OPENAI_PORT`; 0 = a free port). ``api_key`` (else env ``PIPELINE_API_KEY``)
     is checked as ``Authorization: Bearer``; it is required for a non-loopback ``host``. ``sock``:
@@ -101,7 +101,7 @@ def serve_forever(served: Served, *, check: bool = False, log: Log = print, host
 
 def endpoint_socket(host: str, openai_port: int | None) -> socket.socket:
     """The OpenAI endpoint's socket on ``host``:``openai_port`` (None: :data:`DEFAULT_OPENAI_PORT`),
-    bound and listening (:func:`pipeline.serve.openai_api.bind_socket`, whose errors it raises)."""
+    bound and listening (:func:`pipeline.serve.openai.app.bind_socket`, whose errors it raises)."""
     return bind_socket(host, DEFAULT_OPENAI_PORT if openai_port is None else openai_port)
 
 
@@ -137,7 +137,7 @@ def _serve(served: Served, sock: socket.socket | None, *, check: bool, log: Log,
 def start_endpoint(served: Served, server: TritonServer, *, host: str = "127.0.0.1", port: int | None = None,
                    api_key: str | None = None, sock: socket.socket | None = None) -> EndpointServer:
     """Start the OpenAI-compatible endpoint for ``served``'s generation model on a running server,
-    on ``sock`` (:func:`pipeline.serve.openai_api.bind_socket`) if given, else on ``host``:``port``.
+    on ``sock`` (:func:`pipeline.serve.openai.app.bind_socket`) if given, else on ``host``:``port``.
 
     Raises:
         PipelineError: no generation model, or non-loopback ``host`` without ``api_key``.

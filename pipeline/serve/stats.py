@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.recipe import ServeSLO
+from pipeline.recipe.schema import ServeSLO
 from pipeline.serve.client import Generation
 
 QUANTILES = (50, 90, 99)

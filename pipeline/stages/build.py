@@ -13,13 +13,13 @@ checks nothing about the serving runtime (its reason says so).
 
 Where an engine would be built, the recipe must declare ``triton.serving``
 (the Triton container / TensorRT version and GPU model that will load the
-plan, see pipeline.serving_targets): the build refuses a local TensorRT or compute
+plan, see pipeline.targets): the build refuses a local TensorRT or compute
 capability that differs from it, and FP8 on a GPU below compute capability
 8.9. The stamp records what the engine was built with;
-:func:`pipeline.engine_stamp.check_stamp` compares it with the declared target at deploy time.
+:func:`pipeline.trt.stamp.check_stamp` compares it with the declared target at deploy time.
 
-The TensorRT calls live in :mod:`pipeline.engine_builder`, the trtexec script in
-:mod:`pipeline.engine_trtexec`, availability, preflight and stamp in :mod:`pipeline.engine_stamp`.
+The TensorRT calls live in :mod:`pipeline.trt.builder`, the trtexec script in
+:mod:`pipeline.trt.trtexec`, availability, preflight and stamp in :mod:`pipeline.trt.stamp`.
 """
 from __future__ import annotations
 
@@ -32,16 +32,18 @@ from typing import Any
 
 import onnx
 
-from pipeline import engine_backends, engine_report, profiles
+from pipeline.trt import backends as engine_backends
+from pipeline.trt import report as engine_report
+from pipeline.trt import profiles
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, TensorSpec
 from pipeline.context import StageContext
-from pipeline.engine_backends import TENSORRT
-from pipeline.engine_builder import INSERTED_OPS, EngineBuildError, FailureContext, build_engine, inserted_nodes, node_ops
-from pipeline.engine_stamp import builder_key, local_target, make_stamp, preflight, unavailable_reason
-from pipeline.engine_trtexec import trtexec_command, write_trtexec_script
+from pipeline.trt.backends import TENSORRT
+from pipeline.trt.builder import INSERTED_OPS, EngineBuildError, FailureContext, build_engine, inserted_nodes, node_ops
+from pipeline.trt.stamp import builder_key, local_target, make_stamp, preflight, unavailable_reason
+from pipeline.trt.trtexec import trtexec_command, write_trtexec_script
 from pipeline.fsutil import write_bytes_atomic, write_text_atomic
-from pipeline.graph_checks import check_qdq_graph
-from pipeline.recipe import Recipe
+from pipeline.checks.graph import check_qdq_graph
+from pipeline.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def build_from_onnx(
 ) -> BuildArtifact:
     """Resolve profiles, write ``trtexec.sh`` and, where possible, build the engine.
 
-    Which builder runs is :func:`pipeline.engine_backends.choose`'s answer to
+    Which builder runs is :func:`pipeline.trt.backends.choose`'s answer to
     ``build.backend``: datacenter TensorRT (needs a CUDA GPU; writes ``model.plan``)
     or TensorRT-RTX (no GPU needed; writes ``model.rtx-<sm>.engine``, or
     ``check.rtx-sm89.engine`` for a parse-and-build check standing in for a target

@@ -8,12 +8,15 @@ from pathlib import Path
 import onnx
 import torch
 
-from pipeline import compare, export_checks, onnx_io, profiles
+from pipeline import onnx_io
+from pipeline.checks import tolerance as compare
+from pipeline.checks import export as export_checks
+from pipeline.trt import profiles
 from pipeline.artifacts import ExportArtifact, TensorSpec
 from pipeline.context import StageContext
 from pipeline.errors import ExportError
 from pipeline.models import registry
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 from pipeline.ort_sessions import load_session
 
 log = logging.getLogger(__name__)
@@ -163,7 +166,7 @@ def check_tolerance_patterns(patterns, outputs: list[str]) -> None:
 
 def onnx_source(adapter) -> Path | None:
     """The graph file of an ``onnx:`` model source (verified, not exported), else None."""
-    from pipeline.model_source import OnnxSource
+    from pipeline.sources.model import OnnxSource
 
     source = getattr(adapter, "source", None)
     return source.location() if isinstance(source, OnnxSource) else None

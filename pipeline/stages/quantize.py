@@ -9,13 +9,14 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import load_external_data_for_model
 
-from pipeline import graph_checks, onnx_io
+from pipeline import onnx_io
+from pipeline.checks import graph as graph_checks
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.context import StageContext
 from pipeline.errors import QuantizationError
-from pipeline.feeds import save_batches
+from pipeline.quant.feeds import save_batches
 from pipeline.models import registry
-from pipeline.recipe import ExcludeConfig, Recipe
+from pipeline.recipe.schema import ExcludeConfig, Recipe
 from pipeline.quant import autocast, budget, calibrate, pin, qdq, smoothquant
 
 NAME = "quantize"

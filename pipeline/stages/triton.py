@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, TritonArtifact
 from pipeline.context import StageContext
 from pipeline.errors import TritonConfigError
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 
 if TYPE_CHECKING:
-    from pipeline.serving_targets import Target
+    from pipeline.targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,8 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
         TritonConfigError: no stamp, no declared serving runtime, or one line
             per mismatch.
     """
-    from pipeline import serving_targets
-    from pipeline import engine_stamp
+    from pipeline import targets as serving_targets
+    from pipeline.trt import stamp as engine_stamp
 
     if b.stamp_path is None or not Path(b.stamp_path).is_file():
         raise TritonConfigError(f"engine {b.engine_path}: no engine_stamp.json beside it; rebuild the engine")

@@ -3,7 +3,7 @@ reference, and the recipe's gates, on what ships.
 
 Both graphs run in ONNX Runtime. Where the build stage made a TensorRT engine
 (status ``ok``), the same eval also runs through the engine
-(:mod:`pipeline.runners`); its metrics are keyed ``engine.<metric>``, the
+(:mod:`pipeline.runners.base`); its metrics are keyed ``engine.<metric>``, the
 gates apply to them, and ``validate/engine_vs_onnxruntime.md`` puts the two
 side by side. Without an engine the metrics say that the ONNX graph was
 validated and is what gets served."""
@@ -13,7 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline import text_data, runners
+from pipeline.models import text as text_data
+from pipeline.runners import base as runners
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ValidationArtifact
 from pipeline.context import StageContext
 from pipeline.errors import RecipeError
@@ -21,8 +22,8 @@ from pipeline.fsutil import sha256_file, strict_jsonable, write_json_atomic, wri
 from pipeline.models import registry
 from pipeline.models.base import ENGINE_PREFIX
 from pipeline.provenance import code_hash
-from pipeline.recipe import Recipe
-from pipeline.gates import evaluate
+from pipeline.recipe.schema import Recipe
+from pipeline.recipe.gates import evaluate
 
 NAME = "validate"
 # validate measures the engine when one was built: the gate is on what ships
@@ -50,7 +51,7 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
         AccuracyError: the FP32 reference produced NaN (broken reference or input).
         RecipeError: ``quantize.rest_precision: bf16`` without an engine (BF16 is validated
             only through TensorRT); a statistical gate test whose metric came out
-            without a standard error (:func:`pipeline.gates.evaluate`).
+            without a standard error (:func:`pipeline.recipe.gates.evaluate`).
         RunnerError: the engine does not load or run.
     """
     engine = engine_path(b)

@@ -37,7 +37,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import TritonConfigError
 from pipeline.onnx_io import graph_specs
-from pipeline.recipe import TritonConfig
+from pipeline.recipe.schema import TritonConfig
 from pipeline.ort_sessions import optimization_level
 
 if TYPE_CHECKING:  # the generated protobuf module ships no type stubs

@@ -17,7 +17,7 @@ from onnx import helper
 
 from pipeline.errors import TritonConfigError
 from pipeline.onnx_io import tensors
-from pipeline.serving_targets import OnnxReader
+from pipeline.targets import OnnxReader
 
 #: element type name -> the IR version that added it (onnx.proto ``enum Version`` comments).
 TYPE_IR = {"FLOAT8E4M3FN": 9, "FLOAT8E4M3FNUZ": 9, "FLOAT8E5M2": 9, "FLOAT8E5M2FNUZ": 9,

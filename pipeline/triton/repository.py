@@ -42,7 +42,7 @@ from pipeline.artifacts import BuildArtifact, QuantizedArtifact, ResolvedProfile
 from pipeline.errors import StorageFault, TritonConfigError, storage_fault
 from pipeline.fsutil import copy_file
 from pipeline.triton import publish
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 from pipeline.triton.config import (
     RUNTIMES,
     ModelConfig,
@@ -302,13 +302,13 @@ def _copy_model_file(source: Path, dest: Path) -> None:
 def _fit_ir(recipe: Recipe, model: onnx.ModelProto, source: Path) -> bool:
     """Fit ``model`` (in place) to the IR version the declared container's onnxruntime backend
     reads (:func:`pipeline.triton.ir_version.fit_to_reader`; ``triton.serving.container``, else
-    :data:`pipeline.serving_targets.DEFAULT_RELEASE`); True when it changed. A container missing from the
+    :data:`pipeline.targets.DEFAULT_RELEASE`); True when it changed. A container missing from the
     runtime tables is not checked.
 
     Raises:
         TritonConfigError: the graph cannot be read there (names both versions).
     """
-    from pipeline import serving_targets
+    from pipeline import targets as serving_targets
     from pipeline.triton.ir_version import fit_to_reader
 
     reader = serving_targets.onnxruntime_reader(recipe.triton.serving.container if recipe.triton.serving else None)

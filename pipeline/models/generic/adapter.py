@@ -1,7 +1,7 @@
 """The ``generic`` kind: any module, measured by agreement with its FP32 outputs.
 
 Sources: ``entry:`` (a user callable returning the module and example inputs,
-exported with :func:`pipeline.export_checks.export_module`) or ``onnx:`` (an
+exported with :func:`pipeline.checks.export.export_module`) or ``onnx:`` (an
 already exported graph, copied and verified, never re-exported).
 
 * graph I/O: the callable's example inputs by name (their order is the module's
@@ -25,15 +25,16 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx
 
-from pipeline import export_checks, onnx_io
+from pipeline import onnx_io
+from pipeline.checks import export as export_checks
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError, RecipeError
 from pipeline.models.base import BenchWorkload, LoadedModel, add_engine_metrics
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 import pipeline.models.generic.feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
-from pipeline.model_source import EntrySource, ModelFileError, OnnxSource, check_entry_axes, external_data_files
-from pipeline.recipe_kinds import source_problem
+from pipeline.sources.model import EntrySource, ModelFileError, OnnxSource, check_entry_axes, external_data_files
+from pipeline.recipe.kinds import source_problem
 
 NO_TORCH = ("model.source is an ONNX graph exported elsewhere: ONNX Runtime FP32 is the reference and no torch "
             "comparison was made; the export checks only prove the graph runs at every check point")
@@ -268,7 +269,7 @@ def _validate_data(ctx):
     Raises:
         RecipeError: the recipe has no ``validate.data`` (a generic model has no built-in eval set).
     """
-    from pipeline import datasets
+    from pipeline.sources import data as datasets
 
     spec = getattr(ctx.recipe.validate_, "data", None)
     if spec is None:

@@ -19,7 +19,7 @@ import json
 import numpy as np
 
 from pipeline.artifacts import TensorSpec
-from pipeline.datasets.base import DataError, read_text, select
+from pipeline.sources.data.base import DataError, read_text, select
 from pipeline.errors import ExportError
 
 Feeds = dict[str, np.ndarray]

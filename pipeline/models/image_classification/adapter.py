@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from pipeline.artifacts import TensorSpec
-from pipeline.datasets import DataError
+from pipeline.sources.data import DataError
 from pipeline.errors import AccuracyError, ExportError
 from pipeline.models.base import BenchWorkload, LoadedModel, add_engine_metrics
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
@@ -112,7 +112,7 @@ class ImageClassificationAdapter(OnnxRuntimeRunners, SourceFiles):
         ONNX source): the export check then compares the prepared graph with it."""
         import torch
 
-        from pipeline.runners import OrtRunner
+        from pipeline.runners.base import OrtRunner
 
         out = OrtRunner(module.path, name="shipped graph").run(feeds)
         return (torch.from_numpy(out[module.output_name]),)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.datasets import DataError
+from pipeline.sources.data import DataError
 from pipeline.models.image_classification import preprocess
 
 

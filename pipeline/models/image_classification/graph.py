@@ -37,7 +37,7 @@ def package_file(package: str = PACKAGE, path: str = MODEL_FILE) -> Path:
     Raises:
         ModelFileError: the package is not installed, or the file is missing from it.
     """
-    from pipeline.model_source import OnnxSource
+    from pipeline.sources.model import OnnxSource
 
     return OnnxSource(onnx=path, package=package).location()
 

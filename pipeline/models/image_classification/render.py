@@ -152,7 +152,7 @@ def generate(out: str | Path, splits: tuple[Split, ...] = DEFAULT_SPLITS,
     """
     import shutil
 
-    from pipeline.datasets import load
+    from pipeline.sources.data import load
 
     documents = load({"type": "corpus", "name": "lee_background"}, None, "render").items()
     lines = split_lines(documents, splits, settings)

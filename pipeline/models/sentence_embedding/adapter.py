@@ -13,13 +13,13 @@ import torch
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
-from pipeline import export_checks
+from pipeline.checks import export as export_checks
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches
-from pipeline.model_source import package_file
+from pipeline.sources.model import package_file
 from pipeline.models.sentence_embedding.model import (INPUTS, OUTPUT, PooledEncoder, load_encoder, only, random_feeds,
                                                        read_pooling)
-from pipeline.recipe import ModelSource
+from pipeline.recipe.schema import ModelSource
 
 log = logging.getLogger(__name__)
 

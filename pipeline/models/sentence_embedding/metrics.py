@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
-from pipeline import runners
+from pipeline.runners import base as runners
 from pipeline.errors import AccuracyError
 from pipeline.models.base import add_engine_metrics
 from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, only
@@ -117,7 +117,7 @@ def similarity_metrics(sessions: dict, tok, sentences: list[str], batch: int, ma
     Raises:
         AccuracyError: the reference embeddings hold NaN or Inf.
     """
-    from pipeline import text_data
+    from pipeline.models import text as text_data
 
     sets = {name: text_data.word_pairs(name) for name in WORD_SETS}
     out: dict[str, dict] = {}
@@ -274,7 +274,7 @@ def naive_ort_model(ctx, exp, q) -> str:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     from pipeline.errors import PipelineError
-    from pipeline.feeds import load_batches
+    from pipeline.quant.feeds import load_batches
 
     precision = q.precision
     if not getattr(q, "calibration_feeds_path", None):
@@ -301,7 +301,7 @@ def validate_sentences(validate_cfg, limit: int | None = None) -> list[str]:
         AccuracyError: the documents give no sentence.
         DataError: the split reaches past the corpus.
     """
-    from pipeline import text_data
+    from pipeline.models import text as text_data
 
     docs = text_data.documents(validate_cfg.data)
     return held_out_sentences(docs, validate_cfg.max_windows if limit is None else limit)
@@ -327,7 +327,7 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
         AccuracyError: NaN/Inf in the FP32 reference, or no held-out sentence.
         DataError: the split reaches past the corpus.
     """
-    from pipeline import text_data
+    from pipeline.models import text as text_data
 
     v = ctx.recipe.validate_
     tok = text_data.load_tokenizer(exp.tokenizer_dir)

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from pipeline.errors import ExportError
-from pipeline.model_source import package_file
-from pipeline.recipe import ModelSource
+from pipeline.sources.model import package_file
+from pipeline.recipe.schema import ModelSource
 
 #: every input an encoder graph of this kind may have, in graph order (:func:`model_inputs`).
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")

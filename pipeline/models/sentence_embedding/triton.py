@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.artifacts import BuildArtifact, ExportArtifact, TensorSpec
 from pipeline.errors import TritonConfigError
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 from pipeline.triton.config import (
     TOKENIZER_INPUT,
     check_ensemble,
@@ -63,7 +63,7 @@ def truncation_length(recipe: Recipe, profiles) -> int:
     and the model folder's ``sentence_bert_config.json`` ``max_seq_length``, whichever are given
     (:data:`DEFAULT_MAX_LENGTH` when neither is; a source folder no longer there gives none)."""
     from pipeline.models.sentence_embedding.model import max_seq_length
-    from pipeline.model_source import ModelFileError, package_file
+    from pipeline.sources.model import ModelFileError, package_file
 
     try:
         folder = package_file(recipe.model)

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError
-from pipeline.export_checks import quiet_export
+from pipeline.checks.export import quiet_export
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches as _text_batches
 from pipeline.models.text_generation import kv as kv_mod
@@ -20,8 +20,8 @@ from pipeline.models.text_generation.model import (
     KVCacheLM, check_model_folder, complete_point, kv_layout, sliding_window, load_causal_lm, package_file,
     prefill_feeds, sample_feeds, save_tokenizer,
 )
-from pipeline.recipe import ModelSource
-from pipeline.recipe_checks import total_dim
+from pipeline.recipe.schema import ModelSource
+from pipeline.recipe.checks import total_dim
 
 DIM_MAX = 8192  # the exported graph's largest sequence / batch size
 LEFT_PAD = 2  # masked leading positions of the left-padded row at export check points
@@ -142,7 +142,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
 
     def calibration_feeds(self, exp, data, cal) -> list[dict[str, np.ndarray]]:
         """Prefill batches of real text: ``cal.samples`` windows int64 ``[<=cal.batch_size,
-        cal.seq_len]`` of the documents of ``data`` (:func:`pipeline.text_data.token_windows`),
+        cal.seq_len]`` of the documents of ``data`` (:func:`pipeline.models.text.token_windows`),
         each with an all-ones mask and an empty past."""
         return _text_batches(exp, data, cal, prefill_feeds)
 
@@ -232,7 +232,7 @@ def validate_prompts(validate_cfg, tokenizer_dir: str) -> list[list[int]]:
     Raises:
         DataError: the split reaches past the corpus.
     """
-    from pipeline import text_data
+    from pipeline.models import text as text_data
 
     count = validate_cfg.generation.prompts if validate_cfg.generation else BENCH_PROMPTS
     docs = text_data.documents(validate_cfg.data)

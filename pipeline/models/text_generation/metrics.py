@@ -20,7 +20,8 @@ import math
 
 import numpy as np
 
-from pipeline import text_data, runners
+from pipeline.models import text as text_data
+from pipeline.runners import base as runners
 from pipeline.errors import AccuracyError
 from pipeline.metrics import llm_quality, speed, uncertainty
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
@@ -154,7 +155,7 @@ def _engine_stderr(acc, engine_rows: list[float], basis: dict) -> dict:
 
 
 def convention_text(conv: dict) -> str:
-    """One line naming the perplexity convention of :func:`pipeline.text_data.window_convention`."""
+    """One line naming the perplexity convention of :func:`pipeline.models.text.window_convention`."""
     bos = "yes (prepended to each window, context only)" if conv["bos"] else "no (the tokenizer adds none)"
     return (f"token-level exp(mean next-token NLL); non-overlapping windows of {conv['window_tokens']} tokens, "
             f"stride {conv['stride_tokens']} text tokens, documents joined by EOS; "
@@ -203,7 +204,7 @@ def llm_prefill_speedup(exp, precision: str, reference, candidate, ids, runs: in
 
     Args:
         exp: the export artifact (graph I/O, for the empty KV cache).
-        reference, candidate: :class:`pipeline.runners.Runner` (ONNX Runtime in validate).
+        reference, candidate: :class:`pipeline.runners.base.Runner` (ONNX Runtime in validate).
 
     Returns:
         :func:`~pipeline.metrics.speed.speedup_metrics`; ``speedup_vs_fp32`` None with

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from pipeline.errors import ExportError
-from pipeline.model_source import ModelFileError, package_file
+from pipeline.sources.model import ModelFileError, package_file
 from pipeline.models.text_generation.attention import GROUPED, use_grouped_attention
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs
-from pipeline.recipe import ModelSource
+from pipeline.recipe.schema import ModelSource
 
 __all__ = ["LAST_LOGITS", "KVLayout", "KVCacheLM", "load_causal_lm", "kv_layout", "sample_feeds", "complete_point",
            "greedy_generate", "prefill_feeds", "layout_from_specs", "package_file", "Step", "check_model_folder",

@@ -13,7 +13,7 @@ from pipeline.artifacts import BuildArtifact, ExportArtifact, ResolvedProfile, T
 from pipeline.errors import TritonConfigError
 from pipeline.models.text_generation import kv as _kv
 from pipeline.models.text_generation.kv import KVLayout
-from pipeline.recipe import Recipe
+from pipeline.recipe.schema import Recipe
 from pipeline.triton.config import GENERATE_INPUTS, GENERATE_OUTPUTS, generate_config, parse_config
 from pipeline.triton.repository import (
     StagedModel,

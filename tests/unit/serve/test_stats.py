@@ -1,0 +1,263 @@
+"""Bench arithmetic without a server: percentiles, TTFT / TPOT / goodput, Triton statistics,
+the closed loop, bucketed feeds, the greedy comparison and the markdown (seconds)."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.artifacts import TensorSpec
+from pipeline.recipe.schema import ServeConfig, ServeSLO
+from pipeline.serve.bench import bucket_feeds, closed_loop
+from pipeline.serve.check import PromptCheck, cut_at_eos
+from pipeline.serve.client import Generation, parse_statistics
+from pipeline.serve.report import render
+from pipeline.serve.stats import batch_summary, latency_level, llm_level, percentiles, stats_delta, tpot_at, tpot_by_position
+
+
+def gen(sent: float, first: float, gap: float, n: int) -> Generation:
+    """A generation sent at ``sent`` s whose first token came at ``first`` s, then one every ``gap`` s."""
+    return Generation(sent=sent, tokens=list(range(n)), times=[first + k * gap for k in range(n)])
+
+
+def test_percentiles_interpolate_linearly_and_skip_nan():
+    values = list(range(1, 101))  # 1..100
+    assert percentiles(values) == pytest.approx({"p50": 50.5, "p90": 90.1, "p99": 99.01})  # rank 1 + q/100 * 99
+    assert percentiles([3.0, float("nan")]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+    assert all(math.isnan(v) for v in percentiles([]).values())
+
+
+def test_generation_ttft_tpot_and_gaps():
+    g = gen(sent=10.0, first=10.2, gap=0.05, n=5)
+    assert g.ttft_ms == pytest.approx(200.0)
+    assert g.gaps_ms == pytest.approx([50.0] * 4)
+    assert g.tpot_ms == pytest.approx(50.0)  # (last - first) / (tokens - 1)
+    assert g.latency_ms == pytest.approx(400.0)
+    assert math.isnan(gen(0.0, 0.1, 0.0, 1).tpot_ms)
+
+
+def test_llm_level_goodput_counts_requests_meeting_both_bounds():
+    slo = ServeSLO(ttft_ms=300, tpot_ms=60)
+    gens = [gen(0, 0.1, 0.05, 9),   # TTFT 100, TPOT 50: meets both
+            gen(0, 0.4, 0.05, 9),   # TTFT 400: misses TTFT
+            gen(0, 0.1, 0.07, 9),   # TPOT 70: misses TPOT
+            gen(0, 0.2, 0.06, 9)]   # TTFT 200, TPOT 60: meets both (bounds inclusive)
+    level = llm_level(gens, duration_s=2.0, slo=slo)
+    assert level["requests"] == 4 and level["slo_met"] == 0.5
+    assert level["goodput_rps"] == pytest.approx(1.0) and level["requests_per_s"] == pytest.approx(2.0)
+    assert level["output_tokens_per_s"] == pytest.approx(36 / 2.0)
+    assert level["ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert level["tpot_ms"]["p99"] == pytest.approx(np.percentile([50, 50, 70, 60], 99))
+    assert level["itl_ms"]["p50"] == pytest.approx(np.median([50] * 16 + [70] * 8 + [60] * 8))
+
+
+def test_latency_level_goodput():
+    level = latency_level([10.0, 20.0, 30.0, 40.0], duration_s=0.5, slo_ms=25)
+    assert level["inferences_per_s"] == 8.0 and level["goodput_rps"] == 4.0 and level["slo_met"] == 0.5
+    assert level["latency_ms"]["p50"] == 25.0
+
+
+def test_tpot_at_takes_the_median_gap_of_a_window_around_the_position():
+    gaps = [float(k) for k in range(1, 40)]  # gap of position k is k ms
+    assert tpot_at(gaps, 16) == np.median(range(12, 20))  # positions 12..19
+    assert tpot_at(gaps, 16, half_window=1) == 15.5  # positions 15, 16
+    with pytest.raises(ValueError, match="TPOT at position 38 needs tokens 0..41; the generation has 40"):
+        tpot_at(gaps, 38)
+
+
+def test_tpot_by_position_takes_the_median_over_requests():
+    def steady(early_s: float, late_s: float) -> Generation:  # gap early_s up to token 10, then late_s
+        times = np.cumsum([0.1] + [early_s] * 10 + [late_s] * 10)
+        return Generation(sent=0.0, tokens=list(range(21)), times=list(times))
+
+    gens = [steady(0.04, 0.044), steady(0.04, 0.08), steady(0.05, 0.05)]  # per request 1.1, 2.0, 1.0
+    pos = tpot_by_position(gens, [5, 15])
+    assert pos["tpot_ms"] == pytest.approx({"5": 40.0, "15": 50.0})  # medians over the three requests
+    assert pos["ratio"] == pytest.approx(50.0 / 40.0)
+    assert pos["ratio_range"] == pytest.approx([1.0, 2.0]) and pos["tokens"] == 21
+    assert [r["ratio"] for r in pos["requests"]] == pytest.approx([1.1, 2.0, 1.0])
+    with pytest.raises(ValueError, match="TPOT at position 19"):
+        tpot_by_position(gens, [5, 19])
+
+
+STATS = {"model_stats": [{
+    "name": "m", "version": "1", "inference_count": "20", "execution_count": "9",
+    "inference_stats": {"success": {"count": "20", "ns": "999"}, "queue": {"count": "20", "ns": "5000"},
+                        "compute_infer": {"count": "20", "ns": "123456"}},
+    "batch_stats": [{"batch_size": "1", "compute_infer": {"count": "6", "ns": "6000000"}},
+                    {"batch_size": "4", "compute_infer": {"count": "2", "ns": "4000000"}},
+                    {"batch_size": "6", "compute_infer": {"count": "1", "ns": "3000000"}}],
+}]}
+
+
+def test_statistics_are_parsed_per_execution():
+    s = parse_statistics(STATS)
+    assert s == {"inference_count": 20, "execution_count": 9, "queue_ns": 5000,
+                 "compute_infer_ns": 13_000_000, "batches": {1: 6, 4: 2, 6: 1}}
+    assert sum(size * n for size, n in s["batches"].items()) == s["inference_count"]
+    assert parse_statistics({"model_stats": []})["batches"] == {}
+
+
+def test_statistics_delta_and_batch_summary():
+    before = {"inference_count": 4, "execution_count": 4, "compute_infer_ns": 1_000_000, "queue_ns": 0,
+              "batches": {1: 4}}
+    delta = stats_delta(before, parse_statistics(STATS))
+    assert delta["batches"] == {1: 2, 4: 2, 6: 1} and delta["inference_count"] == 16
+    summary = batch_summary(delta, wall_s=0.006)
+    assert summary["executions_by_batch_size"] == {"1": 2, "4": 2, "6": 1}
+    assert summary["mean_batch"] == pytest.approx(16 / 5)
+    assert summary["busy_instances"] == pytest.approx(12_000_000 / 1e9 / 0.006)  # two executions at once
+
+
+class Conn:
+    opened = 0
+
+    def __init__(self):
+        Conn.opened += 1
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_closed_loop_runs_at_most_concurrency_at_once_and_keeps_order():
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def work(conn, i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+        return i * i
+
+    Conn.opened = 0
+    results, duration = closed_loop(12, 3, Conn, work)
+    assert results == [i * i for i in range(12)] and duration > 0
+    assert peak[0] <= 3 and Conn.opened == 3
+
+
+def test_closed_loop_raises_the_first_error_and_closes_connections():
+    conns = []
+
+    def connect():
+        conns.append(Conn())
+        return conns[-1]
+
+    def work(conn, i):
+        if i == 2:
+            raise RuntimeError("server said no")
+        return i
+
+    with pytest.raises(RuntimeError, match="server said no"):
+        closed_loop(8, 2, connect, work)
+    assert all(c.closed for c in conns)
+    with pytest.raises(OSError, match="refused"):
+        closed_loop(4, 2, lambda: (_ for _ in ()).throw(OSError("refused")), work)
+
+
+def test_bucket_feeds_make_one_shape_with_an_empty_past():
+    specs = [TensorSpec("input_ids", "int64", ["batch", "sequence"]),
+             TensorSpec("attention_mask", "int64", ["batch", "total_sequence"]),
+             TensorSpec("past_key_values.0.key", "float32", ["batch", 3, "past_sequence", 64]),
+             TensorSpec("token_type_ids", "int64", ["batch", "sequence"])]
+    feeds = bucket_feeds(specs, tokens=64, vocab=100)
+    assert {n: a.shape for n, a in feeds.items()} == {
+        "input_ids": (1, 64), "attention_mask": (1, 64), "past_key_values.0.key": (1, 3, 0, 64),
+        "token_type_ids": (1, 64)}
+    assert feeds["input_ids"].dtype == np.int64 and 0 <= feeds["input_ids"].min() and feeds["input_ids"].max() < 100
+    assert feeds["attention_mask"].all() and not feeds["token_type_ids"].any()
+    assert feeds["past_key_values.0.key"].dtype == np.float32
+
+
+def test_greedy_comparison_cuts_at_eos_and_requires_exact_tokens():
+    assert cut_at_eos([5, 6, 0, 7, 0], {0}) == [5, 6, 0] and cut_at_eos([5, 6], {0}) == [5, 6]
+    same = PromptCheck(0, [5, 6, 0], [5, 6, 0])
+    assert same.ok and same.first_difference is None and "equal to the validate stage's 3" in same.verdict
+    stale = PromptCheck(1, [5, 7, 8], [5, 6, 9], reference=[5, 7, 8])
+    assert not stale.ok and stale.first_difference == 1
+    assert "equal to a fresh batch-1 greedy run" in stale.verdict
+    wrong = PromptCheck(2, [5, 7], [5, 6], reference=[5, 6])
+    assert not wrong.ok and wrong.verdict.startswith("MISMATCH from position 1")
+    assert PromptCheck(3, [5], [5, 6]).first_difference == 1
+
+
+def test_report_renders_llm_and_batching_tables():
+    level = {"concurrency": 1, **llm_level([gen(0, 0.1, 0.05, 4)], 1.0, ServeSLO()),
+             "compute_batches": {"executions_by_batch_size": {"1": 4}, "executions": 4, "mean_batch": 1.0}}
+    row = {"variant": "m__db_on_i2", "dynamic_batching": True, "instances": 2, "inferences_per_s": 9.5,
+           "latency_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0},
+           "batches": {"executions_by_batch_size": {"1": 2, "4": 3}, "mean_batch": 2.8, "busy_instances": 1.7}}
+    result = {
+        "recipe": "r", "serve": ServeConfig().model_dump(mode="json"),
+        "environment": {"tritonserver": "2.51.0", "cpus": 2, "loadavg_1m": 0.5},
+        "served": {"target": "python-onnxruntime", "note": "serving x"},
+        "llm": {"prompt_tokens": 16, "levels": [level],
+                "tpot_by_position": {"tokens": 260, "tpot_ms": {"16": 40.0, "256": 44.0}, "ratio": 1.1}},
+        "batching": {"bucket_shapes": {"input_ids": [1, 64]}, "requests": 32, "concurrency": 8, "max_batch_size": 8,
+                     "variants": [row], "ratios": {"dynamic_batching_on_over_off_1_instance": 1.5}},
+    }
+    text = render(result)
+    assert "| 1 | 100.0 | 100.0 | 100.0 | 50.0 | 50.0 | 50.0 | 50.0 | 4.0 | 1.00 | 1.00 | 100% |" in text
+    assert "ratio 256/16 = **1.10**" in text and "Shapes bucketed to one length" in text
+    assert "| m__db_on_i2 | on | 2 | 9.50 | 1.0 | 2.0 | 3.0 | 1: 2, 4: 3 | 2.80 | 1.70 |" in text
+    assert "dynamic batching on over off 1 instance = **1.50x**" in text
+    skipped = render({**result, "batching": {"skipped": "max_batch_size is 0"}})
+    assert "Not measured: max_batch_size is 0." in skipped
+    assert "| 1 | 1: 4 | 1.00 |" in text  # the compute model's executions (BLS targets)
+
+
+def test_report_renders_the_serving_overhead_and_an_in_process_compute_model():
+    level = {"concurrency": 1, **llm_level([gen(0, 0.1, 0.05, 4)], 1.0, ServeSLO()),
+             "compute_batches": {"executions_by_batch_size": {}, "executions": 0, "mean_batch": float("nan")}}
+    llm = {"prompt_tokens": 16, "levels": [level],
+           "tpot_by_position": {"tokens": 260, "tpot_ms": {"16": 40.0, "256": 44.0}, "ratio": 1.1},
+           "serving_overhead": {"served_tpot_ms": 21.0, "graph_step_ms": 20.0, "ratio": 1.05, "contexts": [17, 47]}}
+    result = {"recipe": "r", "serve": ServeConfig().model_dump(mode="json"),
+              "environment": {"tritonserver": "2.51.0", "cpus": 2, "loadavg_1m": 0.5},
+              "served": {"target": "python-onnxruntime", "note": "serving x"}, "llm": llm,
+              "batching": {"skipped": "not here"}}
+    text = render(result)
+    assert ("Served batch-1 TPOT 21.0 ms (median of a request before and after) vs the served graph's own decode "
+            "step 20.0 ms (ONNX Runtime alone, batch 1, contexts 17-47, same run): ratio **1.05**.") in text
+    assert "count no executions during the sweep" in text and "| concurrency | executions by batch size" not in text
+    skipped = render({**result, "llm": {**llm, "serving_overhead": {"skipped": "target 'tensorrt': ..."}}})
+    assert "Served TPOT vs the graph's own decode step: not measured (target 'tensorrt': ...)." in skipped
+
+
+def test_offline_tokenizer_is_a_hub_cache_entry_that_offline_lookup_finds(tmp_path):
+    from huggingface_hub import snapshot_download
+
+    from pipeline.serve.bench import offline_tokenizer
+
+    folder = tmp_path / "gen" / "1"
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "model.py").write_text("")
+    name, cache = offline_tokenizer(folder, "gen", tmp_path / "hf_cache")
+    assert name == "local/gen" and cache.is_absolute()
+    found = Path(snapshot_download(name, cache_dir=cache, local_files_only=True))  # what AIPerf does offline
+    assert sorted(p.name for p in found.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert (found / "tokenizer.json").resolve() == (folder / "tokenizer.json").resolve()
+    assert (found / "config.json").read_text() == "{}\n"  # transformers 5 reads one before the tokenizer
+    assert offline_tokenizer(folder, "gen", tmp_path / "hf_cache")[0] == name  # rebuilt in place
+
+
+def test_a_model_without_a_tokenizer_is_bucketed_without_a_vocabulary(tmp_path):
+    """The generic kind (examples/custom-model) has no tokenizer.json: bench used to open one."""
+    from types import SimpleNamespace
+
+    from pipeline.serve.bench import vocab_size
+
+    for folder in (None, "", str(tmp_path)):
+        served = SimpleNamespace(artifacts={"export": SimpleNamespace(tokenizer_dir=folder)})
+        assert vocab_size(served) is None
+    specs = [TensorSpec("byte_ids", "int64", ["batch", "length"]), TensorSpec("input_ids", "int64", ["batch", "s"])]
+    feeds = bucket_feeds(specs, 4, None)
+    assert {k: v.tolist() for k, v in feeds.items()} == {"byte_ids": [[0, 0, 0, 0]], "input_ids": [[0, 0, 0, 0]]}
