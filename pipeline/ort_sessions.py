@@ -44,7 +44,7 @@ def _usable(provider: str) -> bool:
 # 2 * 255 * 127 > 32767. Measured here (onnxruntime 1.31.1, AVX2): full-range
 # INT8 weights give outputs 31 % (max relative) away from the basic level's;
 # weights within [-64, 64] (ORT's "reduce_range") give 3e-7
-# (tests/unit/test_ort_sessions.py). So:
+# (tests/unit/base/test_ort_sessions.py). So:
 #   FP8 Q/DQ                              -> "basic"
 #   INT8 Q/DQ with a weight beyond +-64   -> "basic" (exact on every CPU)
 #   INT8 Q/DQ, 7-bit weights; FP32; FP16  -> "all"

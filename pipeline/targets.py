@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from pipeline.recipe.precisions import capability_problem
+
 # Triton container tag -> the TensorRT it ships, only rows confirmed against
 # NVIDIA's own table: "Release Compatibility Matrix", Container Name:
 # trtllm-python-py3 (triton-inference-server/server,
@@ -117,7 +119,6 @@ RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 #: (sm89: FP8 and INT8 both build there).
 RTX_CHECK_TARGET = "sm89"
 
-FP8_MIN_CAPABILITY = (8, 9)
 _IGNORED_WORDS = {"nvidia", "tesla", "geforce"}
 
 
@@ -276,11 +277,14 @@ def _image(t: Target) -> str:
     return f" {t.image}" if t.image else ""
 
 
-def fp8_problem(capability: str, where: str) -> str | None:
-    """The FP8 refusal for a GPU of ``capability`` (None if FP8 is supported)."""
-    if capability_tuple(capability) >= FP8_MIN_CAPABILITY:
-        return None
-    return f"FP8 needs compute capability >= 8.9; {where} has compute capability {capability}"
+def precision_problem(precision: str, capability: str, where: str) -> str | None:
+    """Why a GPU of ``capability`` ("8.6") cannot run ``precision``'s GEMMs (None if it can): the
+    precision table's minimum compute capability (:func:`pipeline.recipe.precisions.capability_problem`).
+
+    Raises:
+        ValueError: ``capability`` is not "major.minor".
+    """
+    return capability_problem(precision, capability_tuple(capability), where)
 
 
 def sm_name(capability: str) -> str:

@@ -12,15 +12,10 @@ import fnmatch
 import numpy as np
 
 from pipeline.errors import AccuracyError
+from pipeline.recipe.precisions import PRECISIONS
 
-# (rtol, atol) defaults per precision of the candidate; recipes may override.
-DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
-    "fp32": (1e-4, 1e-4),
-    "fp16": (1e-2, 1e-2),
-    "bf16": (2e-2, 2e-2),
-    "fp8": (1.5e-1, 1e-1),
-    "int8": (1e-1, 1e-1),
-}
+# (rtol, atol) defaults per precision of the candidate (the precision table's); recipes may override.
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {p.name: p.export_tolerance for p in PRECISIONS.values()}
 
 
 def tolerance(precision: str, override: tuple[float, float] | None = None) -> tuple[float, float]:

@@ -51,6 +51,7 @@ from pipeline.errors import (
     storage_fault,
 )
 from pipeline.recipe.load import load_from_args, parse_set
+from pipeline.recipe.precisions import CALIBRATED
 
 FALLBACK_LOG = Path("pipeline-error.log")
 
@@ -179,9 +180,9 @@ def cmd_tune(args) -> int:
     from pipeline.run.runner import run_tune
 
     recipe, _ = preflight(args)
-    if recipe.quantize.precision not in ("fp8", "int8") or recipe.quantize.calibration is None:
+    if recipe.quantize.precision not in CALIBRATED or recipe.quantize.calibration is None:
         raise RecipeError(f"{args.recipe}: quantize.precision {recipe.quantize.precision!r} has no calibration "
-                          "or search to pin; tune applies to fp8 and int8 recipes")
+                          f"or search to pin; tune applies to {' and '.join(CALIBRATED)} recipes")
     art, cand = run_tune(recipe, Path(args.recipe), quiet=args.quiet)
     dest = pin.pin_path(args.recipe, recipe.name)
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from pipeline.recipe.gates import SPEEDUP_MARGIN  # noqa: F401  (the gate's margin; its measurement is above)
 from pipeline.provenance import INT8_DOT_FLAGS, cpu_flags
+from pipeline.recipe.precisions import PRECISIONS
 
 
 def speed_note(precision: str, level: str, providers: list[str] | None = None,
@@ -38,10 +39,10 @@ def speed_note(precision: str, level: str, providers: list[str] | None = None,
     where = ", ".join(providers or ["CPUExecutionProvider"])
     base = f"ONNX Runtime {where}, candidate at graph optimization level '{level}'"
     gate = (f" A speedup_vs_fp32 gate with min m passes at >= m - {SPEEDUP_MARGIN:g} (timing noise margin).")
-    if precision == "fp8":
+    if PRECISIONS[precision].cpu_simulated:
         return (f"{base}: FP8 Q/DQ is only simulated on CPU (quantize, dequantize, FP32 GEMM), so these CPU "
                 "numbers say nothing about FP8 speed on a GPU (TensorRT); they apply to CPU targets only." + gate)
-    int8 = int8_note(level, flags) if precision == "int8" else ""
+    int8 = int8_note(level, flags) if PRECISIONS[precision].integer else ""
     return (f"{base}: CPU timing, it applies to CPU targets; GPU speed is measured only through a TensorRT "
             f"engine.{int8}" + gate)
 

@@ -65,6 +65,7 @@ from pipeline.plan.formulas import (
 from pipeline.plan.gpus import GPU, GPUS
 from pipeline.plan.render import write_plan
 from pipeline.recipe.schema import Recipe
+from pipeline.recipe.precisions import facts
 
 DEFAULT_RATE = 10.0  # req/s, when --rate is not given: the recipe's serve section has no request rate
 
@@ -170,7 +171,7 @@ def weight_bytes_by_target(export: onnx.ModelProto, quantized_nodes: list[str],
         if not np.issubdtype(dtype, np.floating):
             continue
         n = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
-        width = 2 if precision == "fp16" else dtype.itemsize
+        width = int(facts(precision).weight_bytes) if facts(precision).cast else dtype.itemsize
         params += n
         cpu += n * width
         gpu += n * (1 if t.name in quantized else width)
@@ -199,7 +200,7 @@ def measured_from_bench(run_dir: Path) -> dict | None:
 
 def gemm_peak(gpu: GPU, precision: str) -> tuple[float, str]:
     """Peak FLOP/s of the served GEMMs on ``gpu``: FP8 for fp8 recipes where the GPU has FP8, else FP16."""
-    if precision == "fp8" and gpu.fp8_tflops:
+    if facts(precision).fp8_tensor_cores and gpu.fp8_tflops:
         return gpu.fp8_tflops * 1e12, "fp8"
     return gpu.fp16_tflops * 1e12, "fp16"
 
@@ -219,7 +220,7 @@ def gpu_row(f: ModelFacts, gpu: GPU, *, rate: float, prompt: int, output: int, t
     intensity = prefill_intensity(f.parameters, f.max_prompt_tokens or prompt, f.weight_bytes_gpu, per_token)
     ridge = ridge_point(peak, bw)
     notes = [gpu.note] if gpu.note else []
-    if f.precision == "fp8" and not gpu.fp8_tflops:
+    if facts(f.precision).fp8_tensor_cores and not gpu.fp8_tflops:
         notes.append("FP8 GEMMs cannot run in FP8 here: FP16 peak used; an fp8 engine needs an fp16/int8 rebuild")
     return {
         "gpu": gpu.to_json(),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.recipe.precisions import facts
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f}"
 
@@ -51,7 +54,7 @@ def render_machine(t: dict, m: dict) -> list[str]:
         "## This machine (CPU, measured)", "",
         f"- Copy bandwidth: {bw['median_gbs']:.2f} GB/s (median of {bw['repeats']} runs, {bw['size_mib']} MiB, "
         f"{bw['method']}).",
-        f"- Served weights ({'FP16' if m['precision'] == 'fp16' else 'FP32 after load-time dequantization'}): "
+        f"- Served weights ({m['precision'].upper() if facts(m['precision']).cast else 'FP32 after load-time dequantization'}): "
         f"{_mb(t['weights_bytes'])} MB; decode roofline at "
         f"max context {t['decode_roofline_tokens_per_s_at_max_context']:.1f} tok/s per sequence.",
         f"- KV check: present.* of one ONNX Runtime run at batch {kv['batch']}, {kv['tokens']} tokens = "

@@ -24,6 +24,7 @@ from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import load_external_data_for_model
 
 from pipeline.errors import QuantizationError
+from pipeline.recipe.precisions import CAST, REFERENCE, REST
 
 #: op types kept in FP32 besides the Q/DQ GEMMs.
 FP32_OPS = ["Softmax", "LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
@@ -50,10 +51,10 @@ def cast_rest(model: onnx.ModelProto, precision: str, base_dir: str | None = Non
         QuantizationError: an unknown precision, or a node without a name
             (the block list needs names).
     """
-    if precision == "fp32":
+    if precision == REFERENCE:
         return model
-    if precision not in ("fp16", "bf16"):
-        raise QuantizationError(f"quantize.rest_precision: {precision!r} is not one of fp32, fp16, bf16")
+    if precision not in CAST:
+        raise QuantizationError(f"quantize.rest_precision: {precision!r} is not one of {', '.join(REST)}")
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     unnamed = [i for i, n in enumerate(model.graph.node) if not n.name and n.op_type in GEMMS]

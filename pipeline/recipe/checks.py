@@ -295,7 +295,7 @@ def _target_problems(r: Recipe) -> list[Problem]:
     out: list[Problem] = []
     for i, target in enumerate(b.targets):
         cap = serving_targets.sm_capability(target)
-        if r.quantize.precision == "fp8" and serving_targets.fp8_problem(cap, target):
+        if serving_targets.precision_problem(r.quantize.precision, cap, target):
             out.append((("build", "targets", i), f"{target}: FP8 needs compute capability >= 8.9 (sm89, sm90, "
                         "sm100, sm120, ...); drop it or quantize to int8"))
     if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving_targets.RTX_TARGETS for t in b.targets):

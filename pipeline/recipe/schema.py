@@ -18,8 +18,9 @@ from pipeline.sources.data.schema import DataSource
 from pipeline.sources.model import ModelSourceSpec, legacy_problem
 from pipeline.recipe.legacy import RENAMED_KINDS, refuse_old_fields
 from pipeline.recipe.problems import ConstraintErrors
+from pipeline.recipe import precisions
 
-Precision = Literal["fp8", "int8", "fp16", "fp32"]
+Precision = Literal[precisions.QUANTIZE]  # type: ignore[valid-type]  # the precision table's
 CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
 InstanceKind = Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"]
 #: Model kinds, named after the field's tasks; each has an adapter in pipeline/models/<kind>/
@@ -139,8 +140,8 @@ class QuantizeConfig(Strict):
         "bit of weight precision (pipeline.ort_sessions.optimization_level)")
     quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = Field(
         ["MatMul", "Gemm"], description="op types whose weight input gets Q/DQ (pipeline.quant.qdq.find_targets)")
-    rest_precision: Literal["fp32", "fp16", "bf16"] = Field(
-        "fp32", description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
+    rest_precision: Literal[precisions.REST] = Field(  # type: ignore[valid-type]
+        precisions.REFERENCE, description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
         "(pipeline.quant.autocast); bf16 is validated only through a TensorRT engine")
     smoothquant: SmoothQuantConfig | None = Field(None, description="SmoothQuant before Q/DQ (pipeline.quant.smoothquant)")
     accuracy_budget: Gate | None = Field(
@@ -152,21 +153,21 @@ class QuantizeConfig(Strict):
 
     @model_validator(mode="after")
     def _needs_calibration(self) -> "QuantizeConfig":
-        if self.precision in ("fp8", "int8") and self.calibration is None:
+        if self.precision in precisions.CALIBRATED and self.calibration is None:
             raise ValueError(f"precision {self.precision!r} needs a calibration section")
         return self
 
     @model_validator(mode="after")
     def _reduce_range_is_int8(self) -> "QuantizeConfig":
-        if self.reduce_range and self.precision != "int8":
+        if self.reduce_range and not precisions.facts(self.precision).integer:
             raise ValueError(f"reduce_range (7-bit INT8 weights) needs precision int8, not {self.precision!r}")
         return self
 
     @model_validator(mode="after")
     def _tuning_fits(self) -> "QuantizeConfig":
         uses = [k for k in ("smoothquant", "accuracy_budget", "sensitivity") if getattr(self, k) is not None]
-        if uses and self.precision not in ("fp8", "int8"):
-            raise ValueError(f"{', '.join(uses)} need precision fp8 or int8, not {self.precision!r}")
+        if uses and self.precision not in precisions.CALIBRATED:
+            raise ValueError(f"{', '.join(uses)} need precision {' or '.join(precisions.CALIBRATED)}, not {self.precision!r}")
         if (self.accuracy_budget or self.sensitivity) and self.tuning is None:
             raise ValueError("accuracy_budget and sensitivity need a tuning section: tuning: {data: <source disjoint "
                              "from calibration and validate data>}")

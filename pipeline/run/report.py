@@ -12,6 +12,7 @@ from pipeline.fsutil import (  # noqa: F401  (re-exported: the stages and tests 
     REASON_SUFFIX, nonfinite_reason, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic)
 from pipeline.provenance import code_hash, cpu_description, cpu_model, tool_versions  # noqa: F401  (re-exported)
 from pipeline.recipe.checks import GENERATION_METRICS
+from pipeline.recipe.precisions import PRECISIONS
 
 if TYPE_CHECKING:
     from pipeline.recipe.schema import Recipe
@@ -241,7 +242,7 @@ def speed_lines(metrics: dict, quantize: dict) -> list[str]:
     how += [f"ONNX Runtime level '{level}'"] if level else []
     line = f"Speed: {speedup:.2f}x FP32" + (f" ({', '.join(how)})" if how else "")
     line += f"; {done} of {done + kept} GEMMs run in {precision}"
-    if precision != "int8" or level != "all":
+    if precision not in PRECISIONS or not PRECISIONS[precision].integer or level != "all":
         line += " Q/DQ, simulated on this CPU (quantize, dequantize, FP32 GEMM), so they are the slower ones"
     elif kept:
         line += f"; the other {kept}, kept in high precision for accuracy, run at FP32 speed and bound the speedup"

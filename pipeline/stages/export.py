@@ -18,6 +18,7 @@ from pipeline.errors import ExportError
 from pipeline.models import registry
 from pipeline.recipe.schema import Recipe
 from pipeline.ort_sessions import load_session
+from pipeline.recipe import precisions
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def verify_shapes(ctx: StageContext, adapter, module, onnx_path: Path, inputs: l
     if len(points) < 3:
         raise ExportError(f"export.check_points: need at least 3 shape points, got {len(points)}")
     cfg = ctx.recipe.export
-    tol = compare.tolerance("fp32", (cfg.rtol, cfg.atol) if cfg.rtol and cfg.atol else None)
+    tol = compare.tolerance(precisions.REFERENCE, (cfg.rtol, cfg.atol) if cfg.rtol and cfg.atol else None)
     per_output = ctx.recipe.export.tolerances
     check_tolerance_patterns(per_output, [o.name for o in model.graph.output])
     results, masked_done = [], False

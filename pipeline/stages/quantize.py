@@ -18,6 +18,7 @@ from pipeline.quant.feeds import save_batches
 from pipeline.models import registry
 from pipeline.recipe.schema import ExcludeConfig, Recipe
 from pipeline.quant import autocast, budget, calibrate, pin, qdq, smoothquant
+from pipeline.recipe.precisions import facts
 
 NAME = "quantize"
 NEEDS = ("export",)
@@ -59,10 +60,10 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     src = Path(exp.onnx_path)
     (ctx.stage_dir / pin.CANDIDATE).unlink(missing_ok=True)  # an earlier run's candidate is never this run's
     model = onnx.load(str(src), load_external_data=False)  # graph only: weights are read when needed
-    if q.precision == "fp32":
-        return _save(QuantizedArtifact(str(out), "fp32", [], []), model, src)
-    if q.precision == "fp16":
-        return _fp16(model, src, out)
+    if not facts(q.precision).qdq and not facts(q.precision).cast:
+        return _save(QuantizedArtifact(str(out), q.precision, [], []), model, src)
+    if facts(q.precision).cast:
+        return _fp16(model, src, out, q.precision)
     _check_opset(model, q.precision)
     targets = qdq.find_targets(model, list(q.quantize_op_types))
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
@@ -182,17 +183,18 @@ def _save(art: QuantizedArtifact, model: onnx.ModelProto, src: Path) -> Quantize
 
 def _check_opset(model: onnx.ModelProto, precision: str) -> None:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if precision == "fp8" and opset < 19:
-        raise QuantizationError(f"export.opset: FP8 Q/DQ needs opset >= 19, the graph has opset {opset}")
+    need = facts(precision).min_opset
+    if opset < need:
+        raise QuantizationError(f"export.opset: {precision.upper()} Q/DQ needs opset >= {need}, the graph has opset {opset}")
 
 
-def _fp16(model: onnx.ModelProto, src: Path, out: Path) -> QuantizedArtifact:
+def _fp16(model: onnx.ModelProto, src: Path, out: Path, precision: str) -> QuantizedArtifact:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     load_external_data_for_model(model, str(src.parent))  # the converter needs the values
     half = convert_float_to_float16(model, keep_io_types=True)
     del model
-    art = QuantizedArtifact(str(out), "fp16", [], [], {"method": "cast", "keep_io_types": True})
+    art = QuantizedArtifact(str(out), precision, [], [], {"method": "cast", "keep_io_types": True})
     return _save(art, half, src)
 
 

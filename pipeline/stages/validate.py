@@ -24,6 +24,7 @@ from pipeline.models.base import ENGINE_PREFIX
 from pipeline.provenance import code_hash
 from pipeline.recipe.schema import Recipe
 from pipeline.recipe.gates import evaluate
+from pipeline.recipe.precisions import REFERENCE, facts
 
 NAME = "validate"
 # validate measures the engine when one was built: the gate is on what ships
@@ -99,8 +100,8 @@ def unrun_engine_note(b: BuildArtifact | None) -> str:
 
 
 def _check_bf16(ctx: StageContext, engine: str | None, b: BuildArtifact | None) -> None:
-    rest = getattr(ctx.recipe.quantize, "rest_precision", "fp32")
-    if rest == "bf16" and engine is None:
+    rest = getattr(ctx.recipe.quantize, "rest_precision", REFERENCE)
+    if not facts(rest).ort_cpu and engine is None:
         why = (unrun_engine_note(b).removeprefix("; ") or b.reason) if b is not None else "no build stage"
         raise RecipeError(
             "quantize.rest_precision: bf16 is validated only through a TensorRT engine (ONNX Runtime's CPU "
@@ -129,7 +130,7 @@ def quantization_metrics(q: QuantizedArtifact) -> dict:
     considered, in [0, 1]; gateable) and ``gemms_high_precision`` (count) for FP8/INT8;
     nothing for FP32/FP16 graphs."""
     total = len(q.quantized_nodes) + len(q.excluded_nodes)
-    if q.precision not in ("fp8", "int8") or total == 0:
+    if not facts(q.precision).qdq or total == 0:
         return {}
     return {"quantized_fraction": len(q.quantized_nodes) / total, "gemms_high_precision": len(q.excluded_nodes)}
 

@@ -165,8 +165,8 @@ def preflight(recipe: Recipe, local: serving_targets.Target, script: Path) -> li
             declared); ``triton.serving`` missing; a different TensorRT
             major.minor.patch or compute capability than declared.
     """
-    fp8 = recipe.quantize.precision == "fp8"
-    problem = serving_targets.fp8_problem(local.compute_capability, f"this GPU ({local.gpu_name})") if fp8 else None
+    precision = recipe.quantize.precision
+    problem = serving_targets.precision_problem(precision, local.compute_capability, f"this GPU ({local.gpu_name})")
     if problem:
         raise ServingRuntimeError(f"build: {problem}; build on a GPU of compute capability 8.9 or later")
     cfg = recipe.triton.serving
@@ -178,7 +178,7 @@ def preflight(recipe: Recipe, local: serving_targets.Target, script: Path) -> li
             "{tensorrt: '10.8.0', gpu: 'H100'}" + _containers_hint(local.tensorrt)
         )
     declared = serving_targets.declared_target(cfg)
-    problem = serving_targets.fp8_problem(declared.compute_capability, f"the serving GPU ({declared.gpu_name})") if fp8 else None
+    problem = serving_targets.precision_problem(precision, declared.compute_capability, f"the serving GPU ({declared.gpu_name})")
     if problem:
         raise ServingRuntimeError(f"build: {problem} (recipe triton.serving.gpu)")
     result = serving_targets.compare(local, declared, "this machine")

@@ -23,6 +23,7 @@ from pipeline.models.base import BenchWorkload, LoadedModel, add_engine_metrics
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 from pipeline.models.image_classification import graph, metrics, preprocess, serving
 from pipeline.models.image_classification.data import batches, labelled_inputs
+from pipeline.recipe.precisions import REFERENCE
 
 
 @dataclass(frozen=True)
@@ -146,16 +147,16 @@ class ImageClassificationAdapter(OnnxRuntimeRunners, SourceFiles):
                                 f"(subfolder = label) or an npz with a labels array")
         out = exp.outputs[0].name
         _check_label_folders(v.data, exp.outputs[0].shape[-1])
-        runs = {"fp32": self.reference_runner(exp), "candidate": self.candidate_runner(q)}
+        runs = {REFERENCE: self.reference_runner(exp), "candidate": self.candidate_runner(q)}
         if engine is not None:
             runs["engine"] = engine
         scores = {k: _scores(r, x, name, out, v.batch_size) for k, r in runs.items()}
-        if not np.all(np.isfinite(scores["fp32"])):
+        if not np.all(np.isfinite(scores[REFERENCE])):
             raise AccuracyError(f"validate: the FP32 reference {exp.onnx_path} gives NaN/Inf scores")
         try:
-            result = _compare(scores["fp32"], scores["candidate"], labels)
+            result = _compare(scores[REFERENCE], scores["candidate"], labels)
             if "engine" in scores:
-                add_engine_metrics(result, _compare(scores["fp32"], scores["engine"], labels))
+                add_engine_metrics(result, _compare(scores[REFERENCE], scores["engine"], labels))
         except ValueError as e:  # labels that do not fit the model's classes
             raise DataError(f"validate.data: {v.data.describe()}: {e}") from None
         return result, {}

@@ -19,6 +19,7 @@ from pipeline.runners import base as runners
 from pipeline.errors import AccuracyError
 from pipeline.models.base import add_engine_metrics
 from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, only
+from pipeline.recipe.precisions import facts
 
 WORD_SETS = ("wordsim353", "simlex999")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
@@ -281,7 +282,7 @@ def naive_ort_model(ctx, exp, q) -> str:
         raise PipelineError(f"{q.onnx_path}: the quantize artifact has no calibration feeds; re-run the quantize stage")
     out = ctx.stage_dir / f"naive_ort_{precision}.onnx"
     kw: dict = {"quant_format": QuantFormat.QDQ, "nodes_to_exclude": index_arithmetic_nodes(exp.onnx_path)}
-    if precision == "fp8":
+    if not facts(precision).integer:  # FP8
         # quantize_static accepts only the Distribution calibrator for float8 types, and its
         # fixed [0, 1] range for Softmax outputs carries no avg/std, which float8 scales need
         # (AttributeError in ORT 1.31): Softmax nodes are left out, everything else is default.
@@ -336,7 +337,7 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
     reference = reference or runners.OrtRunner(exp.onnx_path)
     candidate = candidate or runners.OrtRunner(q.ort_path, user_graph=not q.quantized_nodes)
     sessions = {"reference": runners.SessionView(reference), "candidate": runners.SessionView(candidate)}
-    if q.precision in ("int8", "fp8"):
+    if facts(q.precision).qdq:
         sessions["naive_ort"] = runners.SessionView(runners.OrtRunner(naive_ort_model(ctx, exp, q), user_graph=False))
     with ctx.progress.step(f"validate: word similarity + cosine ({len(sessions)} models)"):
         res = similarity_metrics(sessions, tok, sentences, v.batch_size, v.seq_len, names)

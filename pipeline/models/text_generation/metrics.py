@@ -26,6 +26,7 @@ from pipeline.errors import AccuracyError
 from pipeline.metrics import llm_quality, speed, uncertainty
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
 from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
+from pipeline.recipe.precisions import REFERENCE
 
 def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1, rows: list | None = None) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and token count.
@@ -64,7 +65,7 @@ def perplexity(run_logits, windows: np.ndarray, batch: int, progress, label: str
     starts = list(range(0, len(windows), batch))
     for i in progress.track(starts, f"validate: perplexity ({label})"):
         logits = run_logits(windows[i : i + batch])
-        if label == "fp32" and np.isnan(logits).any():
+        if label == REFERENCE and np.isnan(logits).any():
             raise AccuracyError("validate: the FP32 reference produced NaN logits")
         s, n = mean_nll(logits, windows[i : i + batch], context, rows)
         total, count = total + s, count + n
@@ -99,7 +100,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     # ONNX Runtime sessions, and the engine seen as one: run(names, feeds) -> list
     reference = reference or runners.OrtRunner(exp.onnx_path)
     candidate = candidate or runners.OrtRunner(q.ort_path, user_graph=not q.quantized_nodes)
-    sessions: dict = {"fp32": runners.SessionView(reference), q.precision: runners.SessionView(candidate)}
+    sessions: dict = {REFERENCE: runners.SessionView(reference), q.precision: runners.SessionView(candidate)}
     if engine is not None:
         sessions[ENGINE] = runners.SessionView(engine)
     conv = text_data.window_convention(tok, v.seq_len)
@@ -111,7 +112,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     # both graphs per window batch, into one accumulator (pipeline.metrics.llm_quality)
     acc = llm_quality.QualityAccumulator(context)
     metrics["perplexity_fp32"], metrics[f"perplexity_{q.precision}"], stats = llm_quality.paired_perplexity(
-        logits_of["fp32"], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context, acc)
+        logits_of[REFERENCE], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context, acc)
     metrics.update(stats)
     metrics.update(llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
     engine_rows: list[float] = []
@@ -131,7 +132,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
     if v.generation is not None:
         metrics.update(_greedy(ctx, tok, docs, layout, {k: s for k, s in sessions.items() if k != ENGINE}, tokens))
         if engine is not None:
-            engine_tokens: dict = {"fp32": tokens["fp32"]}
+            engine_tokens: dict = {REFERENCE: tokens[REFERENCE]}
             metrics.update(_greedy(ctx, tok, docs, layout, {ENGINE: sessions[ENGINE]}, engine_tokens, prefix=ENGINE))
             tokens["engine"] = engine_tokens[ENGINE]
         prompts, new = metrics["generation_prompts"], metrics["generation_new_tokens"]
@@ -164,7 +165,7 @@ def convention_text(conv: dict) -> str:
 
 def _greedy(ctx, tok, docs, layout, sessions: dict, tokens: dict, prefix: str = "") -> dict:
     """Greedy tokens of each runner into ``tokens``; agreement of the last one with
-    ``tokens["fp32"]`` (measured here when "fp32" is among ``sessions``)."""
+    ``tokens[REFERENCE]`` (measured here when REFERENCE is among ``sessions``)."""
     gen = ctx.recipe.validate_.generation
     prompt_ids = text_data.prompts(tok, docs, gen.prompts)
     tokens["prompt_ids"] = prompt_ids.tolist()
@@ -176,7 +177,7 @@ def _greedy(ctx, tok, docs, layout, sessions: dict, tokens: dict, prefix: str = 
             step = lambda f, s=sess: s.run(names, f)  # noqa: E731
             out = np.concatenate([greedy_generate(step, layout, p[None], gen.new_tokens) for p in prompt_ids])
         tokens[label] = out.tolist()
-    ref, cand = np.asarray(tokens["fp32"]), np.asarray(tokens[list(sessions)[-1]])
+    ref, cand = np.asarray(tokens[REFERENCE]), np.asarray(tokens[list(sessions)[-1]])
     same = ref == cand
     common = np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
     return {

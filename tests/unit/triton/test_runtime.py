@@ -79,6 +79,6 @@ def test_tensorrt_versions_compare_on_major_minor_patch():
 
 
 def test_fp8_threshold():
-    assert serving_targets.fp8_problem("8.9", "x") is None and serving_targets.fp8_problem("10.0", "x") is None
-    assert serving_targets.fp8_problem("8.6", "this GPU (A10)") == \
+    assert serving_targets.precision_problem("fp8", "8.9", "x") is None and serving_targets.precision_problem("fp8", "10.0", "x") is None
+    assert serving_targets.precision_problem("fp8", "8.6", "this GPU (A10)") == \
         "FP8 needs compute capability >= 8.9; this GPU (A10) has compute capability 8.6"

@@ -1,0 +1,122 @@
+"""One row per numeric precision: what each name in ``quantize.precision`` and
+``quantize.rest_precision`` means to every stage.
+
+The rest of the package asks this table (``facts(name).calibrated``, :func:`names`) instead of
+comparing precision names; adding a precision is a row here plus its numerics in the quantizer
+(:mod:`pipeline.quant.qdq`). Torch-free and import-light: the recipe schema builds its
+``Literal`` types from it.
+
+Sources of the numbers:
+
+* minimum opset: ONNX's ``QuantizeLinear`` / ``DequantizeLinear`` gained FLOAT8E4M3FN in opset 19
+  (onnx/docs/Changelog.md); INT8 Q/DQ exists since opset 10 (per-channel scales since 13).
+* minimum compute capability of the GEMM kernels: FP8 tensor cores start at sm89 (Ada), BF16 at
+  sm80 (Ampere) (NVIDIA CUDA C Programming Guide, "Compute Capabilities").
+* export tolerances: (rtol, atol) of :func:`pipeline.checks.tolerance.tolerance`, measured on this
+  project's models (docs/recipes-and-gates.md).
+* weight bytes: the bytes one weight takes in the engine, for the capacity plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PrecisionFacts", "PRECISIONS", "REFERENCE", "facts", "names", "QUANTIZE", "REST", "CALIBRATED", "CAST",
+           "capability_problem"]
+
+
+@dataclass(frozen=True)
+class PrecisionFacts:
+    """What one precision is.
+
+    Attributes:
+        name: the recipe's spelling (``fp8``) and the name used in metrics (``perplexity_fp8``).
+        quantize: allowed as ``quantize.precision``.
+        rest: allowed as ``quantize.rest_precision`` (what is not quantized).
+        calibrated: activation scales (amax) come from calibration data.
+        qdq: written as explicit QuantizeLinear/DequantizeLinear pairs on weight GEMMs.
+        cast: written by casting the whole graph's floats (FP16 / BF16), keeping FP32 I/O.
+        min_opset: the lowest ONNX opset whose Q/DQ (or cast) carries this type.
+        min_compute_capability: (major, minor) of the first GPU with kernels for it; None for all.
+        export_tolerance: default (rtol, atol) when a run in this precision is compared with FP32.
+        weight_bytes: bytes per GEMM weight in the engine (the capacity plan's size).
+        integer: quantized onto an integer grid (INT8): CPUs with VNNI run it as integer GEMMs, and 7-bit
+            weights (``quantize.reduce_range``) apply.
+        cpu_simulated: ONNX Runtime's CPU provider runs its Q/DQ as quantize, dequantize and an FP32 GEMM,
+            so CPU timings say nothing of GPU speed (FP8).
+        ort_cpu: ONNX Runtime's CPU provider runs a graph in this precision (BF16 is validated only
+            through a TensorRT engine).
+        fp8_tensor_cores: its GEMMs run on FP8 tensor cores where the GPU has them (the capacity plan then
+            uses the GPU table's FP8 peak, else its FP16 peak).
+    """
+
+    name: str
+    quantize: bool
+    rest: bool
+    calibrated: bool
+    qdq: bool
+    cast: bool
+    min_opset: int
+    min_compute_capability: tuple[int, int] | None
+    export_tolerance: tuple[float, float]
+    weight_bytes: float
+    integer: bool = False
+    cpu_simulated: bool = False
+    ort_cpu: bool = True
+    fp8_tensor_cores: bool = False
+
+
+PRECISIONS: dict[str, PrecisionFacts] = {p.name: p for p in (
+    PrecisionFacts("fp8", quantize=True, rest=False, calibrated=True, qdq=True, cast=False, min_opset=19,
+                   min_compute_capability=(8, 9), export_tolerance=(1.5e-1, 1e-1), weight_bytes=1.0,
+                   cpu_simulated=True, fp8_tensor_cores=True),
+    PrecisionFacts("int8", quantize=True, rest=False, calibrated=True, qdq=True, cast=False, min_opset=10,
+                   min_compute_capability=None, export_tolerance=(1e-1, 1e-1), weight_bytes=1.0, integer=True),
+    PrecisionFacts("fp16", quantize=True, rest=True, calibrated=False, qdq=False, cast=True, min_opset=1,
+                   min_compute_capability=None, export_tolerance=(1e-2, 1e-2), weight_bytes=2.0),
+    PrecisionFacts("fp32", quantize=True, rest=True, calibrated=False, qdq=False, cast=False, min_opset=1,
+                   min_compute_capability=None, export_tolerance=(1e-4, 1e-4), weight_bytes=4.0),
+    PrecisionFacts("bf16", quantize=False, rest=True, calibrated=False, qdq=False, cast=True, min_opset=13,
+                   min_compute_capability=(8, 0), export_tolerance=(2e-2, 2e-2), weight_bytes=2.0,
+                   ort_cpu=False),
+)}
+
+#: the reference every candidate is compared with, and the precision of an unquantized graph
+REFERENCE = "fp32"
+
+
+def facts(name: str) -> PrecisionFacts:
+    """The row of precision ``name``.
+
+    Raises:
+        KeyError: ``name`` is not a precision of the table (the recipe schema refuses such names
+            first, naming the field and the valid ones).
+    """
+    return PRECISIONS[name]
+
+
+def names(**where: bool) -> tuple[str, ...]:
+    """Precision names, in the table's order, whose facts equal every ``where`` (``names(quantize=True)``)."""
+    return tuple(p.name for p in PRECISIONS.values() if all(getattr(p, k) == v for k, v in where.items()))
+
+
+#: allowed as quantize.precision / quantize.rest_precision (the reference, its default, first);
+#: calibrated (FP8/INT8); whole-graph casts
+QUANTIZE = names(quantize=True)
+REST = (REFERENCE, *(n for n in names(rest=True) if n != REFERENCE))
+CALIBRATED = names(calibrated=True)
+CAST = names(cast=True)
+
+
+def capability_problem(precision: str, capability: tuple[int, int], where: str) -> str | None:
+    """Why a GPU of compute capability ``capability`` cannot run ``precision``'s GEMM kernels, or None.
+
+    ``where`` names the GPU in the sentence ("sm86", "this GPU (NVIDIA L4)").
+
+    Raises:
+        KeyError: ``precision`` is not in the table.
+    """
+    need = facts(precision).min_compute_capability
+    if need is None or capability >= need:
+        return None
+    major, minor = capability
+    return f"{precision.upper()} needs compute capability >= {need[0]}.{need[1]}; {where} has compute capability {major}.{minor}"
