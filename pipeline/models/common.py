@@ -6,6 +6,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pipeline.runners import base as runners
+from pipeline.sources.model import load_tokenizer
 
 
 class OnnxRuntimeRunners:
@@ -57,6 +58,6 @@ def text_batches(exp, data, cal, feeds_for_ids: Callable[[object, np.ndarray], d
     from pipeline.models import text as text_data
 
     docs = text_data.documents(data)
-    tok = text_data.load_tokenizer(exp.tokenizer_dir)
+    tok = load_tokenizer(exp.tokenizer_dir)
     windows = text_data.token_windows(tok, docs, cal.seq_len, cal.samples)
     return [feeds_for_ids(exp, windows[i : i + cal.batch_size]) for i in range(0, len(windows), cal.batch_size)]

@@ -16,7 +16,7 @@ from pipeline.sources.data.base import DataError
 from pipeline.sources.data.corpus import CORPORA, WORD_SIM, test_data_dir
 from pipeline.recipe.kinds import PROMPT_TOKENS
 
-__all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "load_tokenizer", "documents", "recipe_data_sha256", "word_pairs", "special_prefix",
+__all__ = ["CORPORA", "WORD_SIM", "DataError", "test_data_dir", "documents", "recipe_data_sha256", "word_pairs", "special_prefix",
            "serving_ids", "window_convention", "token_windows", "prompt_texts", "prompts"]
 
 
@@ -175,11 +175,3 @@ def word_pairs(name: str) -> tuple[list[tuple[str, str]], np.ndarray]:
     """Word pairs and human scores (float64 ``[n]``) of a built-in word-similarity set."""
     pairs = load({"type": "corpus", "name": name}, None, where=f"{name} word pairs").items()
     return [(p.text_a, p.text_b) for p in pairs], np.asarray([p.score for p in pairs], np.float64)
-
-
-def load_tokenizer(folder: str):
-    """The Hugging Face tokenizer saved in ``folder`` by the export stage, read from
-    local files only (nothing is downloaded)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

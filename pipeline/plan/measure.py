@@ -26,8 +26,8 @@ import onnx
 import onnxruntime as ort
 
 from pipeline.errors import PipelineError
+from pipeline.recipe.kinds import KV_PAST_RE, KV_PRESENT_RE, past_name
 
-_PRESENT = "present."
 
 
 def copy_bandwidth(size_mib: int = 256, repeats: int = 7) -> dict:
@@ -72,7 +72,7 @@ def present_kv_bytes(onnx_path: str | Path, batch: int = 2, sequence: int = 3, p
             and past_key_values.*).
     """
     session = _session(str(onnx_path), {})
-    outputs = [o.name for o in session.get_outputs() if o.name.startswith(_PRESENT)]
+    outputs = [o.name for o in session.get_outputs() if KV_PRESENT_RE.match(o.name)]
     if not outputs:
         raise PipelineError(f"{onnx_path}: no present.* outputs; the KV-cache check needs a causal LM "
                             "exported with its cache as graph I/O")
@@ -103,7 +103,7 @@ def decode_tokens_per_s(served_onnx: str | Path, prompt_tokens: int = 16, steps:
     times, context = [], prompt_tokens
     for _ in range(steps):
         feeds = _feeds(session, 1, 1, context, rng, weights)
-        feeds.update({n.replace(_PRESENT, "past_key_values."): result[n] for n in outputs if n.startswith(_PRESENT)})
+        feeds.update({past_name(n): result[n] for n in outputs if KV_PRESENT_RE.match(n)})
         start = time.perf_counter()
         result = dict(zip(outputs, session.run(outputs, {**weights, **feeds})))
         times.append(time.perf_counter() - start)
@@ -169,7 +169,7 @@ def _feeds(session: ort.InferenceSession, batch: int, sequence: int, past: int,
             feeds[name] = np.ones((batch, past + sequence), dtype=np.int64)
         elif name == "position_ids":
             feeds[name] = np.tile(np.arange(past, past + sequence, dtype=np.int64), (batch, 1))
-        elif name.startswith("past_key_values."):
+        elif KV_PAST_RE.match(name):
             _, heads, _, head_dim = spec.shape
             dtype = np.float16 if "float16" in spec.type else np.float32
             feeds[name] = rng.standard_normal((batch, heads, past, head_dim)).astype(dtype)

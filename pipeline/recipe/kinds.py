@@ -7,7 +7,28 @@ holds only what is decided by the recipe alone, so the ground floor (the recipe 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+#: The KV cache's graph names, the one definition: inputs ``past_key_values.{i}.key|value`` and outputs
+#: ``present.{i}.key|value``, both float ``[batch, kv_heads, past_sequence (+ sequence), head_dim]``.
+KV_PAST = "past_key_values.{i}.{kv}"
+KV_PRESENT = "present.{i}.{kv}"
+KV_PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+KV_PRESENT_RE = re.compile(r"^present\.(\d+)\.(key|value)$")
+
+
+def past_name(present: str) -> str:
+    """The past input a ``present.{i}.{kv}`` output feeds at the next step.
+
+    Raises:
+        ValueError: ``present`` is not a KV output name.
+    """
+    m = KV_PRESENT_RE.match(present)
+    if m is None:
+        raise ValueError(f"{present!r} is not a KV cache output ({KV_PRESENT})")
+    return KV_PAST.format(i=m[1], kv=m[2])
+
 
 #: the adapter's dim name for axis 2 of every past input (``past_key_values.N.key/value``)
 PAST_DIM = "past_sequence"

@@ -70,6 +70,7 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import folder_problem
 from pipeline.run.report import last_manifest
 from pipeline.targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
+from pipeline.recipe.kinds import KV_PAST_RE
 
 BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
@@ -164,7 +165,7 @@ def shm_mib(recipe) -> tuple[int, str]:
         profiles = [ResolvedProfile(**p) for p in man["artifacts"]["build"]["profiles"]]
     except (KeyError, TypeError):
         inputs = []
-    if not any(kv.PAST_RE.match(spec.name) for spec in inputs):
+    if not any(KV_PAST_RE.match(spec.name) for spec in inputs):
         return BASE_SHM_MIB, f"{BASE_SHM_MIB} MiB base (no KV cache geometry)"
     size = triton.shm_size(recipe, inputs, outputs, profiles)
     return size.mib, size.how()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.sources.model import load_tokenizer
 
 TEST_LAYERS = 2
 COPY_DIR = "random-2-layer"
@@ -67,7 +68,7 @@ def random_copy(location: Path, dest: Path, layers: int = TEST_LAYERS) -> dict:
         folder, kw["gguf_file"] = location.parent, location.name
     try:
         cfg = transformers.AutoConfig.from_pretrained(str(folder), **kw)
-        tok = transformers.AutoTokenizer.from_pretrained(str(folder), **kw)
+        tok = load_tokenizer(location)
     except (OSError, ValueError) as e:
         raise PipelineError(f"build --test: transformers cannot read a config and tokenizer at {location}: {e}") from None
     original = getattr(cfg, "num_hidden_layers", None)

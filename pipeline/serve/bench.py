@@ -55,6 +55,8 @@ from pipeline.serve.prepare import Served, Variant
 from pipeline.serve.stats import batch_summary, latency_level, llm_level, ratio, stats_delta, tpot_by_position
 from pipeline.triton.config import is_dynamic
 from pipeline.triton.server import TritonServer
+from pipeline.recipe.kinds import KV_PAST_RE, KV_PRESENT_RE, past_name
+from pipeline.sources.model import load_tokenizer
 
 Log = Callable[[str], None]
 
@@ -222,9 +224,9 @@ def graph_decode_ms(graph: Path, prompt: list[int], steps: int) -> list[float]:
     session = _session(model, weights)
     outputs = [o.name for o in session.get_outputs()]
     logits = "last_logits" if "last_logits" in outputs else "logits"
-    names = [n for n in outputs if n.startswith("present.")]
+    names = [n for n in outputs if KV_PRESENT_RE.match(n)]
     past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float16 if "float16" in i.type else np.float32)
-            for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+            for i in session.get_inputs() if KV_PAST_RE.match(i.name)}
     ids, times = list(prompt), []
     for step in range(steps + 1):
         feeds = {"input_ids": np.array([ids], np.int64),
@@ -234,7 +236,7 @@ def graph_decode_ms(graph: Path, prompt: list[int], steps: int) -> list[float]:
         if step:  # step 0 is the prefill
             times.append((time.perf_counter() - start) * 1e3)
         ids = [int(np.argmax(result[logits].reshape(-1, result[logits].shape[-1])[-1]))]
-        past = {n.replace("present.", "past_key_values."): result[n] for n in names}
+        past = {past_name(n): result[n] for n in names}
     return times
 
 
@@ -531,7 +533,7 @@ def echo_perplexity(served: Served, base_url: str, log: Log) -> dict:
     from pipeline.models import text as data
 
     v, precision = served.recipe.validate_, served.artifacts["quantize"].precision
-    tok = data.load_tokenizer(served.artifacts["export"].tokenizer_dir)
+    tok = load_tokenizer(served.artifacts["export"].tokenizer_dir)
     windows = data.token_windows(tok, data.documents(v.data), v.seq_len, v.max_windows)
     context = v.seq_len - data.window_convention(tok, v.seq_len)["scored_per_window"]
     if len(windows) == 0:

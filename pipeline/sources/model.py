@@ -443,3 +443,21 @@ def check_entry_axes(feeds: dict[str, np.ndarray], dynamic_axes: dict[str, dict[
                 raise ExportError(f"{where}.{name}: axis {axis} is {dim!r}, size {size} in the example, but "
                                   f"{sizes[dim][1]} has {dim}={sizes[dim][0]}; one dim name means one size")
             sizes.setdefault(dim, (size, f"{name!r} axis {axis}"))
+
+
+def load_tokenizer(location: str | Path):
+    """The Hugging Face tokenizer at ``location``, from local files only (nothing is downloaded): a
+    folder (the export stage's ``tokenizer/``, a model folder) or a ``.gguf`` file, whose vocabulary
+    transformers reads. The one place the package loads a tokenizer.
+
+    Raises:
+        OSError, ValueError: transformers finds no loadable tokenizer there (callers name the recipe key
+            or the served folder in their own error).
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(location)
+    kw: dict = {"local_files_only": True}
+    if path.suffix == ".gguf":
+        path, kw["gguf_file"] = path.parent, path.name
+    return AutoTokenizer.from_pretrained(str(path), **kw)

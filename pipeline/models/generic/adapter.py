@@ -35,6 +35,7 @@ import pipeline.models.generic.feeds as F
 from pipeline.models.generic.metrics import METRIC_NAMES, agreement
 from pipeline.sources.model import EntrySource, ModelFileError, OnnxSource, check_entry_axes, external_data_files
 from pipeline.recipe.kinds import source_problem
+from pipeline.sources.model import load_tokenizer
 
 NO_TORCH = ("model.source is an ONNX graph exported elsewhere: ONNX Runtime FP32 is the reference and no torch "
             "comparison was made; the export checks only prove the graph runs at every check point")
@@ -73,7 +74,7 @@ class GenericAdapter(OnnxRuntimeRunners, SourceFiles):
             model = onnx.load(str(source.location()), load_external_data=False)
             ins, outs = onnx_io.graph_specs(model)
             tok = source.tokenizer_dir()
-            processor = _tokenizer(tok) if tok is not None else None
+            processor = load_tokenizer(tok) if tok is not None else None
             return LoadedModel(None, processor, {}, tuple(s.name for s in ins), tuple(s.name for s in outs))
         with ctx.progress.step(f"load {source.describe()}"):
             module, example = source.load()
@@ -244,12 +245,6 @@ def _source_session(path: Path):
     from pipeline.ort_sessions import load_session
 
     return load_session(path, path)
-
-
-def _tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def _output_names(module, outputs: tuple) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from pipeline.errors import AccuracyError
 from pipeline.models.base import add_engine_metrics
 from pipeline.models.sentence_embedding.model import INPUTS, OUTPUT, only
 from pipeline.recipe.precisions import facts
+from pipeline.sources.model import load_tokenizer
 
 WORD_SETS = ("wordsim353", "simlex999")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
@@ -331,7 +332,7 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
     from pipeline.models import text as text_data
 
     v = ctx.recipe.validate_
-    tok = text_data.load_tokenizer(exp.tokenizer_dir)
+    tok = load_tokenizer(exp.tokenizer_dir)
     sentences = validate_sentences(v)
     names = [s.name for s in exp.inputs]  # the graph's inputs, as exported
     reference = reference or runners.OrtRunner(exp.onnx_path)

@@ -27,6 +27,7 @@ import torch
 from pipeline.errors import ExportError
 from pipeline.sources.model import package_file
 from pipeline.recipe.schema import ModelSource
+from pipeline.sources.model import load_tokenizer
 
 #: every input an encoder graph of this kind may have, in graph order (:func:`model_inputs`).
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -59,10 +60,10 @@ def load_encoder(source: ModelSource):
     Raises:
         ExportError: the package or folder is missing (from ``package_file``).
     """
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
 
     folder = str(package_file(source))
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tok = load_tokenizer(folder)
     model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
     return model.eval(), tok
 

@@ -22,6 +22,8 @@ from pipeline.models.text_generation.model import (
 )
 from pipeline.recipe.schema import ModelSource
 from pipeline.recipe.checks import total_dim
+from pipeline.recipe.kinds import KV_PAST_RE
+from pipeline.sources.model import load_tokenizer
 
 DIM_MAX = 8192  # the exported graph's largest sequence / batch size
 LEFT_PAD = 2  # masked leading positions of the left-padded row at export check points
@@ -159,7 +161,7 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         ``<work_dir>/<recipe>/triton/deploy_notes.md`` (its shared-memory size)."""
         from pipeline.models.text_generation import triton
 
-        if any(kv_mod.PAST_RE.match(s.name) for s in compute.inputs):
+        if any(KV_PAST_RE.match(s.name) for s in compute.inputs):
             triton.write_deploy_notes(recipe, compute.inputs, compute.outputs, build.profiles)
         if not recipe.triton.generate_model_name:
             return []
@@ -236,4 +238,4 @@ def validate_prompts(validate_cfg, tokenizer_dir: str) -> list[list[int]]:
 
     count = validate_cfg.generation.prompts if validate_cfg.generation else BENCH_PROMPTS
     docs = text_data.documents(validate_cfg.data)
-    return text_data.prompts(text_data.load_tokenizer(tokenizer_dir), docs, count).tolist()
+    return text_data.prompts(load_tokenizer(tokenizer_dir), docs, count).tolist()

@@ -11,7 +11,6 @@ model (its parameters, shared-memory sizing) and ``pipeline plan``.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,11 +18,9 @@ import numpy as np
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import ExportError, PipelineError
+from pipeline.recipe.kinds import KV_PAST, KV_PAST_RE, KV_PRESENT
 
-PAST = "past_key_values.{i}.{kv}"
-PRESENT = "present.{i}.{kv}"
 LAST_LOGITS = "last_logits"
-PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
 @dataclass(frozen=True)
@@ -41,11 +38,11 @@ class KVLayout:
 
     def past_names(self) -> list[str]:
         """``past_key_values.{i}.key``, ``...value`` for i in 0..L-1, in graph order."""
-        return [PAST.format(i=i, kv=kv) for i in range(self.num_layers) for kv in ("key", "value")]
+        return [KV_PAST.format(i=i, kv=kv) for i in range(self.num_layers) for kv in ("key", "value")]
 
     def present_names(self) -> list[str]:
         """``present.{i}.key``, ``...value`` for i in 0..L-1, in graph order."""
-        return [PRESENT.format(i=i, kv=kv) for i in range(self.num_layers) for kv in ("key", "value")]
+        return [KV_PRESENT.format(i=i, kv=kv) for i in range(self.num_layers) for kv in ("key", "value")]
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:
         """Zero-length past (prefill): float32 ``[batch, H, 0, D]`` per name."""
@@ -63,7 +60,7 @@ def kv_layout(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec] = (),
             no past inputs, layers not numbered 0..L-1 with a key and a value each,
             non-rank-4 or symbolic kv_heads/head_dim, or layers that disagree.
     """
-    past = {(int(m[1]), m[2]): s for s in inputs if (m := PAST_RE.match(s.name))}
+    past = {(int(m[1]), m[2]): s for s in inputs if (m := KV_PAST_RE.match(s.name))}
     layers = sorted({i for i, _ in past})
     if not past or layers != list(range(len(layers))) or len(past) != 2 * len(layers):
         raise error(

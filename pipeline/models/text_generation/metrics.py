@@ -27,6 +27,7 @@ from pipeline.metrics import llm_quality, speed, uncertainty
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
 from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
 from pipeline.recipe.precisions import REFERENCE
+from pipeline.sources.model import load_tokenizer
 
 def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1, rows: list | None = None) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and token count.
@@ -90,7 +91,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
         AccuracyError: no window of ``seq_len`` tokens, or NaN logits from the reference.
     """
     v = ctx.recipe.validate_
-    tok = text_data.load_tokenizer(exp.tokenizer_dir)
+    tok = load_tokenizer(exp.tokenizer_dir)
     docs = text_data.documents(v.data)
     windows = text_data.token_windows(tok, docs, v.seq_len, v.max_windows)
     if len(windows) == 0:

@@ -25,6 +25,7 @@ from pipeline.sources.model import ModelFileError, package_file
 from pipeline.models.text_generation.attention import GROUPED, use_grouped_attention
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout, layout_from_specs
 from pipeline.recipe.schema import ModelSource
+from pipeline.sources.model import load_tokenizer
 
 __all__ = ["LAST_LOGITS", "KVLayout", "KVCacheLM", "load_causal_lm", "kv_layout", "sample_feeds", "complete_point",
            "greedy_generate", "prefill_feeds", "layout_from_specs", "package_file", "Step", "check_model_folder",
@@ -84,10 +85,8 @@ def _fast_tokenizer(path: Path, lacks: str):
     Raises:
         ModelFileError: transformers cannot load it, or only as a slow tokenizer.
     """
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = load_tokenizer(path)
     except (OSError, ValueError) as e:
         why = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise ModelFileError(f"model.source: {path}: no loadable tokenizer{lacks} ({why}); the build loads it from "
@@ -119,7 +118,7 @@ def load_causal_lm(source: ModelSource, attention: str = GROUPED):
     so they compare the same attention.
     Returns ``(model, tokenizer)``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = package_file(source)
     kw: dict = {"local_files_only": True}
@@ -127,7 +126,7 @@ def load_causal_lm(source: ModelSource, attention: str = GROUPED):
         folder, kw["gguf_file"] = str(path.parent), path.name
     else:
         folder = str(path)
-    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
     if attention == GROUPED:
         use_grouped_attention(model)

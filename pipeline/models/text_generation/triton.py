@@ -15,6 +15,7 @@ from pipeline.models.text_generation import kv as _kv
 from pipeline.models.text_generation.kv import KVLayout
 from pipeline.recipe.schema import Recipe
 from pipeline.triton.config import GENERATE_INPUTS, GENERATE_OUTPUTS, generate_config, parse_config
+from pipeline.sources.model import load_tokenizer
 from pipeline.triton.repository import (
     StagedModel,
     context_limits,
@@ -165,9 +166,7 @@ def check_chat_template(folder: Path) -> str | None:
     Raises:
         TritonConfigError: (exit 2) the template does not render; names the folder and the error.
     """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok = load_tokenizer(folder)
     if not getattr(tok, "chat_template", None):
         return None
     try:

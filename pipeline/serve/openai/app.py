@@ -53,6 +53,7 @@ from pipeline.serve.openai.bridge import (
 )
 from pipeline.serve.openai.requests import ApiError, ChatRequest, CompletionRequest, _Request, parse_request
 from pipeline.serve.openai.responses import chat_logprobs, completion_choice
+from pipeline.sources.model import load_tokenizer
 
 #: Environment variable read for the API key when ``--api-key`` is not given.
 API_KEY_ENV = "PIPELINE_API_KEY"
@@ -95,9 +96,7 @@ class TokenCounter:
         """Token ids of the chat-template prompt (add_generation_prompt); None without a template."""
         try:
             if self._chat is None:
-                from transformers import AutoTokenizer
-
-                self._chat = AutoTokenizer.from_pretrained(str(self.folder))
+                self._chat = load_tokenizer(self.folder)
             ids = self._chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         except Exception:  # no chat template / not loadable: usage then counts completion tokens only

@@ -32,7 +32,7 @@ def saved(request, tmp_path):
     """
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.models.text import load_tokenizer
+    from pipeline.sources.model import load_tokenizer
 
     tk = _word_tokenizer("<s> $A" if request.param else None)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -166,7 +166,8 @@ def test_validate_scores_bos_windows_and_serving_prompts(saved, monkeypatch):
     monkeypatch.setattr("pipeline.ort_sessions.ort_session", lambda path: sessions[path])
     monkeypatch.setattr("pipeline.runners.weights_fed.WeightsFed.load", lambda path: None)  # stand-ins have no weights
     monkeypatch.setattr(text_data, "documents", lambda source: DOCS)
-    monkeypatch.setattr("pipeline.models.text.load_tokenizer", lambda folder: tok)
+    for user in ("pipeline.models.text_generation.metrics", "pipeline.models.text_generation.adapter"):
+        monkeypatch.setattr(f"{user}.load_tokenizer", lambda folder: tok)
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {
         "validate.seq_len": 8, "validate.max_windows": 4, "validate.batch_size": 2,
         "validate.generation": {"prompts": 2, "new_tokens": 3}})

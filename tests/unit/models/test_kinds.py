@@ -247,7 +247,7 @@ def test_interrupt_handlers_are_installed_by_the_cli_context_only():
             interrupts.check()  # recorded, for a KeyboardInterrupt a GC callback swallowed
     assert signal.getsignal(signal.SIGTERM) is before
     interrupts.check()  # cleared on exit
-    for name in ("runner.py", "serve/run.py", "serve/bench.py"):
+    for name in ("run/runner.py", "serve/run.py", "serve/bench.py"):
         assert "signal.signal(" not in (ROOT / "pipeline" / name).read_text(), name
 
 
