@@ -261,3 +261,24 @@ def test_a_model_without_a_tokenizer_is_bucketed_without_a_vocabulary(tmp_path):
     specs = [TensorSpec("byte_ids", "int64", ["batch", "length"]), TensorSpec("input_ids", "int64", ["batch", "s"])]
     feeds = bucket_feeds(specs, 4, None)
     assert {k: v.tolist() for k, v in feeds.items()} == {"byte_ids": [[0, 0, 0, 0]], "input_ids": [[0, 0, 0, 0]]}
+
+
+def test_fewer_requests_than_the_largest_concurrency_is_refused_naming_the_field():
+    """AIPerf 0.5 refuses --concurrency above --request-count (and a closed loop of c threads over
+    fewer than c requests never reaches c): the schema refuses it, the defaults satisfy it."""
+    from pydantic import ValidationError
+
+    assert ServeConfig().requests_per_level >= max(ServeConfig().concurrency)
+    with pytest.raises(ValidationError, match=r"requests_per_level \(8\) is below the largest concurrency \(16\)"):
+        ServeConfig.model_validate({"concurrency": [1, 16], "requests_per_level": 8})
+    assert ServeConfig.model_validate({"concurrency": [1, 16], "requests_per_level": 16}).requests_per_level == 16
+
+
+@pytest.mark.parametrize("name", ["fp8-llm", "int8-llm", "int8-encoder", "fp8-encoder", "int8-textline-orientation"])
+def test_shipped_recipes_bench_as_shipped(name):
+    """``make bench RECIPE=<name>`` with no ``--set``: every level has at least its concurrency's requests."""
+    from conftest import ROOT
+    from pipeline.recipe_load import load_recipe
+
+    serve = load_recipe(ROOT / "recipes" / f"{name}.yaml").serve
+    assert serve.requests_per_level >= max(serve.concurrency)
