@@ -417,6 +417,9 @@ def test_chat_completions_use_the_chat_template(stack):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+    named = [{**m, "name": "text"} for m in messages]  # AIPerf's chat; this template does not read name
+    out = stack.client.chat.completions.create(model=MODEL, messages=named, max_tokens=6, extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == reference.choices[0].text
 
     with pytest.raises(openai.BadRequestError) as err:
         stack.client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
@@ -555,7 +558,7 @@ def test_what_standard_clients_send_is_accepted():
 
 @pytest.mark.parametrize("message,param", [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages.0.content.0.type"),
-    ({"role": "user", "content": "hi", "name": "bob"}, "messages.0.name"),
+    ({"role": "user", "content": "hi", "name": 5}, "messages.0.name"),
     ({"role": "assistant", "content": "", "tool_calls": []}, "messages.0.tool_calls")])
 def test_chat_parts_and_fields_the_endpoint_lacks_are_refused(message, param):
     from pipeline.serve.openai_requests import ChatRequest
@@ -563,6 +566,34 @@ def test_chat_parts_and_fields_the_endpoint_lacks_are_refused(message, param):
     with pytest.raises(ApiError) as err:
         parse_request(ChatRequest, {"model": MODEL, "messages": [message]})
     assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+#: A chat template that reads ``name`` (as some do), and one that does not (it is dropped)
+NAMED_TEMPLATE = "{% for m in messages %}{{ m['name'] ~ ': ' if m.name is defined else '' }}{{ m['content'] }}\n{% endfor %}"
+
+
+def test_a_message_name_reaches_the_chat_template_as_transformers_passes_it(tmp_path, monkeypatch):
+    """AIPerf 0.5's chat sends ``name: "text"`` in every message: accepted, and the message dict goes to
+    the template as it is (a template that reads ``name`` shows it, one that does not drops it)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.serve.openai_requests import ChatRequest
+    from test_serve_generation import template_module
+
+    aiperf = {"model": MODEL, "messages": [{"role": "user", "name": "text", "content": "the cat"},
+                                           {"role": "assistant", "content": "sat"}], "stream": True}
+    req = parse_request(ChatRequest, aiperf)
+    messages = [m.for_template() for m in req.messages]
+    assert messages == [{"role": "user", "content": "the cat", "name": "text"}, {"role": "assistant", "content": "sat"}]
+    module = template_module(monkeypatch)  # the generation model: parse_messages, then render_chat
+    sent = module.parse_messages(json.dumps(messages))
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    for template, expected in ((NAMED_TEMPLATE, "text: the cat\nsat\n"), (CHAT_TEMPLATE, "the catsat")):
+        (folder / "chat_template.jinja").write_text(template)
+        ours = module.render_chat(module.load_chat_template(str(folder)), sent, module.special_tokens(str(folder)))
+        theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tokenize=False,
+                                                                                 add_generation_prompt=True)
+        assert ours == theirs == expected
 
 
 def _post(url: str, body, *, raw: bytes | None = None):

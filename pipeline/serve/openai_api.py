@@ -220,7 +220,7 @@ def create_app(cfg: EndpointConfig):
         if "messages" not in supported:
             raise ApiError(400, f"messages: the served generation model {cfg.model} has no 'messages' input "
                                 f"(inputs: {', '.join(sorted(supported))}); use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         inputs = {"messages": _strings([json.dumps(messages)])}
         inputs.update(triton_inputs(req, supported, default_max_tokens=None))
         if req.logprobs:

@@ -2,7 +2,9 @@
 
 Every field of a body is either implemented, accepted because it cannot change the answer
 (``user``, ``stream_options``, ``n: 1``), accepted at its default value only (``presence_penalty: 0``),
-or refused with a 400 naming it: nothing is silently ignored (docs/serving.md lists them). Integers
+or refused with a 400 naming it: nothing is silently ignored (docs/serving.md lists them), except
+``messages[].name``, which reaches the chat template as it is and is dropped by a template that does
+not use it (as in transformers). Integers
 are bounded by what the generation model's inputs hold (INT32 / INT64), and every string must be
 valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"`` cannot be encoded as UTF-8).
 """
@@ -91,16 +93,27 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
+    """One chat message. ``name`` (OpenAI's participant name; AIPerf 0.5's chat sends ``"text"``)
+    goes to the chat template with the message, as transformers' ``apply_chat_template`` hands
+    the template each message dict as it is: a template that does not read it drops it."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
-    name: None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text parts (checked in parse_request)
             return "".join(str(p.get("text", "")) for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template sees it: ``role``, ``content`` (text), and ``name`` when given."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatRequest(_Request):
