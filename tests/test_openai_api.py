@@ -515,6 +515,8 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits_cleanly(tmp_pat
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutdown", events[-3:]
     assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])  # ended by the signal
     assert proc.returncode == 0 and "tritonserver stopped (exit status 0)" in out, out + err
+    said = "".join(lines)
+    assert re.search(r"^tokenizer folder: \S+/tiny_generate/1 ", said, re.M), said  # AIPerf's --tokenizer
     assert "Traceback" not in err, err
 
 
@@ -722,6 +724,34 @@ def test_unknown_routes_and_methods_get_openai_shaped_errors(stack):
     wrong = httpx.get(base + "/v1/completions")
     assert wrong.status_code == 405 and "GET is not allowed on /v1/completions" in wrong.json()["error"]["message"]
     assert "POST" in wrong.headers.get("allow", "")
+
+
+@pytest.mark.server
+def test_tokenizer_routes_at_the_server_root(stack):
+    """vLLM's tokenizer routes, at the root as lm-eval's remote tokenizer asks for them (the base_url
+    without /v1/completions), on the served tokenizer.json; /v1/models gives the served context."""
+    import httpx
+
+    root = stack.open.url.removesuffix("/v1")
+    info = httpx.get(root + "/tokenizer_info", timeout=60).json()
+    assert info == {"eos_token": "<eos>", "bos_token": None, "pad_token": None, "unk_token": None,
+                    "chat_template": CHAT_TEMPLATE, "max_model_len": CONTEXT}
+    text = "the cat<eos>"
+    got = httpx.post(root + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()
+    assert got["tokens"] == stack.tok.encode(text, add_special_tokens=False).ids and got["count"] == len(got["tokens"])
+    eos = httpx.post(root + "/tokenize", json={"prompt": "<eos>", "add_special_tokens": False}, timeout=60).json()
+    assert eos["tokens"] == [0] and got["tokens"][-1] == 0  # the EOS text is its one id
+    back = httpx.post(root + "/detokenize", json={"tokens": got["tokens"]}, timeout=60).json()
+    assert back == {"prompt": stack.tok.decode(got["tokens"], skip_special_tokens=False)} and back["prompt"] == text
+    for route, body, status, param in (("/tokenize", {"prompt": 5}, 400, "prompt"),
+                                       ("/tokenize", {"prompt": "a", "made_up": 1}, 400, "made_up"),
+                                       ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+                                       ("/detokenize", {"tokens": [10**6]}, 400, "tokens")):
+        answer = httpx.post(root + route, json=body, timeout=60)
+        assert answer.status_code == status and answer.json()["error"]["param"] == param, answer.text
+    assert httpx.post(stack.open.url + "/tokenize", json={"prompt": "a"}, timeout=60).status_code == 404  # not /v1
+    assert stack.client.models.list().data[0].model_extra["max_model_len"] == CONTEXT  # as vLLM reports it
+    assert stack.client.models.retrieve(MODEL).model_extra["max_model_len"] == CONTEXT
 
 
 @pytest.mark.server
