@@ -280,7 +280,8 @@ def _fake_aiperf_bench(tmp_path, monkeypatch, errors: int):
     exe.write_text(FAKE_AIPERF.format(python=sys.executable))
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(shutil, "which", lambda name: str(exe) if name == "aiperf" else None)
-    system_tmp = tmp_path / "system_tmp"  # the TMPDIR aiperf would otherwise inherit
+    system_tmp = tmp_path / "system_tmp"  # the TMPDIR aiperf would otherwise inherit (this process's own
+    # temp folder is read once, so the bench's folders are still made in the real one)
     system_tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(system_tmp))
     monkeypatch.setenv("FAKE_AIPERF_LOG", str(tmp_path / "calls.jsonl"))
@@ -300,13 +301,33 @@ def _fake_aiperf_bench(tmp_path, monkeypatch, errors: int):
 def test_bench_gives_aiperf_the_served_tokenizer_folder_and_its_own_tmpdir(tmp_path, monkeypatch):
     result, calls, out, model, system_tmp = _fake_aiperf_bench(tmp_path, monkeypatch, errors=0)
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 4] and "failed" not in result
+    from pipeline.serve.bench import AIPERF_SOCKET_TAIL, UNIX_SOCKET_PATH_MAX
+
     for call, c in zip(calls, (1, 4)):
         args = call["args"]
         assert args[args.index("--tokenizer") + 1] == str(model.resolve())  # a folder: loads offline
         assert args[args.index("--concurrency") + 1] == str(c) and args[args.index("--request-count") + 1] == "4"
-        assert call["tmpdir"] == str((out / f"c{c}" / "tmp").resolve())
-    assert list(system_tmp.iterdir()) == []  # no aiperf_mmap_<uuid>/ left in the system's temp folder
-    assert not (out / "c1" / "tmp").exists() and (out / "c1" / "profile_export_aiperf.json").is_file()
+        tmp = call["tmpdir"]  # its own, short enough for its ZMQ sockets, removed after the run
+        assert tmp != str(system_tmp) and not Path(tmp).exists()
+        assert len(tmp + AIPERF_SOCKET_TAIL) <= UNIX_SOCKET_PATH_MAX
+    assert calls[0]["tmpdir"] != calls[1]["tmpdir"]
+    assert list(system_tmp.iterdir()) == []  # no aiperf_mmap_<uuid>/ left in the inherited temp folder
+    assert (out / "c1" / "profile_export_aiperf.json").is_file()
+
+
+def test_a_temp_folder_too_long_for_aiperfs_sockets_is_refused(tmp_path, monkeypatch):
+    """AIPerf under a TMPDIR past the AF_UNIX path limit stops at once and exits 0 with no results."""
+    import tempfile
+
+    from pipeline.errors import PipelineError
+    from pipeline.serve.bench import aiperf_tmpdir
+
+    deep = tmp_path / ("x" * 60) / ("y" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(PipelineError, match=r"too long a path for AIPerf's ZMQ sockets .*--no-aiperf"):
+        aiperf_tmpdir()
+    assert list(deep.iterdir()) == []
 
 
 def test_an_aiperf_run_with_failed_requests_is_a_failure(tmp_path, monkeypatch):

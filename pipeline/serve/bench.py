@@ -42,7 +42,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from pipeline.artifacts import TensorSpec
-from pipeline.errors import PipelineError
+from pipeline.errors import EnvironmentFault, PipelineError
 from pipeline.serve.client import (
     ServeClientError,
     StreamClient,
@@ -573,7 +573,8 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
     ``serve.requests_per_level`` synthetic prompts of the bench's prompt length, ``serve.max_tokens``
     output tokens, EOS ignored. Offline: ``--tokenizer`` is the served generation model's folder, which
     AIPerf 0.5 loads with ``AutoTokenizer.from_pretrained`` (no hub). Each run gets its own ``TMPDIR``
-    under ``out_dir/c<c>/`` (removed after it: AIPerf leaves an empty ``aiperf_mmap_<uuid>/`` there).
+    (:func:`aiperf_tmpdir`), removed after it: AIPerf leaves an empty ``aiperf_mmap_<uuid>/`` and a
+    ``tmp*/aiperf/`` of ZMQ socket files in its temp folder.
 
     Returns ``{"levels": [{"concurrency", "time_to_first_token": {"avg","p50","p90","p99"} ms,
     "inter_token_latency": ..., ..., "client_cpu"}], "command": [...]}``; ``{"skipped": reason}``
@@ -596,8 +597,11 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
     for c in cfg.concurrency:
         folder = out_dir / f"c{c}"
         shutil.rmtree(folder, ignore_errors=True)
-        tmp = folder / "tmp"
-        tmp.mkdir(parents=True)
+        try:
+            tmp = aiperf_tmpdir()
+        except PipelineError as e:
+            log(f"aiperf failed: {e}")
+            return {"failed": str(e), "command": command, "levels": levels}
         command = [exe, "profile", "--model", str(served.generate_model), "--url", endpoint_url.removesuffix("/v1"),
                    "--endpoint-type", "completions", "--streaming", "--tokenizer", tokenizer,
                    "--concurrency", str(c), "--request-count", str(cfg.requests_per_level),
@@ -605,7 +609,7 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
                    "--extra-inputs", "ignore_eos:true", "--random-seed", "0", "--ui-type", "none",
                    "--output-artifact-dir", str(folder)]
         log(f"aiperf: concurrency {c}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp.resolve())}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp)}
         before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -624,6 +628,31 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
             return {"failed": why, "command": command, "levels": levels}
         levels.append({"concurrency": c, **aiperf_metrics(data), "client_cpu": cpu})
     return {"levels": levels, "command": command}
+
+
+#: Longest AF_UNIX socket path (``sockaddr_un.sun_path`` less its NUL), bytes.
+UNIX_SOCKET_PATH_MAX = 107
+#: What AIPerf 0.5 appends to ``TMPDIR`` for its longest ZMQ socket (``mkdtemp()`` + file name).
+AIPERF_SOCKET_TAIL = "/tmpXXXXXXXX/aiperf/dataset_manager_proxy_frontend.ipc"
+
+
+def aiperf_tmpdir() -> Path:
+    """A new, empty folder for one AIPerf run's ``TMPDIR``, in the system's temp folder (the caller
+    removes it). Not under the bench folder: AIPerf binds its ZMQ IPC sockets under ``TMPDIR``, and a
+    path past :data:`UNIX_SOCKET_PATH_MAX` bytes makes it stop at once, yet exit 0 with no results.
+
+    Raises:
+        EnvironmentFault: even this folder is too long a path for the sockets (a long ``TMPDIR``).
+    """
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="aiperf-"))
+    if len(os.fsencode(str(tmp) + AIPERF_SOCKET_TAIL)) > UNIX_SOCKET_PATH_MAX:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise EnvironmentFault(f"TMPDIR {tempfile.gettempdir()!r} is too long a path for AIPerf's ZMQ sockets "
+                               f"(at most {UNIX_SOCKET_PATH_MAX} bytes with {AIPERF_SOCKET_TAIL!r}); set a shorter "
+                               "TMPDIR, or bench --no-aiperf")
+    return tmp
 
 
 def aiperf_errors(export: dict) -> str | None:
