@@ -593,7 +593,8 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
     cfg = served.recipe.serve
     tokenizer = str(find_model_folder(served.repository, str(served.generate_model)).resolve())
     isl = len(llm_prompts(served)[0])
-    levels, command = [], []
+    levels: list[dict] = []
+    command: list[str] = []
     for c in cfg.concurrency:
         folder = out_dir / f"c{c}"
         shutil.rmtree(folder, ignore_errors=True)
