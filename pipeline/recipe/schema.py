@@ -425,7 +425,8 @@ class ServeConfig(Strict):
     slo: ServeSLO = Field(ServeSLO(), description="per-request objective goodput is counted against")
     concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1,
                                                            description="concurrency levels bench measures")
-    requests_per_level: int = Field(8, ge=1, description="requests sent at each concurrency level")
+    requests_per_level: int = Field(16, ge=1, description="requests sent at each concurrency level; at least the "
+                                    "largest concurrency (a level of c concurrent requests needs c requests)")
     max_tokens: int = Field(32, ge=1, description="LLM: output tokens per request (EOS ignored)")
     long_max_tokens: int = Field(260, ge=2, description="LLM: output tokens of each TPOT-position request")
     long_requests: int = Field(3, ge=1, description="LLM: TPOT-position requests, one after another; TPOT at a "
@@ -441,6 +442,11 @@ class ServeConfig(Strict):
 
     @model_validator(mode="after")
     def _long_enough(self) -> "ServeConfig":
+        if self.requests_per_level < max(self.concurrency):
+            raise ValueError(f"requests_per_level ({self.requests_per_level}) is below the largest concurrency "
+                             f"({max(self.concurrency)}): a level of c concurrent requests needs at least c requests "
+                             f"(AIPerf refuses fewer); set requests_per_level >= {max(self.concurrency)} or drop "
+                             "the larger levels")
         first, second = self.tpot_positions
         if not first < second:
             raise ValueError(f"tpot_positions: need the first below the second, got {first}, {second}")

@@ -42,7 +42,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from pipeline.artifacts import TensorSpec
-from pipeline.errors import PipelineError
+from pipeline.errors import EnvironmentFault, PipelineError
 from pipeline.serve.client import (
     ServeClientError,
     StreamClient,
@@ -571,11 +571,18 @@ AIPERF_METRICS = ("time_to_first_token", "inter_token_latency", "output_token_th
 
 
 def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, timeout_s: float = 1800.0) -> dict:
-    """Drive the OpenAI endpoint with AIPerf's CLI (streaming completions, offline: the tokenizer
-    is the served generation model's folder) at each ``serve.concurrency``: synthetic prompts of
-    the bench's prompt length, ``serve.max_tokens`` output tokens, EOS ignored. Returns
-    ``{"levels": [{"concurrency", "time_to_first_token": {"avg","p50","p90","p99"} ms,
-    "inter_token_latency": ..., ...}], "command": [...]}`` or ``{"skipped": reason}``."""
+    """Drive the OpenAI endpoint with AIPerf's CLI (streaming completions) at each ``serve.concurrency``:
+    ``serve.requests_per_level`` synthetic prompts of the bench's prompt length, ``serve.max_tokens``
+    output tokens, EOS ignored. Offline: ``--tokenizer`` is the served generation model's folder, which
+    AIPerf 0.5 loads with ``AutoTokenizer.from_pretrained`` (no hub). Each run gets its own ``TMPDIR``
+    (:func:`aiperf_tmpdir`), removed after it: AIPerf leaves an empty ``aiperf_mmap_<uuid>/`` and a
+    ``tmp*/aiperf/`` of ZMQ socket files in its temp folder.
+
+    Returns ``{"levels": [{"concurrency", "time_to_first_token": {"avg","p50","p90","p99"} ms,
+    "inter_token_latency": ..., ..., "client_cpu"}], "command": [...]}``; ``{"skipped": reason}``
+    without the CLI; ``{"failed": why, "command", "levels"}`` (the levels before it) when AIPerf exits
+    non-zero, writes no export, or reports any request that failed (AIPerf 0.5 then still exits 0).
+    """
     import shutil as _shutil
     import subprocess
     import sys
@@ -586,13 +593,18 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
     if not Path(exe).is_file():
         return {"skipped": "the aiperf CLI is not installed (pip install aiperf)"}
     cfg = served.recipe.serve
-    tokenizer, cache = offline_tokenizer(find_model_folder(served.repository, str(served.generate_model)),
-                                         str(served.generate_model), out_dir / "hf_cache")
+    tokenizer = str(find_model_folder(served.repository, str(served.generate_model)).resolve())
     isl = len(llm_prompts(served)[0])
-    levels, command = [], []
+    levels: list[dict] = []
+    command: list[str] = []
     for c in cfg.concurrency:
         folder = out_dir / f"c{c}"
         shutil.rmtree(folder, ignore_errors=True)
+        try:
+            tmp = aiperf_tmpdir()
+        except PipelineError as e:
+            log(f"aiperf failed: {e}")
+            return {"failed": str(e), "command": command, "levels": levels}
         command = [exe, "profile", "--model", str(served.generate_model), "--url", endpoint_url.removesuffix("/v1"),
                    "--endpoint-type", "completions", "--streaming", "--tokenizer", tokenizer,
                    "--concurrency", str(c), "--request-count", str(cfg.requests_per_level),
@@ -600,17 +612,65 @@ def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, tim
                    "--extra-inputs", "ignore_eos:true", "--random-seed", "0", "--ui-type", "none",
                    "--output-artifact-dir", str(folder)]
         log(f"aiperf: concurrency {c}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp)}
         before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         cpu = client_cpu(before, resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start)
         export = next(iter(sorted(folder.rglob("profile_export_aiperf.json"))), None)
         if done.returncode != 0 or export is None:
             why = f"aiperf exited with status {done.returncode} at concurrency {c}: {_plain_tail(done.stdout + done.stderr)}"
             log(f"aiperf failed: {why}")
             return {"failed": why, "command": command, "levels": levels}
-        levels.append({"concurrency": c, **aiperf_metrics(json.loads(export.read_text())), "client_cpu": cpu})
+        data = json.loads(export.read_text())
+        if errors := aiperf_errors(data):
+            why = f"aiperf at concurrency {c}: {errors} (its exit status was {done.returncode})"
+            log(f"aiperf failed: {why}")
+            return {"failed": why, "command": command, "levels": levels}
+        levels.append({"concurrency": c, **aiperf_metrics(data), "client_cpu": cpu})
     return {"levels": levels, "command": command}
+
+
+#: Longest AF_UNIX socket path (``sockaddr_un.sun_path`` less its NUL), bytes.
+UNIX_SOCKET_PATH_MAX = 107
+#: What AIPerf 0.5 appends to ``TMPDIR`` for its longest ZMQ socket (``mkdtemp()`` + file name).
+AIPERF_SOCKET_TAIL = "/tmpXXXXXXXX/aiperf/dataset_manager_proxy_frontend.ipc"
+
+
+def aiperf_tmpdir() -> Path:
+    """A new, empty folder for one AIPerf run's ``TMPDIR``, in the system's temp folder (the caller
+    removes it). Not under the bench folder: AIPerf binds its ZMQ IPC sockets under ``TMPDIR``, and a
+    path past :data:`UNIX_SOCKET_PATH_MAX` bytes makes it stop at once, yet exit 0 with no results.
+
+    Raises:
+        EnvironmentFault: even this folder is too long a path for the sockets (a long ``TMPDIR``).
+    """
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="aiperf-"))
+    if len(os.fsencode(str(tmp) + AIPERF_SOCKET_TAIL)) > UNIX_SOCKET_PATH_MAX:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise EnvironmentFault(f"TMPDIR {tempfile.gettempdir()!r} is too long a path for AIPerf's ZMQ sockets "
+                               f"(at most {UNIX_SOCKET_PATH_MAX} bytes with {AIPERF_SOCKET_TAIL!r}); set a shorter "
+                               "TMPDIR, or bench --no-aiperf")
+    return tmp
+
+
+def aiperf_errors(export: dict) -> str | None:
+    """What failed in an AIPerf ``profile_export_aiperf.json``: ``"N requests failed: <count> x <code>
+    <message>; ..."`` from its ``error_request_count`` and ``error_summary``; None when no request failed."""
+    count = (export.get("error_request_count") or {}).get("avg") or 0
+    summary = export.get("error_summary") or []
+    if not count and not summary:
+        return None
+    kinds = []
+    for item in summary[:3]:
+        e = item.get("error_details") or {}
+        kinds.append(f"{item.get('count', '?')} x {e.get('code', '')} {e.get('type', '')}: "
+                     f"{str(e.get('message', ''))[:300]}")
+    return f"{int(count) if count else '?'} requests failed: " + ("; ".join(kinds) or "no error summary")
 
 
 def _plain_tail(text: str, chars: int = 800) -> str:
@@ -624,32 +684,6 @@ def client_cpu(before, after, wall_s: float) -> dict:
     ``cpu_s`` (user + system, s), ``wall_s``, ``cores`` (cpu_s / wall_s) and ``cpus`` (this machine's)."""
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"cpu_s": cpu_s, "wall_s": wall_s, "cores": cpu_s / wall_s if wall_s > 0 else None, "cpus": os.cpu_count()}
-
-
-#: the snapshot hash of :func:`offline_tokenizer`'s cache entry (any 40 hex digits).
-LOCAL_SNAPSHOT = "0" * 40
-
-
-def offline_tokenizer(folder: Path, model: str, cache: Path) -> tuple[str, Path]:
-    """A Hugging Face hub cache under ``cache`` whose repo ``local/<model>`` is ``folder``'s tokenizer
-    files (symlinks); returns (that repo id, ``cache``). With ``HF_HUB_OFFLINE`` set, AIPerf 0.5 loads
-    every tokenizer through ``AutoTokenizer.from_pretrained(name, local_files_only=True)``
-    (``aiperf.common.tokenizer.Tokenizer._from_pretrained_local``), which takes a hub repo id from
-    the cache, never a folder path; a folder is accepted only online, where AIPerf also tries the hub.
-    transformers 5 reads a repo's ``config.json`` before its tokenizer: a folder without one gets an
-    empty ``{}``, so the class in ``tokenizer_config.json`` decides (else the load fails offline)."""
-    repo = cache / f"models--local--{model}"
-    shutil.rmtree(repo, ignore_errors=True)
-    snapshot = repo / "snapshots" / LOCAL_SNAPSHOT
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(LOCAL_SNAPSHOT)
-    for f in folder.iterdir():
-        if f.is_file() and f.name != "model.py":
-            (snapshot / f.name).symlink_to(f.resolve())
-    if not (snapshot / "config.json").exists():
-        (snapshot / "config.json").write_text("{}\n")
-    return f"local/{model}", cache.resolve()
 
 
 def aiperf_metrics(export: dict) -> dict:

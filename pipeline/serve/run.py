@@ -116,6 +116,9 @@ def _serve(served: Served, sock: socket.socket | None, *, check: bool, log: Log,
             endpoint = start_endpoint(served, server, host=host, api_key=key, sock=sock)
             log(f"OpenAI-compatible endpoint: {endpoint.url} (model {served.generate_model}; "
                 f"{'API key required' if key else 'no API key'})")
+            log(f"tokenizer folder: {find_model_folder(served.repository, served.generate_model)} (AIPerf's "
+                f"--tokenizer; lm-eval's local-completions finds {endpoint.url.removesuffix('/v1')}/tokenizer_info, "
+                "/tokenize and /detokenize itself)")
         if check and not served.generate_model:
             log("check: this recipe has no generation model; nothing to compare")
         elif check:

@@ -285,6 +285,20 @@ def test_lm_eval_loglikelihoods_equal_the_graph_on_the_tiny_lm(stack, tmp_path):
 
 
 @pytest.mark.server
+def test_lm_eval_local_completions_finds_the_remote_tokenizer_by_itself(stack):
+    """lm-eval 0.4.13's ``local-completions`` (``tokenizer_backend=auto``) probes the server root for
+    ``/tokenizer_info`` and ``/tokenize``; with them it needs no tokenizer argument and no hub."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    base_url = stack.open.url + "/completions"
+    assert check_remote_tokenizer_support(base_url)
+    remote = RemoteTokenizer(base_url, timeout=60)
+    assert remote.eos_token == "<eos>" and remote.eos_token_id == 0 and remote.bos_token_id is None
+    ids = stack.tok.encode("the cat sat", add_special_tokens=False).ids
+    assert remote.encode("the cat sat") == ids and remote.decode(ids) == "the cat sat"
+
+
+@pytest.mark.server
 def test_lm_eval_generate_until_through_local_chat_completions(stack, tmp_path):
     """lm-eval's chat model on the tiny LM: what it scored is what the endpoint serves for the same
     messages and settings."""

@@ -417,6 +417,9 @@ def test_chat_completions_use_the_chat_template(stack):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+    named = [{**m, "name": "text"} for m in messages]  # AIPerf's chat; this template does not read name
+    out = stack.client.chat.completions.create(model=MODEL, messages=named, max_tokens=6, extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == reference.choices[0].text
 
     with pytest.raises(openai.BadRequestError) as err:
         stack.client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
@@ -512,6 +515,8 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits_cleanly(tmp_pat
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutdown", events[-3:]
     assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])  # ended by the signal
     assert proc.returncode == 0 and "tritonserver stopped (exit status 0)" in out, out + err
+    said = "".join(lines)
+    assert re.search(r"^tokenizer folder: \S+/tiny_generate/1 ", said, re.M), said  # AIPerf's --tokenizer
     assert "Traceback" not in err, err
 
 
@@ -555,7 +560,7 @@ def test_what_standard_clients_send_is_accepted():
 
 @pytest.mark.parametrize("message,param", [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages.0.content.0.type"),
-    ({"role": "user", "content": "hi", "name": "bob"}, "messages.0.name"),
+    ({"role": "user", "content": "hi", "name": 5}, "messages.0.name"),
     ({"role": "assistant", "content": "", "tool_calls": []}, "messages.0.tool_calls")])
 def test_chat_parts_and_fields_the_endpoint_lacks_are_refused(message, param):
     from pipeline.serve.openai.requests import ChatRequest
@@ -563,6 +568,34 @@ def test_chat_parts_and_fields_the_endpoint_lacks_are_refused(message, param):
     with pytest.raises(ApiError) as err:
         parse_request(ChatRequest, {"model": MODEL, "messages": [message]})
     assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+#: A chat template that reads ``name`` (as some do), and one that does not (it is dropped)
+NAMED_TEMPLATE = "{% for m in messages %}{{ m['name'] ~ ': ' if m.name is defined else '' }}{{ m['content'] }}\n{% endfor %}"
+
+
+def test_a_message_name_reaches_the_chat_template_as_transformers_passes_it(tmp_path, monkeypatch):
+    """AIPerf 0.5's chat sends ``name: "text"`` in every message: accepted, and the message dict goes to
+    the template as it is (a template that reads ``name`` shows it, one that does not drops it)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.serve.openai.requests import ChatRequest
+    from test_serve_generation import template_module
+
+    aiperf = {"model": MODEL, "messages": [{"role": "user", "name": "text", "content": "the cat"},
+                                           {"role": "assistant", "content": "sat"}], "stream": True}
+    req = parse_request(ChatRequest, aiperf)
+    messages = [m.for_template() for m in req.messages]
+    assert messages == [{"role": "user", "content": "the cat", "name": "text"}, {"role": "assistant", "content": "sat"}]
+    module = template_module(monkeypatch)  # the generation model: parse_messages, then render_chat
+    sent = module.parse_messages(json.dumps(messages))
+    folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
+    for template, expected in ((NAMED_TEMPLATE, "text: the cat\nsat\n"), (CHAT_TEMPLATE, "the catsat")):
+        (folder / "chat_template.jinja").write_text(template)
+        ours = module.render_chat(module.load_chat_template(str(folder)), sent, module.special_tokens(str(folder)))
+        theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tokenize=False,
+                                                                                 add_generation_prompt=True)
+        assert ours == theirs == expected
 
 
 def _post(url: str, body, *, raw: bytes | None = None):
@@ -691,6 +724,34 @@ def test_unknown_routes_and_methods_get_openai_shaped_errors(stack):
     wrong = httpx.get(base + "/v1/completions")
     assert wrong.status_code == 405 and "GET is not allowed on /v1/completions" in wrong.json()["error"]["message"]
     assert "POST" in wrong.headers.get("allow", "")
+
+
+@pytest.mark.server
+def test_tokenizer_routes_at_the_server_root(stack):
+    """vLLM's tokenizer routes, at the root as lm-eval's remote tokenizer asks for them (the base_url
+    without /v1/completions), on the served tokenizer.json; /v1/models gives the served context."""
+    import httpx
+
+    root = stack.open.url.removesuffix("/v1")
+    info = httpx.get(root + "/tokenizer_info", timeout=60).json()
+    assert info == {"eos_token": "<eos>", "bos_token": None, "pad_token": None, "unk_token": None,
+                    "chat_template": CHAT_TEMPLATE, "max_model_len": CONTEXT}
+    text = "the cat<eos>"
+    got = httpx.post(root + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()
+    assert got["tokens"] == stack.tok.encode(text, add_special_tokens=False).ids and got["count"] == len(got["tokens"])
+    eos = httpx.post(root + "/tokenize", json={"prompt": "<eos>", "add_special_tokens": False}, timeout=60).json()
+    assert eos["tokens"] == [0] and got["tokens"][-1] == 0  # the EOS text is its one id
+    back = httpx.post(root + "/detokenize", json={"tokens": got["tokens"]}, timeout=60).json()
+    assert back == {"prompt": stack.tok.decode(got["tokens"], skip_special_tokens=False)} and back["prompt"] == text
+    for route, body, status, param in (("/tokenize", {"prompt": 5}, 400, "prompt"),
+                                       ("/tokenize", {"prompt": "a", "made_up": 1}, 400, "made_up"),
+                                       ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+                                       ("/detokenize", {"tokens": [10**6]}, 400, "tokens")):
+        answer = httpx.post(root + route, json=body, timeout=60)
+        assert answer.status_code == status and answer.json()["error"]["param"] == param, answer.text
+    assert httpx.post(stack.open.url + "/tokenize", json={"prompt": "a"}, timeout=60).status_code == 404  # not /v1
+    assert stack.client.models.list().data[0].model_extra["max_model_len"] == CONTEXT  # as vLLM reports it
+    assert stack.client.models.retrieve(MODEL).model_extra["max_model_len"] == CONTEXT
 
 
 @pytest.mark.server

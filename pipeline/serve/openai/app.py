@@ -1,8 +1,11 @@
 """OpenAI-compatible HTTP endpoint in front of the generation model (FastAPI + uvicorn).
 
-Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (200 when Triton has the
-model ready, else 503), ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``stream: true`` = server-sent events ``data: {...}`` ending with ``data: [DONE]``).
+Routes: ``GET /v1/models`` and ``GET /v1/models/{id}`` (with the served context,
+``max_model_len``, as vLLM), ``GET /health`` (200 when Triton has the model ready, else 503),
+``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` = server-sent events
+``data: {...}`` ending with ``data: [DONE]``), and at the root, as vLLM serves them and lm-eval's
+remote tokenizer asks for them: ``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize``
+(:func:`tokenizer_info`; the served tokenizer.json, so ids are the model's).
 Each request is one gRPC stream to Triton (``tritonclient.grpc.aio``); a client that
 disconnects cancels its Triton request. Request fields map to the generation model's
 inputs (notes/genapi.md): ``prompt`` -> ``text_input`` (a string) or ``input_ids`` (a
@@ -51,7 +54,15 @@ from pipeline.serve.openai.bridge import (
     triton_inputs,
     unavailable,
 )
-from pipeline.serve.openai.requests import ApiError, ChatRequest, CompletionRequest, _Request, parse_request
+from pipeline.serve.openai.requests import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Request,
+    parse_request,
+)
 from pipeline.serve.openai.responses import chat_logprobs, completion_choice
 from pipeline.sources.model import load_tokenizer
 
@@ -103,12 +114,48 @@ class TokenCounter:
             return None
 
 
+def served_context(model_folder: Path) -> int | None:
+    """The served context in tokens (prompt + generated): the generation model's ``max_context``
+    parameter in ``<model_folder>/../config.pbtxt``; None when there is no such config or it is 0
+    (unlimited)."""
+    from pipeline.triton.config import parse_config
+
+    path = model_folder.parent / "config.pbtxt"
+    if not path.is_file():
+        return None
+    params = parse_config(path.read_text()).parameters
+    value = params["max_context"].string_value if "max_context" in params else ""
+    return int(value) if value.strip().isdigit() and int(value) > 0 else None
+
+
+def tokenizer_info(model_folder: Path, max_model_len: int | None) -> dict[str, Any]:
+    """``GET /tokenizer_info`` (vLLM's route, which lm-eval's remote tokenizer reads): the special
+    tokens of ``tokenizer_config.json`` (``eos_token``, ``bos_token``, ``pad_token``, ``unk_token``;
+    a string or None), the chat template (``chat_template.jinja``, else tokenizer_config.json's; None
+    without one) and ``max_model_len`` (tokens; None: unlimited)."""
+    path = model_folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    out: dict[str, Any] = {}
+    for key in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        out[key] = value if isinstance(value, str) else None
+    jinja = model_folder / "chat_template.jinja"
+    template = jinja.read_text(encoding="utf-8") if jinja.is_file() else config.get("chat_template")
+    if isinstance(template, list):  # [{name, template}]: "default" wins, as transformers picks it
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    out["chat_template"] = template if isinstance(template, str) else None
+    out["max_model_len"] = max_model_len
+    return out
+
+
 # --- the app ---------------------------------------------------------------------------------------------
 
 
 #: the endpoint's routes, as a 404 lists them
 ROUTES = ("GET /v1/models", "GET /v1/models/{model}", "GET /health", "POST /v1/completions",
-          "POST /v1/chat/completions")
+          "POST /v1/chat/completions", "GET /tokenizer_info", "POST /tokenize", "POST /detokenize")
 
 
 @dataclass
@@ -125,6 +172,11 @@ class EndpointConfig:
 def create_app(cfg: EndpointConfig):
     """The FastAPI application (see the module docstring for routes and errors)."""
     counter = TokenCounter(cfg.model_folder)
+    context = served_context(cfg.model_folder)
+    info = tokenizer_info(cfg.model_folder, context)
+    vocab = counter.tokenizer.get_vocab_size(with_added_tokens=True)
+    card = {"id": cfg.model, "object": "model", "created": cfg.created, "owned_by": "trt-pipeline",
+            "max_model_len": context}
     state: dict[str, TritonGenerator] = {}
 
     @asynccontextmanager
@@ -162,15 +214,34 @@ def create_app(cfg: EndpointConfig):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": cfg.created,
-                                            "owned_by": "trt-pipeline"}]}
+        return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != cfg.model:
             raise ApiError(404, f"model: '{model_id}' is not served here; GET /v1/models lists '{cfg.model}'",
                            param="model", code="model_not_found")
-        return {"id": cfg.model, "object": "model", "created": cfg.created, "owned_by": "trt-pipeline"}
+        return card
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return info
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse_request(TokenizeRequest, await _json(request))
+        _check_model(req, cfg.model)
+        ids = counter.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_request(DetokenizeRequest, await _json(request))
+        _check_model(req, cfg.model)
+        if any(t >= vocab for t in req.tokens):
+            raise ApiError(400, f"tokens: token ids must be in [0, {vocab}) (the served tokenizer's vocabulary); "
+                                f"got {max(req.tokens)}", param="tokens")
+        return {"prompt": counter.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health():
@@ -219,7 +290,7 @@ def create_app(cfg: EndpointConfig):
         if "messages" not in supported:
             raise ApiError(400, f"messages: the served generation model {cfg.model} has no 'messages' input "
                                 f"(inputs: {', '.join(sorted(supported))}); use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         inputs = {"messages": _strings([json.dumps(messages)])}
         inputs.update(triton_inputs(req, supported, default_max_tokens=None))
         if req.logprobs:
@@ -262,8 +333,9 @@ async def _json(request) -> Any:
         raise ApiError(400, f"the request body is not JSON: {e}") from None
 
 
-def _check_model(req: _Request, model: str) -> None:
-    if req.model != model:
+def _check_model(req: _Request | TokenizeRequest | DetokenizeRequest, model: str) -> None:
+    """404 for a request naming another model (the tokenizer routes may leave ``model`` out)."""
+    if req.model is not None and req.model != model:
         raise ApiError(404, f"model: '{req.model}' is not served here; GET /v1/models lists '{model}'",
                        param="model", code="model_not_found")
 

@@ -2,13 +2,15 @@
 
 Every field of a body is either implemented, accepted because it cannot change the answer
 (``user``, ``stream_options``, ``n: 1``), accepted at its default value only (``presence_penalty: 0``),
-or refused with a 400 naming it: nothing is silently ignored (docs/serving.md lists them). Integers
+or refused with a 400 naming it: nothing is silently ignored (docs/serving.md lists them), except
+``messages[].name``, which reaches the chat template as it is and is dropped by a template that does
+not use it (as in transformers). Integers
 are bounded by what the generation model's inputs hold (INT32 / INT64), and every string must be
 valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"`` cannot be encoded as UTF-8).
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -91,16 +93,27 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
+    """One chat message. ``name`` (OpenAI's participant name; AIPerf 0.5's chat sends ``"text"``)
+    goes to the chat template with the message, as transformers' ``apply_chat_template`` hands
+    the template each message dict as it is: a template that does not read it drops it."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
-    name: None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text parts (checked in parse_request)
             return "".join(str(p.get("text", "")) for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template sees it: ``role``, ``content`` (text), and ``name`` when given."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatRequest(_Request):
@@ -111,11 +124,33 @@ class ChatRequest(_Request):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's and lm-eval's remote tokenizer): ``prompt`` -> token ids with the
+    served tokenizer.json; ``add_special_tokens`` as the tokenizers library applies it (default true)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids -> text, special tokens kept (``prompt`` in the answer)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
+
+
 #: what ``prompt`` may be (OpenAI's completions API)
 PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of such lists"
 
+Body = TypeVar("Body", bound=BaseModel)
 
-def parse_request(cls: type[_Request], body: Any) -> _Request:
+
+def parse_request(cls: type[Body], body: Any) -> Body:
     """Validate a JSON body; the first problem becomes a 400 naming the field.
 
     Raises:
@@ -137,7 +172,7 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"{name}: not a parameter this endpoint supports (docs/serving.md lists them)",
                            param=name, code="unsupported_parameter") from None
-        if path[:1] == ["prompt"]:
+        if path[:1] == ["prompt"] and cls is CompletionRequest:
             raise ApiError(400, f"prompt: {PROMPT_FORMS}; got {body.get('prompt')!r}"[:400], param="prompt") from None
         raise ApiError(400, f"{name}: {first['msg']} (got {first.get('input')!r})", param=name) from None
     _check_combinations(req)
@@ -190,7 +225,7 @@ def _check_content_parts(body: dict) -> None:
                                code="unsupported_parameter")
 
 
-def _check_combinations(req: _Request) -> None:
+def _check_combinations(req: BaseModel) -> None:
     if isinstance(req, CompletionRequest):
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens: 0 is allowed only with echo (score the prompt); "

@@ -230,23 +230,112 @@ def test_report_renders_the_serving_overhead_and_an_in_process_compute_model():
     assert "Served TPOT vs the graph's own decode step: not measured (target 'tensorrt': ...)." in skipped
 
 
-def test_offline_tokenizer_is_a_hub_cache_entry_that_offline_lookup_finds(tmp_path):
-    from huggingface_hub import snapshot_download
+def test_aiperf_loads_a_served_tokenizer_folder_offline(tmp_path, monkeypatch):
+    """AIPerf 0.5's tokenizer loader, offline, on a generation model's folder (tokenizer files beside
+    the Triton model.py, no config.json): the path ``bench`` and the README give ``--tokenizer``."""
+    pytest.importorskip("aiperf")
+    from aiperf.common.tokenizer import Tokenizer
 
-    from pipeline.serve.bench import offline_tokenizer
+    from serve_tiny import tiny_metaspace
 
-    folder = tmp_path / "gen" / "1"
-    folder.mkdir(parents=True)
-    (folder / "tokenizer.json").write_text("{}")
-    (folder / "tokenizer_config.json").write_text("{}")
-    (folder / "model.py").write_text("")
-    name, cache = offline_tokenizer(folder, "gen", tmp_path / "hf_cache")
-    assert name == "local/gen" and cache.is_absolute()
-    found = Path(snapshot_download(name, cache_dir=cache, local_files_only=True))  # what AIPerf does offline
-    assert sorted(p.name for p in found.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
-    assert (found / "tokenizer.json").resolve() == (folder / "tokenizer.json").resolve()
-    assert (found / "config.json").read_text() == "{}\n"  # transformers 5 reads one before the tokenizer
-    assert offline_tokenizer(folder, "gen", tmp_path / "hf_cache")[0] == name  # rebuilt in place
+    folder = tiny_metaspace(tmp_path / "smollm2_generate" / "1")
+    (folder / "model.py").write_text("raise SystemExit('not a tokenizer')\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = Tokenizer.from_pretrained(str(folder))
+    assert tok.encode("the cat") == [2, 4, 3] and tok.eos_token_id == 0
+
+
+#: A stand-in ``aiperf`` CLI: records its argv and TMPDIR, leaves an empty aiperf_mmap_ folder in
+#: TMPDIR as AIPerf 0.5 does, and writes an export with FAKE_AIPERF_ERRORS failed requests.
+FAKE_AIPERF = """#!{python}
+import json, os, sys, tempfile
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("--output-artifact-dir") + 1])
+out.mkdir(parents=True, exist_ok=True)
+(Path(tempfile.gettempdir()) / "aiperf_mmap_0123").mkdir(exist_ok=True)
+with open(os.environ["FAKE_AIPERF_LOG"], "a") as f:
+    f.write(json.dumps({{"args": args, "tmpdir": tempfile.gettempdir()}}) + "\\n")
+errors = int(os.environ.get("FAKE_AIPERF_ERRORS", "0"))
+export = {{"time_to_first_token": {{"avg": 5.0, "p50": 5.0, "p90": 6.0, "p99": 7.0, "unit": "ms"}}}}
+if errors:
+    export["error_request_count"] = {{"unit": "requests", "avg": float(errors)}}
+    export["error_summary"] = [{{"error_details": {{"code": 400, "type": "Bad Request",
+                                 "message": "messages.0.name: Input should be None"}}, "count": errors}}]
+(out / "profile_export_aiperf.json").write_text(json.dumps(export))
+"""
+
+
+def _fake_aiperf_bench(tmp_path, monkeypatch, errors: int):
+    import json
+    import shutil
+    import stat
+    import sys
+    from types import SimpleNamespace
+
+    from pipeline.serve.bench import bench_aiperf
+
+    exe = tmp_path / "bin" / "aiperf"
+    exe.parent.mkdir()
+    exe.write_text(FAKE_AIPERF.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(shutil, "which", lambda name: str(exe) if name == "aiperf" else None)
+    system_tmp = tmp_path / "system_tmp"  # the TMPDIR aiperf would otherwise inherit (this process's own
+    # temp folder is read once, so the bench's folders are still made in the real one)
+    system_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_tmp))
+    monkeypatch.setenv("FAKE_AIPERF_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_AIPERF_ERRORS", str(errors))
+    model = tmp_path / "repo" / "gen" / "1"
+    model.mkdir(parents=True)
+    (model / "tokenizer.json").write_text("{}")
+    served = SimpleNamespace(recipe=SimpleNamespace(serve=ServeConfig(concurrency=[1, 4], requests_per_level=4)),
+                             repository=tmp_path / "repo", generate_model="gen",
+                             artifacts={"validate": SimpleNamespace(greedy_tokens={"prompt_ids": [[1, 2, 3]]})})
+    out = tmp_path / "bench" / "aiperf"
+    result = bench_aiperf(served, "http://127.0.0.1:1/v1", out, log=lambda line: None)
+    calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    return result, calls, out, model, system_tmp
+
+
+def test_bench_gives_aiperf_the_served_tokenizer_folder_and_its_own_tmpdir(tmp_path, monkeypatch):
+    result, calls, out, model, system_tmp = _fake_aiperf_bench(tmp_path, monkeypatch, errors=0)
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 4] and "failed" not in result
+    from pipeline.serve.bench import AIPERF_SOCKET_TAIL, UNIX_SOCKET_PATH_MAX
+
+    for call, c in zip(calls, (1, 4)):
+        args = call["args"]
+        assert args[args.index("--tokenizer") + 1] == str(model.resolve())  # a folder: loads offline
+        assert args[args.index("--concurrency") + 1] == str(c) and args[args.index("--request-count") + 1] == "4"
+        tmp = call["tmpdir"]  # its own, short enough for its ZMQ sockets, removed after the run
+        assert tmp != str(system_tmp) and not Path(tmp).exists()
+        assert len(tmp + AIPERF_SOCKET_TAIL) <= UNIX_SOCKET_PATH_MAX
+    assert calls[0]["tmpdir"] != calls[1]["tmpdir"]
+    assert list(system_tmp.iterdir()) == []  # no aiperf_mmap_<uuid>/ left in the inherited temp folder
+    assert (out / "c1" / "profile_export_aiperf.json").is_file()
+
+
+def test_a_temp_folder_too_long_for_aiperfs_sockets_is_refused(tmp_path, monkeypatch):
+    """AIPerf under a TMPDIR past the AF_UNIX path limit stops at once and exits 0 with no results."""
+    import tempfile
+
+    from pipeline.errors import PipelineError
+    from pipeline.serve.bench import aiperf_tmpdir
+
+    deep = tmp_path / ("x" * 60) / ("y" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(PipelineError, match=r"too long a path for AIPerf's ZMQ sockets .*--no-aiperf"):
+        aiperf_tmpdir()
+    assert list(deep.iterdir()) == []
+
+
+def test_an_aiperf_run_with_failed_requests_is_a_failure(tmp_path, monkeypatch):
+    """AIPerf 0.5 exits 0 when every request failed (its error summary says why): bench fails it."""
+    result, calls, *_ = _fake_aiperf_bench(tmp_path, monkeypatch, errors=4)
+    assert len(calls) == 1 and result["levels"] == []  # stopped at the first level
+    assert result["failed"].startswith("aiperf at concurrency 1: 4 requests failed: 4 x 400 Bad Request: "
+                                       "messages.0.name: Input should be None")
 
 
 def test_a_model_without_a_tokenizer_is_bucketed_without_a_vocabulary(tmp_path):
@@ -261,3 +350,24 @@ def test_a_model_without_a_tokenizer_is_bucketed_without_a_vocabulary(tmp_path):
     specs = [TensorSpec("byte_ids", "int64", ["batch", "length"]), TensorSpec("input_ids", "int64", ["batch", "s"])]
     feeds = bucket_feeds(specs, 4, None)
     assert {k: v.tolist() for k, v in feeds.items()} == {"byte_ids": [[0, 0, 0, 0]], "input_ids": [[0, 0, 0, 0]]}
+
+
+def test_fewer_requests_than_the_largest_concurrency_is_refused_naming_the_field():
+    """AIPerf 0.5 refuses --concurrency above --request-count (and a closed loop of c threads over
+    fewer than c requests never reaches c): the schema refuses it, the defaults satisfy it."""
+    from pydantic import ValidationError
+
+    assert ServeConfig().requests_per_level >= max(ServeConfig().concurrency)
+    with pytest.raises(ValidationError, match=r"requests_per_level \(8\) is below the largest concurrency \(16\)"):
+        ServeConfig.model_validate({"concurrency": [1, 16], "requests_per_level": 8})
+    assert ServeConfig.model_validate({"concurrency": [1, 16], "requests_per_level": 16}).requests_per_level == 16
+
+
+@pytest.mark.parametrize("name", ["fp8-llm", "int8-llm", "int8-encoder", "fp8-encoder", "int8-textline-orientation"])
+def test_shipped_recipes_bench_as_shipped(name):
+    """``make bench RECIPE=<name>`` with no ``--set``: every level has at least its concurrency's requests."""
+    from conftest import ROOT
+    from pipeline.recipe.load import load_recipe
+
+    serve = load_recipe(ROOT / "recipes" / f"{name}.yaml").serve
+    assert serve.requests_per_level >= max(serve.concurrency)
