@@ -185,10 +185,12 @@ class BlockTensor:
                     "-(-128) is not INT8")
             values = np.where(zero, 0, np.where(neg, -codes, codes)).astype(np.int8)
             return DQForm(bits, bs, values.reshape(n, k), scales, None)
+        assert self.mins is not None  # every 4-bit type has one (Q4_0: -8d)
         c = codes.astype(np.int8)
         values = np.where(zero, np.int8(0), np.where(neg, 7 - c, c - 8)).astype(np.int8)
-        offsets = np.where(self.d == 0, self.mins, self.mins + np.where(self.d < 0, np.float32(7),
-                                                                        np.float32(8)) * self.d).astype(np.float32)
+        # one float32 rounding of mins + 8d (7d for a negated block); mins alone where d = 0
+        step = np.where(self.d < 0, np.float32(7), np.float32(8)) * self.d
+        offsets = np.where(self.d == 0, self.mins, self.mins + step).astype(np.float32)
         return DQForm(bits, bs, values.reshape(n, k), scales, offsets if offsets.any() else None)
 
 
