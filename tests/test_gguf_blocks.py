@@ -21,6 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline import graph_checks
 from pipeline.errors import EXIT_BAD_INPUT, QuantizationError
 from pipeline.quant import gguf_blocks as gb
 from pipeline.quant import int4
@@ -334,6 +335,7 @@ def test_rewrite_turns_each_gguf_gemm_into_its_block_form_and_keeps_the_graph(re
     assert (lm.node, lm.tensor, lm.onnx_form, lm.max_weight_error) == ("lm_head", "token_embd.weight", "INT8 block 32", 0.0)
 
     onnx.checker.check_model(model, full_check=True)
+    graph_checks.check_qdq_graph(model)  # TensorRT's rules: positive scales, zero points 0
     assert model.opset_import[0].version == 21
     inits = {t.name: t for t in model.graph.initializer}
     assert {"wq", "wk", "wu"}.isdisjoint(inits) and "lm_t" not in {n.name for n in model.graph.node}
