@@ -37,7 +37,7 @@ each other: every block of SmolLM2-135M's Q4_1 file), and GGML's float32 weight 
 GGML's own rounding (half an ulp of the weight).
 
 Scales are made positive, as TensorRT needs (its parser refuses zero and negative INT8 scales;
-``pipeline.graph_checks`` refuses them for every type). A block with ``d < 0`` is stored negated:
+``pipeline.checks.graph`` refuses them for every type). A block with ``d < 0`` is stored negated:
 INT8 ``-q`` (refused if ``q`` holds -128); INT4 ``7 - q`` with scale ``-d`` and offset
 ``fl(m + 7d)`` (``-8`` has no INT4 negation), which for Q4_0 (``m = -8d``) is ``-d``, exact.
 llama.cpp's Q4_0 quantizer gives ``d < 0`` to every block whose largest magnitude is positive,

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import graph_checks
+from pipeline.checks import graph as graph_checks
 from pipeline.errors import EXIT_BAD_INPUT, QuantizationError
 from pipeline.quant import gguf_blocks as gb
 from pipeline.quant import int4
@@ -398,7 +398,8 @@ rtx_missing = importlib.util.find_spec("tensorrt_rtx_bindings") is None
 
 @pytest.mark.skipif(rtx_missing, reason="tensorrt-rtx bindings not installed")
 def test_tensorrt_rtx_builds_the_block_forms_for_ampere_ada_blackwell_and_refuses_turing(tmp_path):
-    from pipeline import engine_backends, engine_builder
+    from pipeline.trt import backends as engine_backends
+    from pipeline.trt import builder as engine_builder
 
     backend = engine_backends.TENSORRT_RTX
     if engine_backends.import_problem(backend) is not None:
