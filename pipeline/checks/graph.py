@@ -17,6 +17,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.errors import GraphCheckError
+from pipeline.recipe.precisions import facts
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -27,7 +28,7 @@ FLOAT8 = {
     TensorProto.FLOAT8E5M2,
     TensorProto.FLOAT8E5M2FNUZ,
 }
-FP8_MIN_OPSET = 19
+FP8_MIN_OPSET = facts("fp8").min_opset  # the precision table's
 INF_HINT = (
     "an infinite scale usually means calibration saw +/-inf (amax=inf), e.g. an attention "
     "mask's -inf (or finfo.min) reaching the calibrated tensor; exclude that tensor from "

@@ -101,7 +101,7 @@ def plot(plan: dict, path: Path) -> None:
 
 def write_plan(plan: dict, out_dir: Path) -> dict[str, Path]:
     """Write plan.json (strict JSON), plan.md and plan.png into ``out_dir``; returns their paths."""
-    from pipeline.run.report import write_json_atomic
+    from pipeline.fsutil import write_json_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "plan.json", "md": out_dir / "plan.md", "png": out_dir / "plan.png"}

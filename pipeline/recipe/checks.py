@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 from pipeline.recipe.kinds import PAST_DIM, PROMPT_TOKENS, facts, source_problem
-from pipeline.recipe.problems import ConstraintErrors, Loc, Problem, dotted  # noqa: F401  (re-exported)
+from pipeline.recipe.problems import Loc, Problem
 
 if TYPE_CHECKING:
     from pipeline.sources.data import DataSource

@@ -387,7 +387,7 @@ class ServingRuntime(Strict):
 
 class TritonConfig(Strict):
     target: TritonTarget = Field("auto", description="runtime of the compute model; auto: tensorrt when an engine "
-                                 "was built, else onnxruntime (pipeline.triton.repository.resolve_target)")
+                                 "was built, else onnxruntime (pipeline.triton.repository.repository_runtime)")
     model_name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$", description="Triton name of the compute model")
     generate_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]+$",
                                             description="text generation: name of the decoupled generation model; "

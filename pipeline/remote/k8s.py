@@ -155,7 +155,7 @@ def shm_mib(recipe) -> tuple[int, str]:
         TritonConfigError: the last build's KV cache inputs are incomplete.
     """
     from pipeline.artifacts import ResolvedProfile, TensorSpec
-    from pipeline.models.text_generation import kv, triton
+    from pipeline.models.text_generation import triton
 
     try:
         man = last_manifest(Path(recipe.work_dir) / recipe.name)

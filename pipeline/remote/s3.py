@@ -479,7 +479,7 @@ def publish_recipe(recipe, loc: S3Location, *, serve_copy: bool = False, rollbac
         LockHeld: a build of the recipe is running.
         EnvironmentFault: storage or network errors.
     """
-    from pipeline.run.report import write_json_atomic
+    from pipeline.fsutil import write_json_atomic
     from pipeline.run.runner import run_lock
     from pipeline.triton.publish import published_models, read_index, verify_repository
 

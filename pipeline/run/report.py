@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
-from pipeline.fsutil import (  # noqa: F401  (re-exported: the stages and tests import them from here)
-    REASON_SUFFIX, nonfinite_reason, sha256_file, strict_jsonable, write_json_atomic, write_text_atomic)
-from pipeline.provenance import code_hash, cpu_description, cpu_model, tool_versions  # noqa: F401  (re-exported)
+from pipeline.fsutil import REASON_SUFFIX, nonfinite_reason, strict_jsonable, write_json_atomic, write_text_atomic
+from pipeline.provenance import cpu_model
 from pipeline.recipe.checks import GENERATION_METRICS
 from pipeline.recipe.precisions import PRECISIONS
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol
 from pydantic import TypeAdapter
 
 from pipeline import artifacts as A
-from pipeline import interrupts
+from pipeline import fsutil, interrupts, provenance
 from pipeline.run import report as M
 from pipeline.context import Progress, StageContext
 from pipeline.errors import EXIT_INTERNAL, InternalError, LockHeld, PipelineError
@@ -169,7 +169,7 @@ def _paths(art: Any) -> list[str]:
 
 
 def _commit(stage_dir: Path, key: str, art: Any, record: dict) -> None:
-    M.write_json_atomic(stage_dir / "stage.json", {"key": key, "artifact": A.to_jsonable(art), "record": record})
+    fsutil.write_json_atomic(stage_dir / "stage.json", {"key": key, "artifact": A.to_jsonable(art), "record": record})
 
 
 @contextlib.contextmanager
@@ -261,7 +261,7 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
     """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys)."""
     from pipeline.quant import pin
 
-    versions = M.tool_versions()
+    versions = provenance.tool_versions()
     man.update(M.new_manifest(recipe, recipe_path, versions))
     versions = _key_versions(versions)
     inputs = {k: v.get("sha256") for k, v in man["inputs"].items()}

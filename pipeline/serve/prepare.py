@@ -22,7 +22,7 @@ from typing import Any
 from pipeline.errors import GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.recipe.schema import DynamicBatching, InstanceGroup, Recipe
 from pipeline.stages.triton import write_repository
-from pipeline.triton.repository import INDEX_FILE, resolve_target
+from pipeline.triton.repository import INDEX_FILE, repository_runtime
 
 #: resolved target -> the tritonserver backend folder it needs.
 NEEDED_BACKEND = {"tensorrt": "tensorrt", "onnxruntime": "onnxruntime", "python-onnxruntime": "python"}
@@ -150,7 +150,7 @@ def prepare(recipe: Recipe, artifacts: dict[str, Any], backends: list[str]) -> S
         PipelineError: the target is loadable but ``recipe.output_dir`` no
             longer holds this recipe's models (recipes share output_dir).
     """
-    target = resolve_target(recipe.triton.target, artifacts["build"])
+    target = repository_runtime(recipe.triton.target, artifacts["build"])
     needed = NEEDED_BACKEND[target]
     if needed in backends:
         _check_published(recipe, artifacts["triton"])

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.run.report import write_json_atomic
+from pipeline.fsutil import write_json_atomic
 from pipeline.recipe.schema import Recipe
 from pipeline.serve import bench as B
 from pipeline.serve.check import PromptCheck, check_greedy

@@ -90,9 +90,9 @@ def write_repository(
             tokenizer model cannot make, or no pad token. The published repository (if any)
             is unchanged in all these cases.
     """
-    from pipeline.triton.repository import resolve_target
+    from pipeline.triton.repository import repository_runtime
 
-    target = resolve_target(recipe.triton.target, build)
+    target = repository_runtime(recipe.triton.target, build)
     if recipe.triton.generate_model_name == recipe.triton.model_name:
         raise TritonConfigError(
             f"triton.generate_model_name: {recipe.triton.model_name!r} is also triton.model_name; "

@@ -80,7 +80,7 @@ def ensemble_model_name(model_name: str) -> str:
     return f"{model_name}_ensemble"
 
 
-def resolve_target(requested: str, build: BuildArtifact) -> str:
+def repository_runtime(requested: str, build: BuildArtifact) -> str:
     """``auto`` -> ``tensorrt`` if an engine was built, else ``onnxruntime``.
 
     Raises:

@@ -59,7 +59,7 @@ def test_bench_llm_reports_percentiles_goodput_positions_and_batches(tmp_path):
     assert all(v > 0 for v in batching["ratios"].values())
 
     written = json.loads((served.run_dir / "bench" / "bench.json").read_text())
-    from pipeline.run.report import strict_jsonable
+    from pipeline.fsutil import strict_jsonable
 
     assert written["llm"]["levels"] == json.loads(json.dumps(strict_jsonable(llm["levels"])))  # NaN -> null + reason
     markdown = (served.run_dir / "bench" / "bench.md").read_text()

@@ -329,7 +329,6 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
         AccuracyError: NaN/Inf in the FP32 reference, or no held-out sentence.
         DataError: the split reaches past the corpus.
     """
-    from pipeline.models import text as text_data
 
     v = ctx.recipe.validate_
     tok = load_tokenizer(exp.tokenizer_dir)

@@ -14,7 +14,6 @@ from pipeline.errors import ExportError
 from pipeline.checks.export import quiet_export
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches as _text_batches
-from pipeline.models.text_generation import kv as kv_mod
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout
 from pipeline.models.text_generation.model import (
     KVCacheLM, check_model_folder, complete_point, kv_layout, sliding_window, load_causal_lm, package_file,

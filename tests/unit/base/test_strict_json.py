@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from pipeline import fsutil
 from pipeline.run import report as M
 from pipeline.models.sentence_embedding import metrics as encoder
 from pipeline.recipe.gates import evaluate
@@ -34,7 +35,7 @@ METRICS = {
 
 
 def test_writer_turns_nan_and_inf_into_null_with_a_reason(tmp_path):
-    M.write_json_atomic(tmp_path / "metrics.json", {"key": "k", "metrics": METRICS, "levels": [1.5, -math.inf]},
+    fsutil.write_json_atomic(tmp_path / "metrics.json", {"key": "k", "metrics": METRICS, "levels": [1.5, -math.inf]},
                         strict=True)
     got = _strict_load(tmp_path / "metrics.json")
     m = got["metrics"]
@@ -50,7 +51,7 @@ def test_writer_turns_nan_and_inf_into_null_with_a_reason(tmp_path):
 
 def test_writer_refuses_a_nan_it_cannot_sanitise(tmp_path):
     with pytest.raises(ValueError):
-        M.write_json_atomic(tmp_path / "x.json", {math.nan: 1}, strict=True)
+        fsutil.write_json_atomic(tmp_path / "x.json", {math.nan: 1}, strict=True)
     assert not (tmp_path / "x.json").exists()
 
 
@@ -61,7 +62,7 @@ def test_stage_cache_still_reads_back_a_failed_nan_gate(tmp_path):
     from pipeline import artifacts as A
 
     art = A.ValidationArtifact({"spearman_drop_max": None}, [A.GateResult("g", "m", math.nan, 1.0, "<=", False)])
-    M.write_json_atomic(tmp_path / "stage.json", {"artifact": A.to_jsonable(art)})
+    fsutil.write_json_atomic(tmp_path / "stage.json", {"artifact": A.to_jsonable(art)})
     back = TypeAdapter(A.ValidationArtifact).validate_python(json.loads((tmp_path / "stage.json").read_text())["artifact"])
     assert math.isnan(back.gates[0].value) and not back.passed
 
@@ -106,13 +107,13 @@ def test_encoder_nan_metrics_carry_the_model_that_caused_them(tmp_path):
     assert flat["naive_ort_spearman_drop_max_reason"].startswith(why)
     assert flat["naive_ort_spearman_simlex999_reason"].startswith(why)
     assert "spearman_drop_max_reason" not in flat and math.isclose(flat["spearman_drop_max"], 1.0)
-    M.write_json_atomic(tmp_path / "metrics.json", {"metrics": flat}, strict=True)
+    fsutil.write_json_atomic(tmp_path / "metrics.json", {"metrics": flat}, strict=True)
     m = _strict_load(tmp_path / "metrics.json")["metrics"]
     assert m["naive_ort_spearman_drop_max"] is None and m["naive_ort_spearman_drop_max_reason"].startswith(why)
 
 
 def test_a_gate_on_a_null_metric_fails():
-    metrics = M.strict_jsonable({"relative_perplexity_increase": math.inf})
+    metrics = fsutil.strict_jsonable({"relative_perplexity_increase": math.inf})
     [gate] = evaluate([Gate(metric="relative_perplexity_increase", max=0.015)], metrics)
     assert not gate.passed and math.isnan(gate.value)
 

@@ -19,7 +19,6 @@ from onnx import TensorProto, helper
 from conftest import ROOT
 from pipeline import fsutil, interrupts, onnx_io
 from pipeline.quant import feeds
-from pipeline.run import report as manifest
 from pipeline.runners import base as runners
 from pipeline.errors import ExportError, PipelineError, RecipeError, TritonConfigError
 from pipeline.models import base, registry
@@ -219,9 +218,9 @@ def test_validate_never_imports_the_quantize_stage():
 def test_one_file_hash_and_its_memo(tmp_path):
     f = tmp_path / "w.bin"
     f.write_bytes(os.urandom(1 << 16))
-    assert manifest.sha256_file(f) == fsutil.file_sha256(f)
+    assert fsutil.sha256_file(f) == fsutil.file_sha256(f)
     f.write_bytes(b"changed, and a different size")
-    assert manifest.sha256_file(f) == fsutil.file_sha256(f)  # size/mtime changed: re-hashed
+    assert fsutil.sha256_file(f) == fsutil.file_sha256(f)  # size/mtime changed: re-hashed
 
 
 def test_atomic_write_replaces_whole_files_readable_by_others(tmp_path):
@@ -230,7 +229,6 @@ def test_atomic_write_replaces_whole_files_readable_by_others(tmp_path):
     fsutil.write_text_atomic(path, "two", durable=True)
     assert path.read_text() == "two" and stat.S_IMODE(path.stat().st_mode) == 0o644
     assert sorted(p.name for p in path.parent.iterdir()) == ["index.json"]  # no temp file left
-    assert manifest.write_text_atomic is fsutil.write_text_atomic
 
 
 # --- signals: the CLI installs the handler --------------------------------------------------------

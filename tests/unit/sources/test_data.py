@@ -349,7 +349,8 @@ def test_same_file_read_as_two_units_is_refused():
 
 
 def test_manifest_hashes_each_data_use_of_a_shipped_recipe():
-    from pipeline.run.report import data_inputs, data_uses, sha256_file
+    from pipeline.fsutil import sha256_file
+    from pipeline.run.report import data_inputs, data_uses
     from pipeline.recipe.load import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")

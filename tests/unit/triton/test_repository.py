@@ -27,7 +27,7 @@ from pipeline.triton import publish as publish_mod
 from pipeline.models.text_generation.kv import KVLayout
 from pipeline.models.text_generation.triton import kv_layout
 from pipeline.stages.triton import write_repository
-from pipeline.triton.repository import eos_token_ids, resolve_target
+from pipeline.triton.repository import eos_token_ids, repository_runtime
 from tiny import continuation
 
 LAYERS, HEADS, HEAD_DIM, VOCAB, EOS = 2, 1, 4, 11, 0
@@ -237,7 +237,7 @@ def test_auto_with_engine_serves_the_plan_on_gpu(stage, tmp_path):
     engine = tmp_path / "work" / "model.plan"
     engine.write_bytes(b"not really an engine")
     stage["build"] = build_artifact(engine)
-    assert resolve_target("auto", stage["build"]) == "tensorrt"
+    assert repository_runtime("auto", stage["build"]) == "tensorrt"
     with pytest.raises(TritonConfigError, match=r"model 'tiny': instance_group\[0\].kind: KIND_CPU cannot run a tensorrt_plan"):
         write_repository(make_recipe(), **stage)
     art = write_repository(make_recipe(instance_group=[{"count": 1, "kind": "KIND_GPU"}]), **stage)
@@ -365,7 +365,8 @@ def test_kv_layout_must_match_the_served_graph(stage):
 
 
 def test_same_name_for_both_models_is_refused(stage):
-    from pipeline.recipe.checks import constraint_problems, dotted
+    from pipeline.recipe.checks import constraint_problems
+    from pipeline.recipe.problems import dotted
 
     # refused by the recipe checks, which load_recipe runs before any stage
     problems = [f"{dotted(loc)}: {msg}" for loc, msg in constraint_problems(make_recipe(generate_model_name="tiny"))]
