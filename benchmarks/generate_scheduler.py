@@ -37,7 +37,8 @@ from google.protobuf import json_format
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.triton.config import generate_config, graph_io  # noqa: E402
+from pipeline.onnx_io import graph_specs  # noqa: E402
+from pipeline.triton.config import generate_config  # noqa: E402
 from pipeline.models.text_generation.triton import kv_layout  # noqa: E402
 from pipeline.triton.repository import eos_token_ids  # noqa: E402
 
@@ -98,7 +99,7 @@ def load_model(onnx_path: Path, tokenizer: Path, root: Path, max_batch: int, deq
     for f in tokenizer.iterdir():
         os.symlink(f.resolve(), gen / f.name)
     (gen / "model.py").write_text((TEMPLATES / "generate_model.py").read_text())
-    inputs, _ = graph_io(onnx.load(str(onnx_path), load_external_data=False))
+    inputs, _ = graph_specs(onnx.load(str(onnx_path), load_external_data=False))
     kv = kv_layout(inputs)
     params = {"compute_onnx": f"llm/1/{onnx_path.name}", "graph_optimization_level": "basic" if dequantize else "all"}
     if dequantize:

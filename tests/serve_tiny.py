@@ -19,7 +19,7 @@ from pipeline.artifacts import (
     ValidationArtifact,
 )
 from pipeline.recipe.schema import Recipe, ServeConfig
-from pipeline.triton.config import graph_io
+from pipeline.onnx_io import graph_specs
 from test_repository import (
     HEAD_DIM,
     HEADS,
@@ -123,7 +123,7 @@ def encoder_recipe(ws: Path, serve: dict | None = None, **triton) -> Recipe:
 def encoder_artifacts(ws: Path) -> dict:
     """Stage artifacts of a finished tiny-encoder run (no engine, no greedy tokens)."""
     path = tiny_encoder(ws / "work" / "encoder.onnx")
-    inputs, outputs = graph_io(onnx.load(str(path)))
+    inputs, outputs = graph_specs(onnx.load(str(path)))
     build = BuildArtifact("skipped", "tensorrt not installed", None, None, "trtexec.sh", encoder_profiles())
     return {
         "export": ExportArtifact(str(path), inputs, outputs, str(tiny_wordpiece(ws / "work" / "tokenizer"))),
@@ -146,7 +146,7 @@ def llm_artifacts(ws: Path, prompts: list[list[int]] | None = None, *, tokenizer
     (and the validate stage's fp8 greedy tokens for them, if given). ``tokenizer_dir``: default
     test_triton_repository's WordLevel tokenizer; ``build``: default its 33-token context."""
     onnx_path = tiny_llm(ws / "work" / "model.onnx")
-    inputs, outputs = graph_io(onnx.load(str(onnx_path)))
+    inputs, outputs = graph_specs(onnx.load(str(onnx_path)))
     qdq = tiny_llm(ws / "work" / "model.qdq.onnx", qdq=True)
     greedy: dict = {"prompt_ids": prompts or [[1, 2, 3], [4, 5, 6]]}
     if greedy_tokens is not None:

@@ -36,7 +36,6 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import TritonConfigError
-from pipeline.onnx_io import graph_specs
 from pipeline.recipe.schema import TritonConfig
 from pipeline.ort_sessions import optimization_level
 
@@ -99,8 +98,6 @@ GENERATE_OUTPUTS = [TensorSpec("text_output", "object", [1]), TensorSpec("token_
 
 
 #: ONNX element type -> numpy dtype name (the float8 types have no Triton type).
-#: The one graph I/O reader (unknown dims are ``"?"``); kept under this name for callers.
-graph_io = graph_specs
 
 
 def triton_dtype(dtype: str, where: str = "") -> int:

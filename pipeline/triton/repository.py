@@ -41,6 +41,7 @@ import onnx
 from pipeline.artifacts import BuildArtifact, QuantizedArtifact, ResolvedProfile, TensorSpec
 from pipeline.errors import StorageFault, TritonConfigError, storage_fault
 from pipeline.fsutil import copy_file
+from pipeline.onnx_io import graph_specs
 from pipeline.triton import publish
 from pipeline.recipe.schema import Recipe
 from pipeline.triton.config import (
@@ -48,7 +49,6 @@ from pipeline.triton.config import (
     ModelConfig,
     check_config,
     compute_config,
-    graph_io,
     parse_config,
     to_text,
 )
@@ -167,7 +167,7 @@ def stage_compute(
     """Compute model: config from the served ONNX graph, model file(s) into the version folder."""
     source = Path(quantized.ort_path)
     model = onnx.load(str(source), load_external_data=False)
-    inputs, outputs = graph_io(model)
+    inputs, outputs = graph_specs(model)
     max_batch, opt_batch = profile_batch(build.profiles)
     qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
     cfg = compute_config(recipe.triton, inputs, outputs, target=target, profile_opt_batch=opt_batch, qdq=qdq,

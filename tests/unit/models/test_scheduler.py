@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 
 import pipeline.triton
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
-from pipeline.triton.config import graph_io, parse_config
+from pipeline.onnx_io import graph_specs
+from pipeline.triton.config import parse_config
 from pipeline.stages.triton import write_repository
 from test_serve_generation import CancellingRequest, fake_backend
 from tiny import continuation
@@ -105,7 +106,7 @@ def repository(tmp_path: Path, onnx_path: Path | None = None, chat: bool = True,
     tok_dir = tiny_tokenizer(tmp_path / "work" / "tokenizer")
     if chat:
         (tok_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    inputs, outputs = graph_io(onnx.load(str(onnx_path)))
+    inputs, outputs = graph_specs(onnx.load(str(onnx_path)))
     export = ExportArtifact(str(onnx_path), inputs, outputs, str(tok_dir))
     out = tmp_path / "repo"
     write_repository(make_recipe(**triton), export=export, quantized=QuantizedArtifact(str(onnx_path), "fp32", [], []),

@@ -22,7 +22,8 @@ from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact,
 from pipeline.errors import TritonConfigError
 from pipeline.recipe.schema import Recipe
 from pipeline.triton import repository as repo_mod
-from pipeline.triton.config import graph_io, parse_config
+from pipeline.onnx_io import graph_specs
+from pipeline.triton.config import parse_config
 from pipeline.triton import publish as publish_mod
 from pipeline.models.text_generation.kv import KVLayout
 from pipeline.models.text_generation.triton import kv_layout
@@ -152,7 +153,7 @@ def stage(tmp_path):
     """Upstream artifacts of a tiny LLM run (FP32 export, FP8 Q/DQ quantized graph, no engine);
     out_dir is tmp_path/'repo'."""
     onnx_path = tiny_llm(tmp_path / "work" / "model.onnx")
-    inputs, outputs = graph_io(onnx.load(str(onnx_path)))
+    inputs, outputs = graph_specs(onnx.load(str(onnx_path)))
     export = ExportArtifact(str(onnx_path), inputs, outputs, str(tiny_tokenizer(tmp_path / "work" / "tokenizer")))
     qdq_path = tiny_llm(tmp_path / "work" / "model.qdq.onnx", qdq=True)
     quantized = QuantizedArtifact(str(qdq_path), "fp8", ["lm_head"], [])
