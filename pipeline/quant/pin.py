@@ -9,12 +9,18 @@ its CPU kernels (one float32 ulp in an FP8 scale moves perplexity measurably).
 A pin holds:
 
 * ``excluded``: module scopes (or node names) left in high precision, besides ``quantize.exclude``;
-* ``amax``: per-tensor activation amax of every quantized GEMM input (the calibration result);
+* ``amax``: per-tensor activation amax of every quantized GEMM input (the calibration result),
+  keyed by the exporter's tensor names (``mul_107``);
 * ``channel_amax``: SmoothQuant's per-channel input amax (float32, little endian, base64), if used;
 * ``metrics``: what the search reached on the tuning split;
 * ``match``: what it must match (:func:`match_fields`), and ``recorded``: what it only records
   (tool versions, CPU, date). It never matches on the package's source hash, so a refactor keeps
   every pin; :data:`SEARCH_VERSION` is bumped by hand when the search or calibration changes meaning.
+
+:func:`read` validates the file like any input (:class:`PinFile`: types, finite positive amax, a
+known ``format``); the quantize stage applies the recipe's own bounds to what the pin adds
+(``pipeline.stages.quantize``: each exclusion names a weight GEMM, at least one GEMM left quantized,
+``tuning.min_quantized_fraction``). Every refusal is exit 2 naming the file and the JSON path.
 """
 from __future__ import annotations
 
@@ -24,8 +30,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import RecipeError
 
@@ -144,19 +152,112 @@ def _what(key: str) -> str:
     return _WHAT.get(key, key)
 
 
+def _channel_amax(text: str) -> str:
+    """A ``channel_amax`` value: base64 of float32 little-endian values, each finite and >= 0."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise ValueError("not base64") from None
+    if not raw or len(raw) % 4:
+        raise ValueError(f"{len(raw)} bytes: not a whole, non-empty number of float32 values")
+    values = np.frombuffer(raw, "<f4")
+    bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
+    if bad.size:
+        raise ValueError(f"channel {int(bad[0])} is {float(values[bad[0]])!r} ({bad.size} such)")
+    return text
+
+
+def _known_format(value: int) -> int:
+    if value != FORMAT:
+        raise ValueError("not a format this version reads (a newer pipeline wrote it, or it was edited)")
+    return value
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class PinFile(BaseModel):
+    """The schema of a pin file (strict: no coercion, no unknown key). :func:`read` applies it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    format: Annotated[int, AfterValidator(_known_format)] = Field(description="the pin file's format (:data:`FORMAT`)")
+    match: dict[NonEmpty, str | int] = Field(description="what it must match (:func:`match_fields`)")
+    excluded: list[NonEmpty] = Field(description="module scopes or node names left in high precision")
+    amax: dict[NonEmpty, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        description="activation tensor -> calibrated abs-max")
+    channel_amax: dict[NonEmpty, Annotated[str, AfterValidator(_channel_amax)]] = Field(
+        default_factory=dict, description="SmoothQuant's per-channel amax, float32 base64")
+    metrics: dict[NonEmpty, float] = Field(default_factory=dict, description="what the search reached")
+    search: dict[str, Any] = Field(default_factory=dict, description="how the search ended (recorded only)")
+    recorded: dict[str, Any] = Field(default_factory=dict, description="versions, CPU, date (recorded only)")
+
+
+#: what a valid value is, by top-level key (the refusal's "valid: ...")
+_VALID = {"format": f"{FORMAT}", "match": "an object of strings and integers (written by tune)",
+          "excluded": "a list of module scopes or node names", "amax": "a finite number > 0",
+          "channel_amax": "base64 of float32 values, each finite and >= 0",
+          "metrics": "an object of numbers", "search": "an object", "recorded": "an object"}
+
+
+def json_path(loc: tuple) -> str:
+    """``("amax", "mul_7")`` -> ``amax["mul_7"]``; ``("excluded", 3)`` -> ``excluded[3]``."""
+    if not loc:
+        return "<root>"
+    head, *rest = loc
+    return str(head) + "".join(f"[{k}]" if isinstance(k, int) else f"[{json.dumps(k)}]" for k in rest)
+
+
+def _problem(err: dict) -> str:
+    loc = tuple(err["loc"])
+    top = loc[0] if loc else None
+    if err["type"] == "extra_forbidden":
+        return f"{json_path(loc)}: unknown key; valid keys: {', '.join(PinFile.model_fields)}"
+    if err["type"] == "missing":
+        return f"{json_path(loc)}: missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    valid = _VALID.get(top, "")
+    got = err.get("input")
+    return f"{json_path(loc)}: {msg}, got {json.dumps(got) if _jsonable(got) else repr(got)}" + (
+        f"; valid: {valid}" if valid and valid not in msg else "")
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return len(json.dumps(value)) <= 80
+
+
 def read(path: Path, retune: str = "python -m pipeline tune <recipe>") -> dict:
-    """A pin file's content; ``retune``: the command the errors give (:func:`tune_command`).
+    """A pin file's content, validated (:class:`PinFile`); ``retune``: the command the errors give
+    (:func:`tune_command`).
 
     Raises:
-        RecipeError: not JSON, or a key is missing (names the file and the key).
+        RecipeError: (exit 2) not JSON, or not a valid pin: a key missing or unknown, a value of the
+            wrong type (``true`` or ``"1.0"`` for a number), an amax that is not finite and > 0, an
+            unknown ``format``, ``channel_amax`` naming a tensor ``amax`` lacks.
+            The message names the file and each failing key as a JSON path (``amax["mul_107"]``).
     """
     try:
         pin = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise RecipeError(f"{path}: not a readable pinned tuning result ({e}); re-create it with {retune}") from None
-    for k in ("format", "match", "excluded", "amax"):
-        if not isinstance(pin, dict) or k not in pin:
-            raise RecipeError(f"{path}: pinned tuning result has no {k!r}; re-create it with {retune}")
+    if not isinstance(pin, dict):
+        raise RecipeError(f"{path}: a pinned tuning result is a JSON object, not {type(pin).__name__}; "
+                          f"re-create it with {retune}")
+    try:
+        PinFile.model_validate(pin)
+    except ValidationError as e:
+        problems = [_problem(err) for err in e.errors()]
+        raise RecipeError(f"{path}: not a valid pinned tuning result; re-create it with {retune}:\n  "
+                          + "\n  ".join(problems)) from None
+    problems = [f"{json_path(('channel_amax', act))}: no amax[{json.dumps(act)}] for it"
+                for act in pin.get("channel_amax") or {} if act not in pin["amax"]]
+    if problems:
+        raise RecipeError(f"{path}: not a valid pinned tuning result; re-create it with {retune}:\n  "
+                          + "\n  ".join(problems))
     return pin
 
 

@@ -1,0 +1,105 @@
+"""Issue 36 §3: a pin file (``recipes/tuned/<r>.json``) is validated like any input.
+
+No model here: :func:`pipeline.quant.pin.read` on edited copies of the shipped pins. The end-to-end refusals (exit
+codes, the recipe's bounds on pinned exclusions, the console) are in tests/test_tuning_pin.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import RecipeError
+from pipeline.quant import pin
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "recipes" / "tuned").glob("*.json"))
+
+
+def _edited(tmp_path: Path, edit) -> Path:
+    data = json.loads((ROOT / "recipes" / "tuned" / "fp8-llm.json").read_text())
+    edit(data)
+    out = tmp_path / "tuned" / "fp8-llm.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(data))  # NaN / Infinity as Python's json writes them
+    return out
+
+
+def _first(data: dict, key: str = "amax") -> str:
+    return sorted(data[key])[0]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_the_shipped_pins_are_valid(path):
+    assert pin.read(path)["format"] == pin.FORMAT
+
+
+@pytest.mark.parametrize("value, says", [
+    ("abc", 'got "abc"'), (None, "got null"), ([1.0], "got [1.0]"), (True, "got true"),
+    (math.nan, "finite"), (math.inf, "finite"), (-math.inf, "finite"), (0.0, "greater than 0"), (-1.5, "greater than 0")])
+def test_a_hand_edited_amax_is_refused_naming_the_file_and_the_key(tmp_path, value, says):
+    """C77: "abc", null and [1.0] were exit 3, true was taken as 1.0, NaN / inf blamed the calibration data."""
+    name = {}
+
+    def edit(d):
+        name["act"] = _first(d)
+        d["amax"][name["act"]] = value
+
+    path = _edited(tmp_path, edit)
+    with pytest.raises(RecipeError) as e:
+        pin.read(path, retune="python -m pipeline tune x.yaml")
+    text = str(e.value)
+    assert str(path) in text and f'amax["{name["act"]}"]' in text and says in text
+    assert "valid: a finite number > 0" in text and "re-create it with python -m pipeline tune x.yaml" in text
+
+
+def test_an_integer_amax_is_a_number():
+    """JSON has one number type: a hand-written ``2`` is 2.0, as ``2.0`` would be."""
+    data = json.loads((ROOT / "recipes" / "tuned" / "fp8-llm.json").read_text())
+    data["amax"][_first(data)] = 2
+    pin.PinFile.model_validate(data)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("format", 99, "format: not a format this version reads"), ("format", True, "format: Input should be a valid integer"),
+    ("format", "1", "format: Input should be a valid integer"),
+    ("excluded", "*", "excluded: Input should be a valid list"), ("excluded", [""], "excluded[0]: String should have"),
+    ("excluded", [3], "excluded[0]: Input should be a valid string"),
+    ("match", {"model": 1.5}, 'match["model"]'), ("metrics", {"kld_mean": "low"}, 'metrics["kld_mean"]'),
+    ("channel_amax", {"x": "not base64!"}, 'channel_amax["x"]: Value error, not base64'),
+    ("extra", 1, "extra: unknown key; valid keys: format, match, excluded, amax"),
+])
+def test_a_pin_of_the_wrong_shape_is_refused_naming_the_key(tmp_path, key, value, says):
+    """C78: ``format: 99`` was accepted; the rest named no key or failed later."""
+    path = _edited(tmp_path, lambda d: d.__setitem__(key, value))
+    with pytest.raises(RecipeError, match="not a valid pinned tuning result") as e:
+        pin.read(path)
+    assert str(path) in str(e.value) and says.replace("Value error, ", "") in str(e.value)
+
+
+def test_a_missing_key_and_a_non_object_are_refused(tmp_path):
+    path = _edited(tmp_path, lambda d: d.pop("amax"))
+    with pytest.raises(RecipeError, match=r"amax: missing"):
+        pin.read(path)
+    path.write_text("[1]")
+    with pytest.raises(RecipeError, match=r"is a JSON object, not list"):
+        pin.read(path)
+
+
+def test_channel_amax_must_be_finite_non_negative_float32_of_a_pinned_tensor(tmp_path):
+    import base64
+
+    import numpy as np
+
+    def b64(values):
+        return base64.b64encode(np.asarray(values, "<f4").tobytes()).decode()
+
+    for values, says in (([1.0, np.nan], "channel 1 is nan"), ([-1.0], "channel 0 is -1.0")):
+        path = _edited(tmp_path, lambda d: d.__setitem__("channel_amax", {_first(d): b64(values)}))
+        with pytest.raises(RecipeError, match=rf'channel_amax\["mul_\d+"\]: {says}'):
+            pin.read(path)
+    path = _edited(tmp_path, lambda d: d.__setitem__("channel_amax", {"nowhere": b64([1.0])}))
+    with pytest.raises(RecipeError, match=r'channel_amax\["nowhere"\]: no amax\["nowhere"\] for it'):
+        pin.read(path)
