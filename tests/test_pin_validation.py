@@ -1,6 +1,7 @@
 """Issue 36 §3: a pin file (``recipes/tuned/<r>.json``) is validated like any input.
 
-No model here: :func:`pipeline.quant.pin.read` on edited copies of the shipped pins. The end-to-end refusals (exit
+No model here: :func:`pipeline.quant.pin.read` on edited copies of the shipped pins, and the graph
+binding (``consumers``) on synthetic GEMMs. The end-to-end refusals (exit
 codes, the recipe's bounds on pinned exclusions, the console) are in tests/test_tuning_pin.py.
 """
 from __future__ import annotations
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import RecipeError
+from pipeline.errors import QuantizationError, RecipeError
 from pipeline.quant import pin
+from pipeline.quant.qdq import Target
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "recipes" / "tuned").glob("*.json"))
@@ -32,8 +34,10 @@ def _first(data: dict, key: str = "amax") -> str:
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_the_shipped_pins_are_valid(path):
-    assert pin.read(path)["format"] == pin.FORMAT
+def test_the_shipped_pins_are_valid_and_bound_to_the_graph(path):
+    data = pin.read(path)
+    assert data["format"] == pin.FORMAT
+    assert set(data["consumers"]) == set(data["amax"]) and all(data["consumers"].values())
 
 
 @pytest.mark.parametrize("value, says", [
@@ -103,3 +107,48 @@ def test_channel_amax_must_be_finite_non_negative_float32_of_a_pinned_tensor(tmp
     path = _edited(tmp_path, lambda d: d.__setitem__("channel_amax", {"nowhere": b64([1.0])}))
     with pytest.raises(RecipeError, match=r'channel_amax\["nowhere"\]: no amax\["nowhere"\] for it'):
         pin.read(path)
+
+
+def test_consumers_must_cover_the_amax_tensors(tmp_path):
+    path = _edited(tmp_path, lambda d: d["consumers"].pop(_first(d)))
+    with pytest.raises(RecipeError, match=r"consumers: no entry for 1 amax tensors: \"mul_\d+\""):
+        pin.read(path)
+
+
+# --- the graph binding: amax are keyed by the exporter's positional names (mul_107)
+
+def _gemms(names: dict[str, str]) -> list[Target]:
+    """scope -> the tensor it reads, as weight GEMMs."""
+    return [Target(f"node_{i}", scope, act, f"w{i}", 1) for i, (scope, act) in enumerate(names.items())]
+
+
+GRAPH = {"layers.0.self_attn.q_proj": "mul_7", "layers.0.self_attn.k_proj": "mul_7",
+         "layers.0.mlp.up_proj": "mul_9", "layers.0.mlp.down_proj": "mul_11"}
+
+
+def test_graph_consumers_are_the_sorted_scopes_reading_each_tensor():
+    assert pin.graph_consumers(_gemms(GRAPH), ["mul_7", "mul_11", "gone"]) == {
+        "mul_7": ["layers.0.self_attn.k_proj", "layers.0.self_attn.q_proj"], "mul_11": ["layers.0.mlp.down_proj"],
+        "gone": []}
+    no_scope = [Target("node_3", "", "x", "w", 1)]
+    assert pin.graph_consumers(no_scope, ["x"]) == {"x": ["node_3"]}
+
+
+def test_a_renumbered_export_is_refused_though_every_name_still_exists(tmp_path):
+    """An exporter that numbers its tensors otherwise (mul_9 now the down_proj input): every pinned
+    name is still in the graph, so only the consumers tell the scales would move."""
+    acts = sorted(set(GRAPH.values()))
+    pinned = {"amax": {a: 1.0 for a in acts}, "consumers": pin.graph_consumers(_gemms(GRAPH), acts)}
+    assert pin.check_consumers(pinned, _gemms(GRAPH), tmp_path / "p.json", "retune") is True
+    renumbered = {**GRAPH, "layers.0.mlp.up_proj": "mul_11", "layers.0.mlp.down_proj": "mul_9"}
+    with pytest.raises(QuantizationError) as e:
+        pin.check_consumers(pinned, _gemms(renumbered), tmp_path / "p.json", "python -m pipeline tune r.yaml")
+    text = str(e.value)
+    assert text.startswith(f"{tmp_path / 'p.json'}: consumers[\"mul_11\"]: ")
+    assert "tuned for layers.0.mlp.down_proj" in text and "feeds layers.0.mlp.up_proj" in text
+    assert "(2 of 3 amax tensors differ)" in text and "re-tune (python -m pipeline tune r.yaml)" in text
+
+
+def test_a_pin_without_consumers_is_applied_unchecked():
+    """Pins written before ``consumers`` stay valid; the stage says they are unchecked."""
+    assert pin.check_consumers({"amax": {"mul_7": 1.0}}, _gemms(GRAPH), Path("p.json"), "") is False

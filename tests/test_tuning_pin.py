@@ -283,6 +283,13 @@ def _pinned_copy(tuned, tiny_export, name: str, edit=None, **changes) -> Path:
     return copy
 
 
+def test_tune_binds_each_amax_to_the_gemms_that_read_it(tuned):
+    data = pin.read(pin.pin_path(tuned[1], "tiny-llm"))
+    assert set(data["consumers"]) == set(data["amax"])
+    scopes = sorted(s for v in data["consumers"].values() for s in v)
+    assert len(scopes) == 14 and len(set(scopes)) == 14 and all("layers." in s for s in scopes)
+
+
 @pytest.mark.parametrize("value", ["abc", float("nan")], ids=["string", "nan"])
 def test_a_hand_edited_amax_is_bad_input_naming_the_pin_and_key(tuned, tiny_export, capsys, value):
     """C77: "abc" was exit 3 (please report it); NaN was exit 2 blaming the calibration data."""
@@ -326,3 +333,30 @@ def test_the_console_counts_pinned_gemms_not_patterns(tuned, tiny_export, capsys
     assert "(6 of 14 GEMMs in high precision, 6 of them by the pin; no calibration, no search)" in out
     assert len(res.artifacts["quantize"].excluded_nodes) == 6
     assert res.artifacts["quantize"].calibration["tuning"]["excluded"] == 6
+
+
+def test_a_pin_whose_tensors_feed_other_gemms_is_refused(tuned, tiny_export, capsys):
+    """An exporter that renumbers its tensors (``mul_107``) would put every pinned scale on another
+    tensor while the pin still matches: its ``consumers`` no longer agree with the exported graph's."""
+    def swap(d):
+        a, b = sorted(d["consumers"])[:2]
+        d["consumers"][a], d["consumers"][b] = d["consumers"][b], d["consumers"][a]
+
+    copy = _pinned_copy(tuned, tiny_export, "moved", swap)
+    assert main(["build", str(copy), "--locked", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{pin.pin_path(copy, 'tiny-moved')}: consumers[" in err and "feeds" in err
+    assert f"re-tune (python -m pipeline tune {copy})" in err
+
+
+def test_a_pin_written_before_consumers_applies_the_same_scales_and_says_unchecked(tuned, tiny_export, capsys):
+    from pipeline.recipe_load import load_recipe
+    from pipeline.runner import run_pipeline
+
+    copy = _pinned_copy(tuned, tiny_export, "older", lambda d: d.pop("consumers"))
+    res = run_pipeline(load_recipe(copy), copy, quiet=False, only=["export", "quantize"])
+    out = " ".join("".join(capsys.readouterr()).split())
+    assert "has no `consumers` (written before them)" in out and "unchecked" in out
+    bound = _pinned_copy(tuned, tiny_export, "bound")
+    same = run_pipeline(load_recipe(bound), bound, quiet=True, only=["export", "quantize"])
+    assert Path(res.artifacts["quantize"].onnx_path).read_bytes() == Path(same.artifacts["quantize"].onnx_path).read_bytes()

@@ -11,6 +11,10 @@ A pin holds:
 * ``excluded``: module scopes (or node names) left in high precision, besides ``quantize.exclude``;
 * ``amax``: per-tensor activation amax of every quantized GEMM input (the calibration result),
   keyed by the exporter's tensor names (``mul_107``);
+* ``consumers``: for each ``amax`` tensor, the weight GEMMs that read it in the graph it was tuned
+  on (module scopes, node names where the exporter gave none): the build checks them against the
+  exported graph, so an exporter that renumbers its tensors cannot put a scale on another tensor
+  (pins written before it have none, and are applied unchecked, saying so);
 * ``channel_amax``: SmoothQuant's per-channel input amax (float32, little endian, base64), if used;
 * ``metrics``: what the search reached on the tuning split;
 * ``match``: what it must match (:func:`match_fields`), and ``recorded``: what it only records
@@ -19,7 +23,7 @@ A pin holds:
 
 :func:`read` validates the file like any input (:class:`PinFile`: types, finite positive amax, a
 known ``format``); the quantize stage applies the recipe's own bounds to what the pin adds
-(``pipeline.stages.quantize``: each exclusion names a weight GEMM, at least one GEMM left quantized,
+(:func:`check_consumers`, and ``pipeline.stages.quantize``: at least one GEMM left quantized,
 ``tuning.min_quantized_fraction``). Every refusal is exit 2 naming the file and the JSON path.
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.errors import RecipeError
+from pipeline.errors import QuantizationError, RecipeError
 
 #: bump when pipeline/quant/budget.py, sensitivity.py or calibrate.py change what a search or a
 #: calibration produces for the same inputs (every pin is then stale and says so). 3: the FP32
@@ -186,6 +190,8 @@ class PinFile(BaseModel):
     excluded: list[NonEmpty] = Field(description="module scopes or node names left in high precision")
     amax: dict[NonEmpty, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         description="activation tensor -> calibrated abs-max")
+    consumers: dict[NonEmpty, list[NonEmpty]] | None = Field(
+        None, description="activation tensor -> the GEMMs reading it (scopes); absent in pins written before it")
     channel_amax: dict[NonEmpty, Annotated[str, AfterValidator(_channel_amax)]] = Field(
         default_factory=dict, description="SmoothQuant's per-channel amax, float32 base64")
     metrics: dict[NonEmpty, float] = Field(default_factory=dict, description="what the search reached")
@@ -196,6 +202,7 @@ class PinFile(BaseModel):
 #: what a valid value is, by top-level key (the refusal's "valid: ...")
 _VALID = {"format": f"{FORMAT}", "match": "an object of strings and integers (written by tune)",
           "excluded": "a list of module scopes or node names", "amax": "a finite number > 0",
+          "consumers": "an object: amax tensor -> list of GEMM scopes",
           "channel_amax": "base64 of float32 values, each finite and >= 0",
           "metrics": "an object of numbers", "search": "an object", "recorded": "an object"}
 
@@ -237,7 +244,7 @@ def read(path: Path, retune: str = "python -m pipeline tune <recipe>") -> dict:
     Raises:
         RecipeError: (exit 2) not JSON, or not a valid pin: a key missing or unknown, a value of the
             wrong type (``true`` or ``"1.0"`` for a number), an amax that is not finite and > 0, an
-            unknown ``format``, ``channel_amax`` naming a tensor ``amax`` lacks.
+            unknown ``format``, ``consumers`` or ``channel_amax`` naming a tensor ``amax`` lacks.
             The message names the file and each failing key as a JSON path (``amax["mul_107"]``).
     """
     try:
@@ -253,22 +260,28 @@ def read(path: Path, retune: str = "python -m pipeline tune <recipe>") -> dict:
         problems = [_problem(err) for err in e.errors()]
         raise RecipeError(f"{path}: not a valid pinned tuning result; re-create it with {retune}:\n  "
                           + "\n  ".join(problems)) from None
-    problems = [f"{json_path(('channel_amax', act))}: no amax[{json.dumps(act)}] for it"
-                for act in pin.get("channel_amax") or {} if act not in pin["amax"]]
+    problems = [f"{json_path((key, act))}: no amax[{json.dumps(act)}] for it"
+                for key in ("consumers", "channel_amax") for act in (pin.get(key) or {}) if act not in pin["amax"]]
+    if pin.get("consumers") is not None:
+        lacking = [act for act in pin["amax"] if act not in pin["consumers"]]
+        if lacking:
+            problems.append(f"consumers: no entry for {len(lacking)} amax tensors: "
+                            + ", ".join(json.dumps(a) for a in lacking[:5]) + (", ..." if len(lacking) > 5 else ""))
     if problems:
         raise RecipeError(f"{path}: not a valid pinned tuning result; re-create it with {retune}:\n  "
                           + "\n  ".join(problems))
     return pin
 
 
-def candidate(fields: dict, *, excluded: list[str], amax: dict[str, float], channel_amax: dict[str, np.ndarray],
-              metrics: dict, search: dict, recorded: dict) -> dict:
+def candidate(fields: dict, *, excluded: list[str], amax: dict[str, float], consumers: dict[str, list[str]],
+              channel_amax: dict[str, np.ndarray], metrics: dict, search: dict, recorded: dict) -> dict:
     """The pin's content (the quantize stage writes it as ``quantize/tuned.json``).
 
-    ``amax`` values are kept exactly (JSON floats round-trip float64); ``channel_amax`` as
-    float32 bytes, base64."""
+    ``amax`` values are kept exactly (JSON floats round-trip float64); ``consumers``: of each
+    ``amax`` tensor (:func:`graph_consumers`); ``channel_amax`` as float32 bytes, base64."""
     return {"format": FORMAT, "match": fields, "excluded": list(excluded),
             "amax": {k: float(v) for k, v in sorted(amax.items())},
+            "consumers": {k: list(consumers[k]) for k in sorted(amax)},
             "channel_amax": {k: base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
                              for k, v in sorted(channel_amax.items())},
             "metrics": metrics, "search": search,
@@ -278,6 +291,48 @@ def candidate(fields: dict, *, excluded: list[str], amax: dict[str, float], chan
 def channel_amax(pin: dict) -> dict[str, np.ndarray]:
     """SmoothQuant's pinned per-channel amax, float32 ``[channels]`` per activation."""
     return {k: np.frombuffer(base64.b64decode(v), "<f4").copy() for k, v in pin.get("channel_amax", {}).items()}
+
+
+def graph_consumers(targets, acts) -> dict[str, list[str]]:
+    """Of each tensor in ``acts``: the sorted module scopes (node name where a GEMM has none) of
+    the weight GEMMs in ``targets`` (:class:`pipeline.quant.qdq.Target`) that read it; ``[]`` when none does."""
+    out: dict[str, list[str]] = {a: [] for a in acts}
+    for t in targets:
+        if t.act in out:
+            out[t.act].append(t.scope or t.node)
+    return {a: sorted(v) for a, v in out.items()}
+
+
+def check_consumers(pinned: dict, targets, path: Path, retune: str) -> bool:
+    """Whether the pin's amax are bound to the exported graph: its ``consumers`` (when it has them)
+    must be the GEMMs that read each ``amax`` tensor in ``targets`` (all the graph's weight GEMMs).
+
+    Returns:
+        True when checked; False for a pin written before ``consumers`` (applied by name, unchecked).
+
+    Raises:
+        QuantizationError: (exit 2) a tensor feeds other GEMMs in the exported graph, or none (the
+            exporter renamed or renumbered its tensors since the pin was tuned); names the file,
+            the key and both sets of GEMMs.
+    """
+    if pinned.get("consumers") is None:
+        return False
+    found = graph_consumers(targets, pinned["amax"])
+    moved = [a for a in sorted(pinned["amax"]) if found[a] != sorted(pinned["consumers"][a])]
+    if moved:
+        a = moved[0]
+        raise QuantizationError(
+            f"{path}: consumers[{json.dumps(a)}]: the pin's amax[{json.dumps(a)}] was tuned for "
+            f"{_gemms(pinned['consumers'][a])}, but in the exported graph {a!r} feeds {_gemms(found[a])} "
+            f"({len(moved)} of {len(found)} amax tensors differ): the exporter named its tensors otherwise "
+            f"(e.g. another torch version), so the pinned scales would go to other tensors; re-tune ({retune})")
+    return True
+
+
+def _gemms(scopes: list[str]) -> str:
+    if not scopes:
+        return "no weight GEMM"
+    return ", ".join(scopes[:3]) + (f" and {len(scopes) - 3} more" if len(scopes) > 3 else "")
 
 
 def check_locked(recipe, found: PinLookup) -> None:

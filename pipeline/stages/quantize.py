@@ -51,8 +51,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     Raises:
         QuantizationError: bad exclusions, too little or out-of-profile
             calibration data, FP8 below opset 19, or an invalid scale; a pinned result
-            (:mod:`pipeline.quant.pin`) that does not fit the exported graph: its amax tensors are
-            missing, its per-channel amax do not fit, or its
+            (:mod:`pipeline.quant.pin`) that does not fit the exported graph: its amax tensors feed
+            other GEMMs (``consumers``) or are missing, its per-channel amax do not fit, or its
             exclusions name no weight GEMM, leave none quantized or go below
             ``tuning.min_quantized_fraction`` (each names the pin file and the key).
         GraphCheckError: the result breaks a TensorRT Q/DQ rule.
@@ -78,6 +78,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
     pinned = ctx.pin.pinned if ctx.pin is not None else None
     retune = pin.tune_command(ctx.recipe_path)
+    bound = pinned is not None and pin.check_consumers(pinned, targets, ctx.pin.path, retune)
     cal_src, extra, chan = src, {}, {}
     if q.smoothquant is not None:  # issue 10: weights loaded, FP32 graph smoothed
         try:
@@ -94,9 +95,13 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         before = len(kept)
         kept = _pinned_kept(model, kept, targets, pinned, ctx.pin.path, retune, q.tuning)
         extra["tuning"] = {"source": pin.PINNED, "file": str(ctx.pin.path), "metrics": pinned.get("metrics", {}),
-                           "excluded": before - len(kept)}
+                           "excluded": before - len(kept), "graph_checked": bound}
         ctx.progress.print(f"  quantize: {ctx.pin.describe()} ({len(targets) - len(kept)} of {len(targets)} GEMMs in "
                            f"high precision, {before - len(kept)} of them by the pin; no calibration, no search)")
+        if not bound:
+            ctx.progress.print(f"[yellow]  quantize: {ctx.pin.path} has no `consumers` (written before them): its "
+                               f"amax are applied by tensor name, unchecked against the exported graph; re-tune "
+                               f"({retune}) to bind them[/yellow]")
     else:
         if q.tuning is not None and ctx.pin is not None and ctx.pin.reason:  # e.g. a recipe copied without its pin
             ctx.progress.print(f"  quantize: {ctx.pin.describe()}; calibrating and searching")
@@ -112,7 +117,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         if found is not None:
             extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
     if pinned is None:
-        _write_candidate(ctx, amax, chan, found)
+        _write_candidate(ctx, amax, pin.graph_consumers(targets, amax), chan, found)
         extra["tuning"] = {"source": pin.SEARCHED if found else "calibrated", "reason": ctx.pin.reason if ctx.pin else ""}
     excluded = [t for t in targets if t.node not in {k.node for k in kept}]
     extra["quantized_fraction"] = len(kept) / len(targets)
@@ -185,7 +190,8 @@ def _pinned_kept(model: onnx.ModelProto, kept: list[qdq.Target], targets: list[q
     return left
 
 
-def _write_candidate(ctx: StageContext, amax: dict[str, float], chan: dict, found) -> None:
+def _write_candidate(ctx: StageContext, amax: dict[str, float], consumers: dict[str, list[str]], chan: dict,
+                     found) -> None:
     """``quantize/tuned.json``: what ``tune`` pins (:func:`pipeline.quant.pin.candidate`)."""
     from pipeline.fsutil import write_text_atomic
     from pipeline.provenance import tool_versions
@@ -196,7 +202,7 @@ def _write_candidate(ctx: StageContext, amax: dict[str, float], chan: dict, foun
                "notes": found.notes} if found else {"status": "no search (no accuracy_budget)"})
     versions = tool_versions()
     data = pin.candidate(ctx.pin.fields, excluded=found.excluded_scopes if found else [], amax=amax,
-                         channel_amax=chan, metrics=found.metrics if found else {}, search=search,
+                         consumers=consumers, channel_amax=chan, metrics=found.metrics if found else {}, search=search,
                          recorded={"versions": versions, "cpu": versions.get("cpu", "")})
     write_text_atomic(ctx.stage_dir / pin.CANDIDATE, json.dumps(data, indent=1) + "\n")
 
