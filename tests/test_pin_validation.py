@@ -1,11 +1,12 @@
 """Issue 36 §3: a pin file (``recipes/tuned/<r>.json``) is validated like any input.
 
-No model here: :func:`pipeline.quant.pin.read` on edited copies of the shipped pins, and the graph
-binding (``consumers``) on synthetic GEMMs. The end-to-end refusals (exit
+No model here: :func:`pipeline.quant.pin.read` on edited copies of the shipped pins, the graph binding
+(``consumers``) on synthetic GEMMs, and ``tune``'s pre-flight refusals. The end-to-end refusals (exit
 codes, the recipe's bounds on pinned exclusions, the console) are in tests/test_tuning_pin.py.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -152,3 +153,68 @@ def test_a_renumbered_export_is_refused_though_every_name_still_exists(tmp_path)
 def test_a_pin_without_consumers_is_applied_unchecked():
     """Pins written before ``consumers`` stay valid; the stage says they are unchecked."""
     assert pin.check_consumers({"amax": {"mul_7": 1.0}}, _gemms(GRAPH), Path("p.json"), "") is False
+
+
+# --- tune's pre-flight
+
+
+def _args(recipe: Path, *sets: str) -> argparse.Namespace:
+    return argparse.Namespace(recipe=str(recipe), set=list(sets))
+
+
+def test_tune_refuses_a_set_of_a_field_the_pin_matches():
+    """C79: ``tune --set quantize.accuracy_budget.max=0.9`` overwrote the committed pin with one
+    that matched that command line only; ``build --locked`` then exited 2 "stale"."""
+    from pipeline.cli import _refuse_matched_sets
+    from pipeline.recipe_load import load_recipe, parse_set
+
+    path = ROOT / "recipes" / "fp8-llm.yaml"
+    dest = pin.pin_path(path, "fp8-llm")
+    for sets in (["quantize.accuracy_budget.max=0.9"], ["quantize.calibration.samples=16", "work_dir=/tmp/w"],
+                 ["model.source.file=other.gguf"]):
+        with pytest.raises(RecipeError) as e:
+            _refuse_matched_sets(_args(path, *sets), load_recipe(path, parse_set(sets)), dest)
+        text = str(e.value)
+        assert f"tune: --set {sets[0].partition('=')[0]} changes what the pin matches" in text
+        assert "work_dir" not in text.partition(" changes")[0] and str(dest) in text and "stale" in text
+    allowed = ["quantize.tuning.max_trials=7", "quantize.tuning.time_limit_s=60", "quantize.exclude.nodes=[x]",
+               "work_dir=/tmp/w", "validate.max_windows=2"]
+    _refuse_matched_sets(_args(path, *allowed), load_recipe(path, parse_set(allowed)), dest)
+
+
+@pytest.mark.parametrize("code, exit_code", [("EROFS", 4), ("EACCES", 2)])
+def test_tune_checks_the_pin_folder_before_any_work(tmp_path, monkeypatch, capsys, code, exit_code):
+    """C91: a read-only pin folder was found after minutes of calibration and search (exit 4)."""
+    import errno
+
+    from pipeline import cli, fsutil, runner
+
+    recipe = tmp_path / "fp8-llm.yaml"
+    recipe.write_text((ROOT / "recipes" / "fp8-llm.yaml").read_text())
+    folder = tmp_path / "tuned"
+    real = fsutil.folder_problem
+
+    def refused(path):
+        if Path(path) == folder:
+            return OSError(getattr(errno, code), "refused", str(folder / ".write-probe-x"))
+        return real(path)
+
+    monkeypatch.setattr(fsutil, "folder_problem", refused)
+    monkeypatch.setattr(runner, "run_tune", lambda *a, **k: pytest.fail("tune started work"))
+    assert cli.main(["tune", str(recipe), "--quiet", "--set", f"work_dir={tmp_path / 'a'}",
+                     "--set", f"output_dir={tmp_path / 'm'}"]) == exit_code
+    err = capsys.readouterr().err
+    assert str(folder) in err
+
+
+def test_tune_refuses_a_pin_folder_that_is_a_file(tmp_path, monkeypatch, capsys):
+    from pipeline import cli, runner
+
+    recipe = tmp_path / "fp8-llm.yaml"
+    recipe.write_text((ROOT / "recipes" / "fp8-llm.yaml").read_text())
+    (tmp_path / "tuned").write_text("")
+    monkeypatch.setattr(runner, "run_tune", lambda *a, **k: pytest.fail("tune started work"))
+    assert cli.main(["tune", str(recipe), "--quiet", "--set", f"work_dir={tmp_path / 'a'}",
+                     "--set", f"output_dir={tmp_path / 'm'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'tuned'}: the pin folder cannot be written ({tmp_path / 'tuned'} is a file, not a folder)" in err

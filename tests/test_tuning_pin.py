@@ -360,3 +360,15 @@ def test_a_pin_written_before_consumers_applies_the_same_scales_and_says_uncheck
     bound = _pinned_copy(tuned, tiny_export, "bound")
     same = run_pipeline(load_recipe(bound), bound, quiet=True, only=["export", "quantize"])
     assert Path(res.artifacts["quantize"].onnx_path).read_bytes() == Path(same.artifacts["quantize"].onnx_path).read_bytes()
+
+
+def test_tune_refuses_a_set_the_pin_would_match_and_keeps_the_pin(tuned, capsys):
+    """C79: the pin written under ``--set quantize.accuracy_budget.max=0.9`` matched that command line
+    only, and ``build --locked`` of the recipe then exited 2 "stale"."""
+    ws, path = tuned
+    before = pin.pin_path(path, "tiny-llm").read_bytes()
+    assert main(["tune", str(path), "--quiet", "--set", "quantize.accuracy_budget.max=0.9"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tune: --set quantize.accuracy_budget.max changes what the pin matches" in err
+    assert f"Edit {path} and run tune without these --set" in err
+    assert pin.pin_path(path, "tiny-llm").read_bytes() == before
