@@ -38,6 +38,7 @@ from typing import Annotated, Any
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from pipeline.errors import QuantizationError, RecipeError
 
@@ -215,9 +216,10 @@ def json_path(loc: tuple) -> str:
     return str(head) + "".join(f"[{k}]" if isinstance(k, int) else f"[{json.dumps(k)}]" for k in rest)
 
 
-def _problem(err: dict) -> str:
+def _problem(err: ErrorDetails) -> str:
+    """One line of :func:`read`'s refusal: the JSON path, what is wrong, the value given and what is valid."""
     loc = tuple(err["loc"])
-    top = loc[0] if loc else None
+    top = str(loc[0]) if loc else ""
     if err["type"] == "extra_forbidden":
         return f"{json_path(loc)}: unknown key; valid keys: {', '.join(PinFile.model_fields)}"
     if err["type"] == "missing":
