@@ -4,7 +4,7 @@
 |---:|---|
 | 0 | passed |
 | 1 | an accuracy gate failed, or an accuracy budget is unreachable |
-| 2 | bad input: the recipe, a ``--set`` value, a data or model file |
+| 2 | bad input: the recipe, a ``--set`` value, a data or model file, a pinned tuning result |
 | 3 | internal error: a bug; the traceback is saved to ``error.log`` |
 | 4 | environment: lock held, server failed to start, storage or network error
       (any ENOSPC, EDQUOT, EROFS or EXDEV: disk full, quota, read-only mount, a rename

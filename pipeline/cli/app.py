@@ -18,7 +18,7 @@ Exit codes (pipeline.errors):
 * 0: passed.
 * 1: an accuracy gate failed, or an accuracy budget is unreachable.
 * 2: bad input: the recipe (file, key path and YAML line), a ``--set`` value, a
-  data or model file.
+  data or model file, a pinned tuning result (file and JSON path).
 * 3: internal error: one console line naming the exception and the file holding
   the traceback: ``<work_dir>/<recipe name>/error.log`` once the recipe was read,
   else ``./pipeline-error.log``.
@@ -173,7 +173,13 @@ def cmd_build(args) -> int:
 
 def cmd_tune(args) -> int:
     """Export (cached), calibrate and search anew, then write the pinned result
-    (:mod:`pipeline.quant.pin`) beside the recipe. Exit 1 when the budget is unreachable."""
+    (:mod:`pipeline.quant.pin`) beside the recipe. Exit 1 when the budget is unreachable.
+
+    Raises:
+        RecipeError: (exit 2, before any work) a precision with nothing to pin; a ``--set`` that
+            changes what the pin matches (the pin would match only that command line); the pin
+            folder cannot be written (names it; a read-only file system is exit 4).
+    """
     import shutil
 
     from pipeline.quant import pin
@@ -183,18 +189,72 @@ def cmd_tune(args) -> int:
     if recipe.quantize.precision not in CALIBRATED or recipe.quantize.calibration is None:
         raise RecipeError(f"{args.recipe}: quantize.precision {recipe.quantize.precision!r} has no calibration "
                           f"or search to pin; tune applies to {' and '.join(CALIBRATED)} recipes")
-    art, cand = run_tune(recipe, Path(args.recipe), quiet=args.quiet)
     dest = pin.pin_path(args.recipe, recipe.name)
+    _refuse_matched_sets(args, recipe, dest)
+    _check_pin_folder(dest)
+    art, cand = run_tune(recipe, Path(args.recipe), quiet=args.quiet)
+    data = pin.read(cand)  # what is pinned must read back as a valid pin, before it replaces one
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(".json.tmp")
     shutil.copyfile(cand, tmp)
     tmp.replace(dest)
-    data = pin.read(dest)
     found = data.get("metrics") or {}
-    print(f"pinned: {dest} ({len(data['excluded'])} GEMMs in high precision, {len(data['amax'])} amax"
+    gemms = len(art.quantized_nodes) + len(art.excluded_nodes)
+    print(f"pinned: {dest} ({len(art.excluded_nodes)} of {gemms} GEMMs in high precision, {len(data['amax'])} amax"
           + (", " + ", ".join(f"{k} {v:.6g}" for k, v in found.items()) if found else "") + ")")
     print(f"quantized graph: {art.onnx_path}; commit {dest} so every runner builds this graph")
     return 0
+
+
+def _refuse_matched_sets(args, recipe, dest: Path) -> None:
+    """``tune --set`` may change only what the pin does not match (:func:`pipeline.quant.pin.match_fields`):
+    a pin tuned under a ``--set`` of the quantize section or the model would match that command
+    line alone, and ``build`` of the recipe file would find it stale.
+
+    Raises:
+        RecipeError: (exit 2) names the ``--set`` keys, why, and what to do instead.
+    """
+    from pipeline.quant import pin
+    from pipeline.recipe.load import load_recipe
+
+    sets = list(parse_set(args.set))
+    if not sets:
+        return
+    try:
+        as_filed = load_recipe(args.recipe)
+    except RecipeError:
+        as_filed = None
+
+    def matched(r) -> tuple:  # of what the pin matches, what a --set can change: the model file's hash follows model
+        return pin.match_fields(r, {})["quantize"], r.model.model_dump(mode="json")
+
+    if as_filed is not None and matched(as_filed) == matched(recipe):
+        return
+    keys = [k for k in sets if k.split(".")[0] in ("quantize", "model")] or sets
+    raise RecipeError(
+        f"tune: --set {', '.join(keys)} changes what the pin matches (the quantize section or the model): {dest} "
+        f"would then match only this command line, and `build` of {args.recipe} would find it stale (exit 2 "
+        f"under --locked). Edit {args.recipe} and run tune without these --set, or copy the recipe under another "
+        "name and tune the copy (its pin is tuned/<name>.json); --set of quantize.exclude.nodes, "
+        "quantize.tuning.max_trials, quantize.tuning.time_limit_s or outside quantize and model is allowed")
+
+
+def _check_pin_folder(dest: Path) -> None:
+    """The folder ``tune`` writes its pin into must be writable before it calibrates and searches
+    (as ``work_dir`` is for ``build``), checked with a probe folder it removes.
+
+    Raises:
+        RecipeError: names the folder and why (exit 2: a file in the way, permission denied;
+            exit 4 when the OS error is a storage fault such as a read-only file system).
+    """
+    from pipeline.fsutil import folder_problem
+
+    problem = folder_problem(dest.parent)
+    if problem is not None:
+        raise RecipeError(f"{dest.parent}: the pin folder cannot be written ({problem}); tune writes {dest.name} "
+                          "there after calibrating and searching; valid: a folder this user can create files in "
+                          "(a writable checkout of the recipe's folder)") from (problem if isinstance(problem, OSError)
+                                                                                else None)
 
 
 def cmd_check(args) -> int:

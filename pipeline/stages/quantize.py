@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 from pathlib import Path
 
@@ -51,7 +52,11 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
 
     Raises:
         QuantizationError: bad exclusions, too little or out-of-profile
-            calibration data, FP8 below opset 19, or an invalid scale.
+            calibration data, FP8 below opset 19, or an invalid scale; a pinned result
+            (:mod:`pipeline.quant.pin`) that does not fit the exported graph: its amax tensors feed
+            other GEMMs (``consumers``) or are missing, its per-channel amax do not fit, or its
+            exclusions name no weight GEMM, leave none quantized or go below
+            ``tuning.min_quantized_fraction`` (each names the pin file and the key).
         GraphCheckError: the result breaks a TensorRT Q/DQ rule.
         EnvironmentFault: the written file cannot be loaded back.
     """
@@ -74,19 +79,31 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     if shortfall:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
     pinned = ctx.pin.pinned if ctx.pin is not None else None
+    retune = pin.tune_command(ctx.recipe_path)
+    bound = pinned is not None and pin.check_consumers(pinned, targets, ctx.pin.path, retune)
     cal_src, extra, chan = src, {}, {}
     if q.smoothquant is not None:  # issue 10: weights loaded, FP32 graph smoothed
-        model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
-            ctx, src, model, kept, batches, pin.channel_amax(pinned) if pinned and q.smoothquant else None)
+        try:
+            model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
+                ctx, src, model, kept, batches, pin.channel_amax(pinned) if pinned else None)
+        except QuantizationError as e:
+            if pinned is None:
+                raise
+            raise QuantizationError(f"{ctx.pin.path}: channel_amax: {e}; re-tune ({retune})") from None  # does not fit
         extra = {"smoothquant": smooth_info} if smooth_info else {}
     acts = sorted({t.act for t in kept})
     if pinned is not None:
-        amax = _pinned_amax(pinned, acts, ctx.pin.path, pin.tune_command(ctx.recipe_path))
-        kept = _pinned_kept(model, kept, pinned, ctx.pin.path, pin.tune_command(ctx.recipe_path))
+        amax = _pinned_amax(pinned, acts, ctx.pin.path, retune)
+        before = len(kept)
+        kept = _pinned_kept(model, kept, targets, pinned, ctx.pin.path, retune, q.tuning)
         extra["tuning"] = {"source": pin.PINNED, "file": str(ctx.pin.path), "metrics": pinned.get("metrics", {}),
-                           "excluded": len(pinned["excluded"])}
-        ctx.progress.print(f"  quantize: {ctx.pin.describe()} ({len(pinned['excluded'])} GEMMs in high precision; "
-                           "no calibration, no search)")
+                           "excluded": before - len(kept), "graph_checked": bound}
+        ctx.progress.print(f"  quantize: {ctx.pin.describe()} ({len(targets) - len(kept)} of {len(targets)} GEMMs in "
+                           f"high precision, {before - len(kept)} of them by the pin; no calibration, no search)")
+        if not bound:
+            ctx.progress.print(f"[yellow]  quantize: {ctx.pin.path} has no `consumers` (written before them): its "
+                               f"amax are applied by tensor name, unchecked against the exported graph; re-tune "
+                               f"({retune}) to bind them[/yellow]")
     else:
         if q.tuning is not None and ctx.pin is not None and ctx.pin.reason:  # e.g. a recipe copied without its pin
             ctx.progress.print(f"  quantize: {ctx.pin.describe()}; calibrating and searching")
@@ -102,7 +119,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         if found is not None:
             extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
     if pinned is None:
-        _write_candidate(ctx, amax, chan, found)
+        _write_candidate(ctx, amax, pin.graph_consumers(targets, amax), chan, found)
         extra["tuning"] = {"source": pin.SEARCHED if found else "calibrated", "reason": ctx.pin.reason if ctx.pin else ""}
     excluded = [t for t in targets if t.node not in {k.node for k in kept}]
     extra["quantized_fraction"] = len(kept) / len(targets)
@@ -135,30 +152,48 @@ def _save_cpu_graph(art: QuantizedArtifact) -> QuantizedArtifact:
 
 
 def _pinned_amax(pinned: dict, acts: list[str], path: Path, retune: str) -> dict[str, float]:
-    """The pinned amax of ``acts``.
+    """The pinned amax of ``acts`` (:func:`pipeline.quant.pin.read` checked each is finite and > 0).
 
     Raises:
         QuantizationError: the pin lacks a tensor (the graph changed under a matching pin).
     """
     missing = [a for a in acts if a not in pinned["amax"]]
     if missing:
-        raise QuantizationError(f"{path}: no pinned amax for {missing[:3]} ({len(missing)} tensors); the graph "
+        raise QuantizationError(f"{path}: amax: no pinned amax for {missing[:3]} ({len(missing)} tensors); the graph "
                                 f"changed since it was tuned: re-tune ({retune}), or bump pin.SEARCH_VERSION")
     return {a: float(pinned["amax"][a]) for a in acts}
 
 
-def _pinned_kept(model: onnx.ModelProto, kept: list[qdq.Target], pinned: dict, path: Path,
-                 retune: str) -> list[qdq.Target]:
-    """``kept`` without the pin's high-precision scopes, matched exactly as ``quantize.exclude.nodes``."""
+def _pinned_kept(model: onnx.ModelProto, kept: list[qdq.Target], targets: list[qdq.Target], pinned: dict,
+                 path: Path, retune: str, tuning) -> list[qdq.Target]:
+    """``kept`` without the pin's high-precision scopes, matched exactly as ``quantize.exclude.nodes``,
+    held to the recipe's own bounds: each entry names a weight GEMM of the graph (``targets``), at
+    least one GEMM stays quantized, and no fewer than ``tuning.min_quantized_fraction`` of them.
+
+    Raises:
+        QuantizationError: (exit 2) an entry matches no weight GEMM, or the pin's exclusions leave
+            none quantized or go below the floor; names the file, the key and the GEMM counts.
+    """
     if not pinned["excluded"]:
         return kept
-    try:
-        return qdq.apply_exclusions(model, kept, ExcludeConfig(nodes=pinned["excluded"]))[0]
-    except QuantizationError as e:
-        raise QuantizationError(f"{path}: {e}; re-tune ({retune})") from None
+    for i, pat in enumerate(pinned["excluded"]):
+        if not any(fnmatch.fnmatchcase(t.node, pat) or fnmatch.fnmatchcase(t.scope, pat) for t in targets):
+            raise QuantizationError(f"{path}: excluded[{i}]: {pat!r} matches no weight GEMM (module scope or node "
+                                    f"name) of the exported graph; re-tune ({retune})")
+    left = qdq.apply_exclusions(model, kept, ExcludeConfig(nodes=pinned["excluded"]))[0]
+    floor = tuning.min_quantized_fraction if tuning is not None else 0.0
+    if not left or len(left) / len(targets) < floor:
+        why = ("leaves no weight GEMM quantized" if not left else
+               f"goes below quantize.tuning.min_quantized_fraction ({floor:g})")
+        raise QuantizationError(
+            f"{path}: excluded: its {len(pinned['excluded'])} entries keep {len(kept) - len(left)} more GEMMs in high "
+            f"precision, {len(left)} of {len(targets)} ({len(left) / len(targets):.1%}) quantized: that {why}; "
+            f"re-tune ({retune})")
+    return left
 
 
-def _write_candidate(ctx: StageContext, amax: dict[str, float], chan: dict, found) -> None:
+def _write_candidate(ctx: StageContext, amax: dict[str, float], consumers: dict[str, list[str]], chan: dict,
+                     found) -> None:
     """``quantize/tuned.json``: what ``tune`` pins (:func:`pipeline.quant.pin.candidate`)."""
     from pipeline.fsutil import write_text_atomic
     from pipeline.provenance import tool_versions
@@ -169,7 +204,7 @@ def _write_candidate(ctx: StageContext, amax: dict[str, float], chan: dict, foun
                "notes": found.notes} if found else {"status": "no search (no accuracy_budget)"})
     versions = tool_versions()
     data = pin.candidate(ctx.pin.fields, excluded=found.excluded_scopes if found else [], amax=amax,
-                         channel_amax=chan, metrics=found.metrics if found else {}, search=search,
+                         consumers=consumers, channel_amax=chan, metrics=found.metrics if found else {}, search=search,
                          recorded={"versions": versions, "cpu": versions.get("cpu", "")})
     write_text_atomic(ctx.stage_dir / pin.CANDIDATE, json.dumps(data, indent=1) + "\n")
 

@@ -253,3 +253,122 @@ def test_a_build_without_its_pin_says_so_on_the_console(tuned, capsys):
     out = capsys.readouterr()
     assert (f"quantize: no pinned result used: {copied.parent / 'tuned' / 'tiny-copied.json'} does not exist "
             f"(python -m pipeline tune {copied} writes it); calibrating and searching") in out.out + out.err
+
+
+# --- issue 36 §3: the pin is validated like any input, and the recipe's bounds apply to it
+
+
+def _pinned_copy(tuned, tiny_export, name: str, edit=None, **changes) -> Path:
+    """A renamed copy of the tuned recipe (``changes``: dotted recipe overrides) with its own pin: the
+    tuned one, matched to the copy's quantize section, then ``edit``-ed; the export is seeded."""
+    from pipeline.recipe.load import load_recipe
+
+    ws, path = tuned
+    copy = _renamed_copy(path, name)
+    if changes:
+        data = yaml.safe_load(copy.read_text())
+        for dotted, value in changes.items():
+            node = data
+            *keys, last = dotted.split(".")
+            for k in keys:
+                node = node[k]
+            node[last] = value
+        copy.write_text(yaml.safe_dump(data))
+    content = json.loads(pin.pin_path(path, "tiny-llm").read_text())
+    content["match"]["quantize"] = pin.match_fields(load_recipe(copy), {})["quantize"]
+    if edit is not None:
+        edit(content)
+    pin.pin_path(copy, f"tiny-{name}").write_text(json.dumps(content))
+    seed_export(ws, tiny_export, f"tiny-{name}")
+    return copy
+
+
+def test_tune_binds_each_amax_to_the_gemms_that_read_it(tuned):
+    data = pin.read(pin.pin_path(tuned[1], "tiny-llm"))
+    assert set(data["consumers"]) == set(data["amax"])
+    scopes = sorted(s for v in data["consumers"].values() for s in v)
+    assert len(scopes) == 14 and len(set(scopes)) == 14 and all("layers." in s for s in scopes)
+
+
+@pytest.mark.parametrize("value", ["abc", float("nan")], ids=["string", "nan"])
+def test_a_hand_edited_amax_is_bad_input_naming_the_pin_and_key(tuned, tiny_export, capsys, value):
+    """C77: "abc" was exit 3 (please report it); NaN was exit 2 blaming the calibration data."""
+    act = {}
+
+    def edit(d):
+        act["name"] = sorted(d["amax"])[0]
+        d["amax"][act["name"]] = value
+
+    copy = _pinned_copy(tuned, tiny_export, "bad-amax", edit)
+    assert main(["build", str(copy), "--locked", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{pin.pin_path(copy, 'tiny-bad-amax')}: not a valid pinned tuning result" in err
+    assert f'amax["{act["name"]}"]' in err and "calibration data" not in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("excluded, changes, says", [
+    (["*"], {}, "leaves no weight GEMM quantized"),
+    (["*mlp*"], {"quantize.tuning.min_quantized_fraction": 0.7},
+     "8 of 14 (57.1%) quantized: that goes below quantize.tuning.min_quantized_fraction (0.7)"),
+    (["*layers.0.mlp.down_proj", "no.such.scope"], {}, "excluded[1]: 'no.such.scope' matches no weight GEMM"),
+], ids=["all", "below-floor", "unknown"])
+def test_pinned_exclusions_are_held_to_the_recipes_bounds(tuned, tiny_export, capsys, excluded, changes, says):
+    """C78: ``excluded: ["*"]`` built under --locked, exited 0 and published an fp8 model with no
+    GEMM quantized; ``["*mlp*"]`` went below tuning.min_quantized_fraction."""
+    copy = _pinned_copy(tuned, tiny_export, "bounds", lambda d: d.__setitem__("excluded", excluded), **changes)
+    assert main(["build", str(copy), "--locked", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{pin.pin_path(copy, 'tiny-bounds')}: excluded" in err and says in err
+    assert not (tuned[0] / "model_repository" / "bounds_fp8").exists()
+
+
+def test_the_console_counts_pinned_gemms_not_patterns(tuned, tiny_export, capsys):
+    """C78: one pattern (``*mlp*``) read "1 GEMMs in high precision"."""
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline
+
+    copy = _pinned_copy(tuned, tiny_export, "count", lambda d: d.__setitem__("excluded", ["*mlp*"]))
+    res = run_pipeline(load_recipe(copy), copy, quiet=False, only=["export", "quantize"])
+    out = " ".join("".join(capsys.readouterr()).split())
+    assert "(6 of 14 GEMMs in high precision, 6 of them by the pin; no calibration, no search)" in out
+    assert len(res.artifacts["quantize"].excluded_nodes) == 6
+    assert res.artifacts["quantize"].calibration["tuning"]["excluded"] == 6
+
+
+def test_a_pin_whose_tensors_feed_other_gemms_is_refused(tuned, tiny_export, capsys):
+    """An exporter that renumbers its tensors (``mul_107``) would put every pinned scale on another
+    tensor while the pin still matches: its ``consumers`` no longer agree with the exported graph's."""
+    def swap(d):
+        a, b = sorted(d["consumers"])[:2]
+        d["consumers"][a], d["consumers"][b] = d["consumers"][b], d["consumers"][a]
+
+    copy = _pinned_copy(tuned, tiny_export, "moved", swap)
+    assert main(["build", str(copy), "--locked", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{pin.pin_path(copy, 'tiny-moved')}: consumers[" in err and "feeds" in err
+    assert f"re-tune (python -m pipeline tune {copy})" in err
+
+
+def test_a_pin_written_before_consumers_applies_the_same_scales_and_says_unchecked(tuned, tiny_export, capsys):
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline
+
+    copy = _pinned_copy(tuned, tiny_export, "older", lambda d: d.pop("consumers"))
+    res = run_pipeline(load_recipe(copy), copy, quiet=False, only=["export", "quantize"])
+    out = " ".join("".join(capsys.readouterr()).split())
+    assert "has no `consumers` (written before them)" in out and "unchecked" in out
+    bound = _pinned_copy(tuned, tiny_export, "bound")
+    same = run_pipeline(load_recipe(bound), bound, quiet=True, only=["export", "quantize"])
+    assert Path(res.artifacts["quantize"].onnx_path).read_bytes() == Path(same.artifacts["quantize"].onnx_path).read_bytes()
+
+
+def test_tune_refuses_a_set_the_pin_would_match_and_keeps_the_pin(tuned, capsys):
+    """C79: the pin written under ``--set quantize.accuracy_budget.max=0.9`` matched that command line
+    only, and ``build --locked`` of the recipe then exited 2 "stale"."""
+    ws, path = tuned
+    before = pin.pin_path(path, "tiny-llm").read_bytes()
+    assert main(["tune", str(path), "--quiet", "--set", "quantize.accuracy_budget.max=0.9"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tune: --set quantize.accuracy_budget.max changes what the pin matches" in err
+    assert f"Edit {path} and run tune without these --set" in err
+    assert pin.pin_path(path, "tiny-llm").read_bytes() == before
