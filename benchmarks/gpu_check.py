@@ -35,6 +35,7 @@ from pipeline.recipe.schema import Recipe
 from pipeline.recipe.load import load_recipe# noqa: E402
 from pipeline.ort_sessions import ort_session  # noqa: E402
 from pipeline.models.text_generation.metrics import mean_nll  # noqa: E402
+from pipeline.sources.model import load_tokenizer  # noqa: E402
 
 Runner = Callable[[dict[str, np.ndarray]], np.ndarray]  # feeds -> logits float32 [batch, seq, vocab]
 
@@ -146,7 +147,7 @@ def check(recipe: Recipe, engines: dict[str, Path], windows_limit: int) -> dict[
     run_dir = Path(recipe.work_dir) / recipe.name
     exp = load_export(run_dir)
     v = recipe.validate_
-    tok = text_data.load_tokenizer(exp.tokenizer_dir)
+    tok = load_tokenizer(exp.tokenizer_dir)
     windows = text_data.token_windows(tok, text_data.documents(v.data), v.seq_len, min(v.max_windows, windows_limit))
     context = v.seq_len - text_data.window_convention(tok, v.seq_len)["scored_per_window"]
     quantized = run_dir / "quantize" / "model.onnx"

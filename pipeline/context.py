@@ -58,6 +58,7 @@ class StageContext:
     stage: str = ""
     progress: Progress = field(default_factory=Progress)
     pin: Any = None  # pipeline.quant.pin.PinLookup: the quantize stage's pinned tuning result, if any
+    bisect_crash_s: float | None = None  # build --bisect-crash: reduce a builder crash's graph within this time
 
     @property
     def stage_dir(self) -> Path:

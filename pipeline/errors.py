@@ -5,10 +5,12 @@
 | 0 | passed |
 | 1 | an accuracy gate failed, or an accuracy budget is unreachable |
 | 2 | bad input: the recipe, a ``--set`` value, a data or model file, a pinned tuning result |
-| 3 | internal error: a bug; the traceback is saved to ``error.log`` |
+| 3 | internal error: a bug; the traceback is saved to ``error.log``; also a native crash
+      of the TensorRT(-RTX) builder in its child process |
 | 4 | environment: lock held, server failed to start, storage or network error
       (any ENOSPC, EDQUOT, EROFS or EXDEV: disk full, quota, read-only mount, a rename
-      across file systems), a published repository that fails verification |
+      across file systems), out of memory (the builder's child SIGKILLed too), a published
+      repository that fails verification |
 | 130 | interrupted (Ctrl-C / SIGTERM) |
 
 Every user-facing failure is a PipelineError whose message names the file,

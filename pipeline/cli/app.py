@@ -21,11 +21,13 @@ Exit codes (pipeline.errors):
   data or model file, a pinned tuning result (file and JSON path).
 * 3: internal error: one console line naming the exception and the file holding
   the traceback: ``<work_dir>/<recipe name>/error.log`` once the recipe was read,
-  else ``./pipeline-error.log``.
+  else ``./pipeline-error.log``. Also a native crash of the TensorRT(-RTX) builder (its child
+  process died of a signal; ``build --bisect-crash`` reduces the graph to what still crashes).
 * 4: environment: lock held, server failed to start, storage or network error (any
   ENOSPC, EDQUOT, EROFS or EXDEV, under whatever error it surfaced as, names the
   folder), out of memory (a MemoryError, ENOMEM or an allocator failure: names the stage, its
-  peak resident memory and this machine's), a published repository that fails verification.
+  peak resident memory and this machine's; or the engine builder's child process SIGKILLed), a
+  published repository that fails verification.
   The kernel's OOM killer ends the process with SIGKILL, which no program can catch: the
   shell then reports 137 (``make``: ``Error 137``).
 * 130: interrupted (Ctrl-C / SIGTERM); finished stages are kept.
@@ -54,6 +56,7 @@ from pipeline.recipe.load import load_from_args, parse_set
 from pipeline.recipe.precisions import CALIBRATED
 
 FALLBACK_LOG = Path("pipeline-error.log")
+BISECT_DEFAULT_S = 600.0  # build --bisect-crash's time limit
 
 
 def preflight(args):
@@ -64,8 +67,9 @@ def preflight(args):
         RecipeError: the recipe or a ``--set`` value is invalid.
         PipelineError: the model's files are missing or truncated (names the model.source key),
             a file a later stage reads from the source is missing (text-generation: the tokenizer,
-            an EOS id; names the folder and the files), or a model name is published in
-            ``output_dir`` by another recipe.
+            an EOS id; names the folder and the files), its files contradict each other or the
+            recipe (text-generation: tokenizer ids past config.json vocab_size, a profile past a
+            learned position table), or a model name is published in ``output_dir`` by another recipe.
         DataError: two data uses overlap (names both) or a data file is missing.
     """
     from pipeline.sources.model import package_file
@@ -81,7 +85,10 @@ def preflight(args):
     weights = package_file(recipe.model)  # raises, naming the model.source key, when missing
     from pipeline.models import registry
 
-    registry.adapter(recipe.model).check_files()  # what later stages read from the source (tokenizer, EOS)
+    adapter = registry.adapter(recipe.model)
+    adapter.check_files()  # what later stages read from the source (tokenizer, EOS, its ids against the embedding)
+    for warning in adapter.check_recipe(recipe):  # the source against the recipe (positions against the profiles)
+        print(f"warning: {warning}", file=sys.stderr)
     return recipe, weights
 
 
@@ -155,7 +162,8 @@ def cmd_build(args) -> int:
 
         return run_test(Path(args.recipe), recipe, parse_set(args.set), quiet=args.quiet)
     result = run_pipeline(recipe, Path(args.recipe), quiet=args.quiet, locked=getattr(args, "locked", False),
-                          remote=remote)
+                          remote=remote,
+                          bisect_crash_s=args.bisect_time_limit if getattr(args, "bisect_crash", False) else None)
     run_dir = result.manifest_path.parent
     for g in result.manifest["gates"]:
         print(g["message"])
@@ -402,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--cache", metavar="s3://BUCKET/PREFIX",
                             help="stage cache shared by runners (default: $PIPELINE_CACHE; none: local only): "
                                  "pull verified stages whose key is there, push the ones run here")
+            sp.add_argument("--bisect-crash", action="store_true",
+                            help="when the TensorRT builder crashes (a signal in its child process), reduce the "
+                                 "graph to the smallest subgraph that still crashes; saved with its node names under "
+                                 "<work_dir>/<name>/build/crash/")
+            sp.add_argument("--bisect-time-limit", type=float, default=BISECT_DEFAULT_S, metavar="SECONDS",
+                            help=f"how long --bisect-crash may build candidates (default {BISECT_DEFAULT_S:.0f})")
             sp.add_argument("--test", action="store_true",
                             help="smoke test: run on a randomly initialised 2-layer copy of the model (HF folder "
                                  "or GGUF sources only); gates reported, not enforced; nothing published")
@@ -430,8 +444,12 @@ def _internal_error(args, exc: BaseException) -> int:
             break
         except OSError:
             continue
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    print(f"internal error: {type(exc).__name__}: {first[:300]} ({where}; please report it)", file=sys.stderr)
+    lines = str(exc).splitlines() or [""]
+    if isinstance(exc, PipelineError):  # our own message, written for people: all of it (a builder crash's ways around)
+        print(f"internal error: {type(exc).__name__}: {lines[0]} ({where}; please report it)", *lines[1:],
+              sep="\n", file=sys.stderr)
+    else:
+        print(f"internal error: {type(exc).__name__}: {lines[0][:300]} ({where}; please report it)", file=sys.stderr)
     return EXIT_INTERNAL
 
 

@@ -129,6 +129,17 @@ class ModelAdapter(Protocol):
         """
         ...
 
+    def check_recipe(self, recipe: Recipe) -> list[str]:
+        """Refuse, before any stage (``check`` and the export stage), a source that contradicts the
+        recipe (text-generation: learned positions and a build profile past their table); return
+        warnings for what it serves unlike the recipe says (a rotary model's context past its
+        ``max_position_embeddings``). Default (:class:`pipeline.models.common.SourceFiles`): none.
+
+        Raises:
+            ModelFileError: names both sides of the contradiction (exit 2).
+        """
+        ...
+
     def save_processor(self, loaded: LoadedModel, folder: Path) -> None:
         """Write ``loaded.processor`` (not None) into ``folder`` (``ExportArtifact.tokenizer_dir``),
         with whatever the served models read from it. Default: ``save_pretrained``."""

@@ -38,6 +38,10 @@ class SourceFiles:
     def check_files(self) -> None:
         """Nothing to check beyond the weights."""
 
+    def check_recipe(self, recipe) -> list[str]:
+        """Nothing of the source to check against the recipe: no warnings."""
+        return []
+
     def save_processor(self, loaded, folder) -> None:
         """``loaded.processor.save_pretrained(folder)``."""
         loaded.processor.save_pretrained(str(folder))

@@ -405,6 +405,26 @@ class TritonConfig(Strict):
     kv_cache_budget_mib: float = Field(
         0.0, ge=0, description="generation model: KV cache the scheduler may hold, MiB (2 x tokens x layers x "
         "kv_heads x head_dim x bytes); 0: max_batch_size full-context sequences")
+    allow_context_beyond_max_positions: bool = Field(
+        False, description="generation model: serve the build profiles' whole context even past the model's "
+        "rotary max_position_embeddings (positions it was not trained on; quality unknown); false: its context "
+        "is min(profile context, max_position_embeddings). Learned position tables (GPT-2, OPT) are never "
+        "served past: check refuses such profiles")
+
+    @model_serializer(mode="wrap")
+    def _added_fields_as_before(self, handler):
+        """Fields added later dump only when set off their default (:data:`ADDED_TRITON_FIELDS`), so
+        recipe digests and stage keys of recipes that do not use them are what they were."""
+        data = handler(self)
+        if isinstance(data, dict):
+            for key, default in ADDED_TRITON_FIELDS.items():
+                if data.get(key, default) == default:
+                    data.pop(key, None)
+        return data
+
+
+#: ``triton`` fields added after recipes were digested -> their default (left out of the dump at it)
+ADDED_TRITON_FIELDS = {"allow_context_beyond_max_positions": False}
 
 
 class ServeSLO(Strict):

@@ -190,7 +190,8 @@ def run_lock(run_dir: Path):
 
 
 def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only: list[str] | None = None,
-                 locked: bool = False, remote: SharedCache | None = None, unpinned: str = "") -> RunResult:
+                 locked: bool = False, remote: SharedCache | None = None, unpinned: str = "",
+                 bisect_crash_s: float | None = None) -> RunResult:
     """Run every stage and write the manifest (with ``only``: the stages through the last one
     named, no manifest written, no gate; for tests and tools).
 
@@ -202,6 +203,8 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
             stage that ran is pushed to it. None: the local cache alone.
         unpinned: why no pinned tuning result applies (``build --test``'s random copy); the
             quantize stage then calibrates and searches, and the manifest gives this reason.
+        bisect_crash_s: when the engine builder crashes, the build stage reduces the graph to
+            the smallest crashing subgraph within this many seconds (``build --bisect-crash``).
 
     Returns a RunResult; ``passed`` is False when an accuracy gate failed.
 
@@ -214,9 +217,11 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, *, quiet: bool = False, only
     with run_lock(run_dir):
         if only:
             last = max((s.name for s in _stages() if s.name in only), key=[s.name for s in _stages()].index)
-            arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last, remote=remote)[0]
+            arts = _walk(recipe, recipe_path, run_dir, progress, man := {}, upto=last, remote=remote,
+                         bisect_crash_s=bisect_crash_s)[0]
             return RunResult(man, run_dir / "manifest.json", True, arts)
-        return _run(recipe, recipe_path, run_dir, progress, locked=locked, remote=remote, unpinned=unpinned)
+        return _run(recipe, recipe_path, run_dir, progress, locked=locked, remote=remote, unpinned=unpinned,
+                    bisect_crash_s=bisect_crash_s)
 
 
 def run_tune(recipe: Recipe, recipe_path: Path, *, quiet: bool = False) -> tuple[A.QuantizedArtifact, Path]:
@@ -246,18 +251,19 @@ _ENGINE_TOOLS = ("tensorrt", "tensorrt-rtx")
 
 
 def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *, locked: bool = False,
-         remote: SharedCache | None = None, unpinned: str = "") -> RunResult:
+         remote: SharedCache | None = None, unpinned: str = "", bisect_crash_s: float | None = None) -> RunResult:
     _note_another_recipe(recipe, recipe_path, run_dir, progress)
     remove_scratch(run_dir)  # a killed run's half-written manifest.json / report.md (the run lock is held)
     _repair_published(recipe, progress)
     man: dict = {}
-    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote, pin_ignore=unpinned)
+    arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote, pin_ignore=unpinned,
+                    bisect_crash_s=bisect_crash_s)
     return _finish(man, arts, run_dir, recipe)
 
 
 def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, man: dict, *,
           locked: bool = False, pin_ignore: str = "", upto: str | None = None,
-          remote: SharedCache | None = None) -> tuple[dict, dict]:
+          remote: SharedCache | None = None, bisect_crash_s: float | None = None) -> tuple[dict, dict]:
     """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys)."""
     from pipeline.quant import pin
 
@@ -273,14 +279,16 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
     arts: dict[str, Any] = {}
     keys: dict[str, str] = {}
     with frozen_between_stages():
-        _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote)
+        _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote,
+                     bisect_crash_s)
     return arts, keys
 
 
-def _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote):
+def _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote,
+                 bisect_crash_s=None):
     for stage in _stages():
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
-        ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found)
+        ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found, bisect_crash_s=bisect_crash_s)
         code = {"code": code_hash(stage.module.__name__)}
         tools = {k: v for k, v in versions.items() if not (stage.engine_free and k in _ENGINE_TOOLS)}
         keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps],

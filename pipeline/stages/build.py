@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,9 @@ from pipeline.trt import profiles
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, TensorSpec
 from pipeline.context import StageContext
 from pipeline.trt.backends import TENSORRT
-from pipeline.trt.builder import INSERTED_OPS, EngineBuildError, FailureContext, build_engine, inserted_nodes, node_ops
+from pipeline.trt.builder import (
+    INSERTED_OPS, BuilderCrash, EngineBuildError, FailureContext, build_engine, inserted_nodes, node_ops, run_child,
+)
 from pipeline.trt.stamp import builder_key, local_target, make_stamp, preflight, unavailable_reason
 from pipeline.trt.trtexec import trtexec_command, write_trtexec_script
 from pipeline.fsutil import write_bytes_atomic, write_text_atomic
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 ENGINE_NAME = "model.plan"
 STAMP_NAME = "engine_stamp.json"
 SCRIPT_NAME = "trtexec.sh"
+CRASH_DIR = "crash"  # build --bisect-crash: the smallest crashing subgraph (pipeline.trt.bisect)
 NOT_CHECKED = "serving runtime not checked: no engine built"
 #: stamp fields copied into BuildArtifact.engine (the manifest's numbers)
 HEADLINE = ("backend_label", "tensorrt_version", "targets", "check_only", "engine_bytes", "build_wall_s",
@@ -77,7 +81,7 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact) -> BuildAr
     """The stage: :func:`build_from_onnx` on the quantized graph, into the stage folder."""
     start = time.perf_counter()
     art = build_from_onnx(ctx.recipe, q.onnx_path, exp.inputs, ctx.stage_dir,
-                          quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path)
+                          quantized_nodes=q.quantized_nodes, source_onnx=exp.onnx_path, bisect_crash_s=ctx.bisect_crash_s)
     what = art.summary if art.status == "ok" else f"skipped: {art.reason}"
     ctx.progress.done(f"build: {what}", time.perf_counter() - start)
     return art
@@ -91,6 +95,7 @@ def build_from_onnx(
     *,
     quantized_nodes: list[str] | None = None,
     source_onnx: str | None = None,
+    bisect_crash_s: float | None = None,
 ) -> BuildArtifact:
     """Resolve profiles, write ``trtexec.sh`` and, where possible, build the engine.
 
@@ -110,6 +115,9 @@ def build_from_onnx(
             compared with the network's INT8/FP8 GEMMs; None: not compared.
         source_onnx: the exported graph before quantization; nodes of
             ``quantized_onnx`` missing there were inserted by the pipeline.
+        bisect_crash_s: when the builder crashes, reduce the graph to the smallest subgraph
+            that still crashes it within this many seconds (:mod:`pipeline.trt.bisect`; saved
+            under ``crash/``); None: do not.
 
     Returns:
         BuildArtifact with status ``"ok"`` (engine and stamp written; ``backend`` says
@@ -124,6 +132,9 @@ def build_from_onnx(
             parser or builder failed on a node of the user's model (exit 2).
         InsertedNodeRejected: the parser or builder failed on a node the
             pipeline inserted (a Q/DQ node, a cast): a bug (exit 3).
+        BuilderCrash: the builder's process died (a signal such as SIGFPE) while parsing or
+            building: names the step, signal, targets and graph, and the ways around it (exit 3).
+        MemoryFault: the builder's process was killed with SIGKILL (the OOM killer; exit 4).
         GraphCheckError: the Q/DQ graph breaks a TensorRT rule (checked before
             building).
         ServingRuntimeError: datacenter TensorRT only: ``triton.serving`` is
@@ -134,6 +145,7 @@ def build_from_onnx(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / engine_report.SECTION_FILE).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / CRASH_DIR, ignore_errors=True)  # an earlier run's bisect
     onnx_path = Path(quantized_onnx).resolve()
     model = _load_graph(onnx_path, inputs)
     shape_tensors = set(profiles.shape_tensor_inputs(model))
@@ -154,7 +166,13 @@ def build_from_onnx(
     check_qdq_graph(model, base_dir=str(onnx_path.parent))
     engine_path = out_dir / engine_name(plan)
     context = FailureContext(resolved, dynamic, inserted_nodes(model, source_onnx), node_ops(model))
-    built = build_engine(plan.backend, plan.targets, onnx_path, recipe.build, cache_path, notes, context)
+    try:
+        built = build_engine(plan.backend, plan.targets, onnx_path, recipe.build, cache_path, notes, context)
+    except BuilderCrash as crash:
+        if bisect_crash_s is None:
+            raise
+        raise _bisected(crash, plan, onnx_path, recipe, context, out_dir / CRASH_DIR, bisect_crash_s,
+                        quantized_nodes) from None
     write_bytes_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
     stamp["onnx_qdq_nodes"] = sum(n.op_type in INSERTED_OPS for n in model.graph.node)
@@ -165,6 +183,29 @@ def build_from_onnx(
     headline = {k: stamp[k] for k in HEADLINE}
     return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved,
                          backend=plan.backend.name, engine=headline)
+
+
+def _bisected(crash: BuilderCrash, plan: engine_backends.BuildPlan, onnx_path: Path, recipe: Recipe,
+              context: FailureContext, folder: Path, time_limit_s: float,
+              quantized_nodes: list[str] | None) -> BuilderCrash:
+    """``crash`` with what :func:`pipeline.trt.bisect.reduce_crash` found: each candidate is built
+    in a child as the graph was (no plan kept, a scratch timing cache) and counts when the child
+    dies of the same signal."""
+    from pipeline.trt import bisect as engine_bisect
+
+    def crashes(path: Path, resolved: list, dynamic: list[str]) -> bool:
+        probe = FailureContext(resolved, dynamic, frozenset(), {})
+        args = (plan.backend, plan.targets, path, recipe.build, folder / ".bisect.tmp-timing.cache", probe)
+        out = run_child(args, keep_plan=False, timeout_s=max(1.0, deadline - time.perf_counter()), quiet=True)
+        return out.crashed and out.signal_name == crash.signal_name
+
+    deadline = time.perf_counter() + time_limit_s
+    log.warning("build: %s crashed; bisecting the graph for up to %.0f s (build --bisect-crash)",
+                plan.backend.label if plan.backend else "the builder", time_limit_s)
+    red = engine_bisect.reduce_crash(onnx_path, context.resolved, context.dynamic, crashes, folder, time_limit_s,
+                                     quantized_nodes)
+    return BuilderCrash(f"{crash}\n{red.describe()}", signal_name=crash.signal_name, step=crash.step,
+                        exitcode=crash.exitcode)
 
 
 def _gemm_warnings(network: engine_report.NetworkSummary, quantized_nodes: list[str] | None) -> list[str]:

@@ -4,6 +4,7 @@ tritonserver on the tiny LM with a SentencePiece-style (Metaspace) tokenizer."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import queue
 import time
 from pathlib import Path
@@ -603,3 +604,47 @@ def test_template_stop_string_that_is_a_special_token_matches(tmp_path, monkeypa
     assert len(outputs(plain, "token_ids")) == 6  # without the stop: on to max_tokens
     assert "." not in b"".join(outputs(plain, "text_output")).decode()
 
+
+def _small_tokenizer(folder: Path, words: int) -> Path:
+    """test_triton_repository's WordLevel tokenizer over its first ``words`` words (ids 0..words-1;
+    '<eos>' is 0), for the tiny LM whose logits cover 11 ids: a padded vocabulary."""
+    from tokenizers import models, pre_tokenizers
+
+    from test_triton_repository import WORDS
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS[:words])}, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return folder
+
+
+def test_the_generation_model_never_samples_or_lists_ids_past_the_tokenizer(tmp_path, monkeypatch):
+    """Issue 36 §2 (C83), a vocabulary padded past the tokenizer: the tiny LM's logits cover ids
+    0..10, its tokenizer has ids 0..5. Greedy, sampled and logprobs answers hold only ids 0..5
+    (the raw graph's greedy pick after the prompt is past them)."""
+    known = 6
+    artifacts = llm_artifacts(tmp_path, tokenizer_dir=_small_tokenizer(tmp_path / "tok", known),
+                              build=context_build(40, prompt_max=24))
+    recipe = llm_recipe(tmp_path)
+    write_repository(recipe, export=artifacts["export"], quantized=artifacts["quantize"], build=artifacts["build"],
+                     out_dir=Path(recipe.output_dir))
+    graph = Path(artifacts["quantize"].onnx_path)
+    prompt = next([p] for p in range(1, known) if reference_generate(graph, [p], 1)[0] >= known)
+    fake_backend(monkeypatch, ort_session(graph))
+    model = load_template(Path(recipe.output_dir) / "tiny_generate")
+    greedy, sampled = run(
+        model,
+        ids_request(prompt, np.array([8], np.int32), ignore_eos=True, logprobs=np.array([5], np.int32),
+                    prompt_logprobs=np.array([5], np.int32)),
+        ids_request(prompt, np.array([30], np.int32), ignore_eos=True, temperature=np.array([20.0], np.float32),
+                    seed=np.array([1], np.int64)))
+    for request in (greedy, sampled):
+        tokens = [int(t) for t in outputs(request, "token_ids")]
+        assert tokens and max(tokens) < known, tokens
+    for score in scores(greedy):
+        assert len(score["token"]["top"]) == 5 and all(i < known for i, _ in score["token"]["top"]), score
+        assert np.isfinite(score["token"]["logprob"])
+    assert all(i < known for i, _ in scores(greedy)[0]["prompt"]["top"][-1] or [])

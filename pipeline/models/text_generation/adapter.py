@@ -15,13 +15,14 @@ from pipeline.checks.export import quiet_export
 from pipeline.models.base import BenchWorkload, LoadedModel
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles, text_batches as _text_batches
 from pipeline.models.text_generation.kv import LAST_LOGITS, KVLayout
+from pipeline.sources.model import ModelFileError
 from pipeline.models.text_generation.model import (
-    KVCacheLM, check_model_folder, complete_point, kv_layout, sliding_window, load_causal_lm, package_file,
-    prefill_feeds, sample_feeds, save_tokenizer,
+    KVCacheLM, PositionTable, check_model_folder, complete_point, kv_layout, sliding_window, load_causal_lm,
+    package_file, position_table, prefill_feeds, sample_feeds, save_tokenizer,
 )
 from pipeline.recipe.schema import ModelSource
 from pipeline.recipe.checks import total_dim
-from pipeline.recipe.kinds import KV_PAST_RE
+from pipeline.recipe.kinds import KV_PAST_RE, PAST_DIM
 from pipeline.sources.model import load_tokenizer
 
 DIM_MAX = 8192  # the exported graph's largest sequence / batch size
@@ -54,6 +55,14 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
         """
         check_model_folder(self.source)
 
+    def check_recipe(self, recipe) -> list[str]:
+        """The build profiles against the model's position table (:func:`check_positions`).
+
+        Raises:
+            ModelFileError: learned positions, and a profile that reaches past their table (exit 2).
+        """
+        return check_positions(position_table(self.source), recipe)
+
     def save_processor(self, loaded: LoadedModel, folder: Path) -> None:
         """The tokenizer and the model's generation config (its EOS set): :func:`save_tokenizer`."""
         save_tokenizer(loaded.processor, loaded.module.model.generation_config, folder)
@@ -67,6 +76,8 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
             ModelFileError: the folder lacks tokenizer files or an EOS id (:meth:`check_files`).
         """
         self.check_files()
+        for warning in self.check_recipe(ctx.recipe):
+            ctx.progress.print(f"[yellow]warning: {warning}[/yellow]")
         with ctx.progress.step(f"load {package_file(self.source)}"):
             model, tok = load_causal_lm(self.source)
         self.layout = kv_layout(model)
@@ -220,6 +231,60 @@ def check_window(model, build_profiles, total_name: str | None = None) -> None:
                 f"build.profiles {prof.name!r}: {total_name} max {total.max} exceeds what the sliding-window "
                 f"cache layers of {type(model).__name__} keep ({window - 1} positions of a {window}-token window); "
                 f"lower {total_name} max to <= {window - 1} (and past_sequence / sequence with it)")
+
+
+def profile_positions(recipe) -> list[tuple[str, int, str]]:
+    """Per build profile that bounds it: ``(name, the most positions one sequence reaches, how)``:
+    the attention mask's axis-1 max (``total_sequence``), or past max + sequence max when lower
+    (or alone), or an explicit ``attention_mask`` shape's max."""
+    total = total_dim(recipe) or "total_sequence"
+    seq = recipe.export.dynamic_axes.get("input_ids", {}).get(1, "sequence")
+    out = []
+    for prof in recipe.build.profiles:
+        ways: dict[str, int] = {}
+        if total in prof.dims:
+            ways[f"{total} max {prof.dims[total].max}"] = prof.dims[total].max
+        if PAST_DIM in prof.dims and seq in prof.dims:
+            n = prof.dims[PAST_DIM].max + prof.dims[seq].max
+            ways[f"{PAST_DIM} max {prof.dims[PAST_DIM].max} + {seq} max {prof.dims[seq].max}"] = n
+        mask = prof.inputs.get("attention_mask")
+        if mask is not None and mask.max:
+            ways[f"attention_mask max {mask.max}"] = mask.max[-1]
+        if ways:
+            how = min(ways, key=lambda k: ways[k])
+            out.append((prof.name, ways[how], how))
+    return out
+
+
+def check_positions(table: PositionTable | None, recipe) -> list[str]:
+    """Positions the profiles reach (:func:`profile_positions`) against the model's table: past a
+    *learned* table no position exists (refused); past a *rotary* one positions were not trained
+    (a warning: the generation model serves min(profile context, table) tokens unless
+    ``triton.allow_context_beyond_max_positions``). Returns the warnings.
+
+    Raises:
+        ModelFileError: learned positions and a profile past their table, naming both numbers (exit 2).
+    """
+    if table is None or table.kind == "none" or table.size is None:
+        return []
+    size = table.size
+    over = [(name, n, how) for name, n, how in profile_positions(recipe) if n > size]
+    if not over:
+        return []
+    total = total_dim(recipe) or "total_sequence"
+    shown = "; ".join(f"build.profiles {name!r} reaches {n} positions ({how})" for name, n, how in over)
+    if table.kind == "learned":
+        raise ModelFileError(
+            f"{shown}, but {table.model} learns a table of {size} positions (config.json {table.key} {size}): no "
+            f"position past {size - 1} exists, so a longer sequence fails (or is cut) when served. Lower {total} max "
+            f"(and {PAST_DIM} / sequence max with it) to at most {size}")
+    if recipe.triton.allow_context_beyond_max_positions:
+        served = "triton.allow_context_beyond_max_positions is true: the generation model serves the profiles' context"
+    else:
+        served = (f"the generation model serves at most {size} tokens of context (min(profile context, {table.key}); "
+                  "triton.allow_context_beyond_max_positions: true serves the profiles' whole context)")
+    return [f"{shown}, past {table.model}'s {table.key} {size}: its rotary positions were not trained beyond "
+            f"{size - 1}, so quality there is unknown; {served}"]
 
 
 BENCH_PROMPTS = 8  # prompts when the recipe has no validate.generation

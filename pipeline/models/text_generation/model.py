@@ -14,6 +14,8 @@ feeds and greedy decoding. Graph I/O: :mod:`pipeline.models.text_generation.kv`.
 from __future__ import annotations
 
 import inspect
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +31,7 @@ from pipeline.sources.model import load_tokenizer
 
 __all__ = ["LAST_LOGITS", "KVLayout", "KVCacheLM", "load_causal_lm", "kv_layout", "sample_feeds", "complete_point",
            "greedy_generate", "prefill_feeds", "layout_from_specs", "package_file", "Step", "check_model_folder",
-           "save_tokenizer"]
+           "save_tokenizer", "PositionTable", "position_table", "token_id_range"]
 
 #: the tokenizer files of a Hugging Face folder: the generation model loads tokenizer.json with the
 #: tokenizers library; tokenizer_config.json names the special tokens and the chat template.
@@ -54,8 +56,11 @@ def check_model_folder(source: ModelSource) -> None:
     export writes (:func:`save_tokenizer`), read by
     :func:`pipeline.triton.repository.eos_token_ids`. A GGUF file carries both.
 
+    Also the tokenizer's ids against the embedding (:func:`_check_vocab`).
+
     Raises:
-        ModelFileError: names the folder, what is missing and the missing files (exit 2).
+        ModelFileError: names the folder, what is missing and the missing files (exit 2); or the
+            tokenizer's id count and config.json ``vocab_size`` when ids index past the embedding.
     """
     import tempfile
 
@@ -68,6 +73,7 @@ def check_model_folder(source: ModelSource) -> None:
     missing = [f for f in TOKENIZER_FILES if not (path / f).is_file()]
     lacks = f" (missing: {', '.join(missing)})" if missing else ""
     tok = _fast_tokenizer(path, lacks)
+    _check_vocab(path, tok)
     with tempfile.TemporaryDirectory() as tmp:
         save_tokenizer(tok, _generation_config(path), Path(tmp))
         try:
@@ -77,6 +83,190 @@ def check_model_folder(source: ModelSource) -> None:
                 f"model.source: {path}: no EOS token id{lacks}: neither generation_config.json nor config.json "
                 "has eos_token_id, and the tokenizer names no eos_token; the generation model needs one to stop. "
                 "Add the model's tokenizer_config.json or generation_config.json") from e
+
+
+def token_id_range(tok) -> int:
+    """How many token ids the tokenizer can give: its largest id (added tokens included) + 1."""
+    return max(tok.get_vocab().values(), default=-1) + 1
+
+
+def _check_vocab(path: Path, tok) -> None:
+    """The tokenizer's ids must index the model's embedding: ``config.json`` ``vocab_size`` rows.
+    More rows than ids (a vocabulary padded to a multiple of 64) is fine: the generation model
+    never samples the ids past the tokenizer's (``generate_model.py``).
+
+    Raises:
+        ModelFileError: the tokenizer has ids past the last embedding row, naming both numbers.
+    """
+    rows = _embedding_rows(path)
+    ids = token_id_range(tok)
+    if rows is not None and ids > rows:
+        raise ModelFileError(
+            f"model.source: {path}: the tokenizer gives token ids up to {ids - 1} ({ids} ids, tokenizer.json with "
+            f"its added tokens), but config.json vocab_size is {rows}: the embedding has {rows} rows, so the "
+            f"{ids - rows} ids from {rows} on index past it (ONNX Runtime: a Gather index out of range, on the first "
+            "prompt that holds one). Use the tokenizer the model was trained with, or the config.json that matches "
+            "its weights")
+
+
+def _embedding_rows(path: Path) -> int | None:
+    """``vocab_size`` of the folder's config.json (its text config's, for a composite model), or None."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError):
+        return None  # the export's load says what is wrong with it
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    rows = getattr(text, "vocab_size", None)
+    return rows if isinstance(rows, int) and rows > 0 else None
+
+
+@dataclass(frozen=True)
+class PositionTable:
+    """How a causal LM encodes positions, from its config and its modules (built on the meta
+    device, no weights): ``kind`` ``learned`` (an embedding table of positions: GPT-2, OPT,
+    GPT-BigCode; no position past it exists), ``rotary`` (RoPE: positions past the table were
+    not trained, but compute) or ``none`` (ALiBi, or no positions); ``size``: the config's
+    ``key`` (``n_positions`` / ``max_position_embeddings``); ``model``: its class name."""
+
+    kind: str
+    size: int | None
+    key: str
+    model: str
+
+
+#: config.json keys that hold the position table's size, in the order they are read
+POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_sequence_length")
+
+
+def position_table(source: ModelSource) -> PositionTable | None:
+    """:class:`PositionTable` of the source (a Hugging Face folder or a GGUF file); None when it is
+    not there, its config does not load or names no table size."""
+    import torch
+    from transformers import AutoConfig
+
+    try:
+        path = package_file(source)
+    except ModelFileError:
+        return None
+    size: object
+    try:
+        if path.suffix == ".gguf":  # its header alone: transformers reads the whole file's metadata (~9 s)
+            arch, size = _gguf_positions(path)
+            cfg = AutoConfig.for_model(arch, max_position_embeddings=size)
+            key = f"{arch}.context_length (GGUF)"
+        else:
+            cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            raw = _raw_config(path)
+            found = next((k for k in POSITION_KEYS if isinstance(raw.get(k), int)), None)
+            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            size = raw[found] if found else getattr(text, "max_position_embeddings", None)
+            key = found or "max_position_embeddings"
+    except (OSError, ValueError, KeyError):
+        return None
+    if not isinstance(size, int) or size <= 0:
+        return None
+    model = _meta_model(cfg)
+    if model is None:
+        return None
+    name = type(model).__name__
+    try:
+        tokens = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        tokens = None
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not tokens
+              and size <= m.num_embeddings <= size + 2]  # OPT's table has 2 rows more (its offset)
+    if tables:
+        return PositionTable("learned", size, key, name)
+    if any("Rotary" in type(m).__name__ for m in model.modules()):
+        return PositionTable("rotary", size, key, name)
+    return PositionTable("none", size, key, name)
+
+
+def _meta_model(cfg):
+    """The causal LM of ``cfg`` on torch's meta device (no memory), with one layer where the config
+    allows it (the module types are what is read; 32 layers take seconds to make); None when
+    transformers cannot build it (the export then says why)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    one = copy.deepcopy(cfg)
+    text = one.get_text_config() if hasattr(one, "get_text_config") else one
+    layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > 1:
+        text.num_hidden_layers = 1
+        for key in ("layer_types", "block_types"):  # per-layer lists follow the count
+            if isinstance(getattr(text, key, None), list):
+                setattr(text, key, getattr(text, key)[:1])
+    for attempt in (one, cfg):
+        try:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(attempt)
+        except Exception:  # noqa: BLE001  a config that needs its layers, then one transformers cannot build
+            continue
+    return None
+
+
+def _gguf_positions(path: Path) -> tuple[str, int]:
+    """``(general.architecture, <arch>.context_length)`` of a GGUF file, read from its header's
+    key-value pairs until both are found (they come before the tokenizer's large arrays).
+
+    Raises:
+        ValueError: not a GGUF file, or it has neither key.
+    """
+    import struct
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    with open(path, "rb") as fh:
+        def read(fmt: str):
+            size = struct.calcsize("<" + fmt)
+            data = fh.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: truncated GGUF header")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def string() -> str:
+            return fh.read(read("Q")).decode("utf-8", "replace")
+
+        def value(kind: int):
+            if kind == 8:
+                return string()
+            if kind == 9:
+                item, count = read("I"), read("Q")
+                if item in scalar:  # skip without reading each item
+                    fh.seek(count * struct.calcsize("<" + scalar[item]), 1)
+                else:
+                    for _ in range(count):
+                        value(item)
+                return None
+            if kind not in scalar:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+            return read(scalar[kind])
+
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        read("I")  # version
+        read("Q")  # tensor count
+        found: dict[str, object] = {}
+        for _ in range(read("Q")):
+            name = string()
+            found[name] = value(read("I"))
+            arch = found.get("general.architecture")
+            if isinstance(arch, str) and isinstance(found.get(f"{arch}.context_length"), int):
+                return arch, int(found[f"{arch}.context_length"])  # type: ignore[call-overload]
+    raise ValueError(f"{path}: no general.architecture / <arch>.context_length in its header")
+
+
+def _raw_config(folder: Path) -> dict:
+    try:
+        data = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    inner = data.get("text_config")
+    return {**data, **inner} if isinstance(inner, dict) else data
 
 
 def _fast_tokenizer(path: Path, lacks: str):

@@ -144,11 +144,28 @@ def stage_generate(
         continuous_batching=recipe.triton.continuous_batching,
         kv_cache_budget_mib=recipe.triton.kv_cache_budget_mib,
         **_generate_compute_runtime(recipe, staging, last_logits=any(s.name == "last_logits" for s in export.outputs)),
-        **context_limits(build.profiles),
+        **served_limits(recipe, build.profiles),
     )
     write_config(staging / name, cfg)
     return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None,
                        required_files=("tokenizer.json",))
+
+
+def served_limits(recipe: Recipe, profiles: Sequence[ResolvedProfile]) -> dict[str, int]:
+    """The generation model's ``max_prompt_tokens`` and ``max_context``: the profiles' limits
+    (:func:`pipeline.triton.repository.context_limits`), the context capped at the model's position
+    table (:func:`pipeline.models.text_generation.model.position_table`): always for a learned one,
+    for a rotary one unless ``triton.allow_context_beyond_max_positions``."""
+    from pipeline.models.text_generation.model import position_table
+
+    limits = context_limits(profiles)
+    table = position_table(recipe.model)
+    if table is None or table.size is None or table.kind == "none":
+        return limits
+    if table.kind == "rotary" and recipe.triton.allow_context_beyond_max_positions:
+        return limits
+    limits["max_context"] = min(limits["max_context"] or table.size, table.size)
+    return limits
 
 
 #: The conversation every chat template must render (user / assistant alternating, no system

@@ -12,7 +12,9 @@ next to the tokenizer files (``tokenizer.json`` is loaded with the
 ``compute_runtime`` (``bls`` | ``onnxruntime``; with ``onnxruntime`` also
 ``compute_onnx``, ``graph_optimization_level``, ``dequantize_weights``),
 ``logits_output`` (``last_logits`` [B, vocab] where the graph has it, else
-``logits`` [B, n, vocab], of which the last position is used). The
+``logits`` [B, n, vocab], of which the last position is used). Logits of ids past the
+tokenizer's largest (a vocabulary padded past the tokenizer) are set to -inf: never sampled,
+never among the top logprobs. The
 file is self-contained except that the in-process runtime imports the sibling
 compute model's ``model.py`` (the python-onnxruntime template) for its
 dequantize-once logic, rather than copying it.
@@ -513,6 +515,8 @@ class TritonPythonModel:
         folder = os.path.join(args["model_repository"], args["model_version"])
         self.tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # ids the tokenizer has an entry for: 0 .. its largest id; a padded embedding's rows past it are masked
+        self.token_ids = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.chat_template, self.special = load_chat_template(folder), special_tokens(folder)
         added = self.tokenizer.get_added_tokens_decoder().values()
         self.special_texts = sorted({t.content for t in added if t.special}, key=len, reverse=True)
@@ -889,6 +893,7 @@ class TritonPythonModel:
         self.thread_state.last_step = None
         full = any(s.scoring for s in seqs)  # prompt logprobs: every position's logits
         logits, *present = self.compute(feeds, ["logits", *self.present_names]) if full else self.compute(feeds)
+        logits = self._known_ids_only(logits)
         self.thread_state.last_step = (key, [s.length + n for s in seqs], feeds["attention_mask"], present)
         for b, seq in enumerate(seqs):
             if seq.scoring:
@@ -900,6 +905,16 @@ class TritonPythonModel:
         with self.stats_lock:
             self.histogram[len(seqs)] += 1
         return logits if self.logits_name == "last_logits" and not full else logits[:, -1]
+
+    def _known_ids_only(self, logits):
+        """``logits`` [..., vocab] with every id past the tokenizer's (``token_ids``) at -inf. A model
+        whose embedding is padded past its tokenizer (65536 rows for 49152 tokens) has logits for ids
+        that decode to nothing: they are never sampled, and never listed among the top logprobs."""
+        if logits.shape[-1] <= self.token_ids:
+            return logits
+        logits = np.array(logits)  # a copy: the compute output may be read-only
+        logits[..., self.token_ids:] = -np.inf
+        return logits
 
     def _emit(self, seq, logits):
         """Sample the next token, stream it, and end the sequence when it finishes (with

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.trt import builder as engine_builder
 from pipeline.trt import stamp as engine_stamp
 from pipeline import targets as serving_targets
 from pipeline.recipe.schema import Recipe
@@ -120,6 +121,7 @@ def machine(monkeypatch):
 
     def make(version: str = "10.8.0.43", capability: tuple[int, int] = (9, 0), name: str = "NVIDIA H100 80GB HBM3"):
         monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(version))
+        monkeypatch.setattr(engine_builder, "ISOLATED", False)  # a builder child would import the real module
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=0: capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=0: name)

@@ -161,6 +161,7 @@ def test_no_garbage_collection_runs_while_tensorrt_calls_the_logger(tmp_path, mo
         return logger
 
     monkeypatch.setattr(engine_builder, "make_logger", recording)
+    monkeypatch.setattr(engine_builder, "ISOLATED", False)  # the patch above lives in this process
     with pytest.raises(engine_builder.EngineBuildError):  # the parser logs its refusal through the logger
         build.build_from_onnx(rtx_recipe(tmp_path, [BATCH]), write_unbuildable(tmp_path / "bad.onnx"),
                               [TensorSpec("x", "float32", ["batch", 16])], tmp_path / "build")

@@ -111,7 +111,8 @@ def test_mypy_resolves_the_generated_tensorrt_rtx_stubs(mypy_env, tmp_path):
 def test_build_stage_typechecks_against_tensorrt_stubs(mypy_env):
     out = _mypy(mypy_env, "pipeline/stages/build.py", "pipeline/trt/builder.py", "pipeline/trt/stamp.py",
                 "pipeline/trt/trtexec.py", "pipeline/targets.py", "pipeline/stages/triton.py",
-                "pipeline/runners/base.py", "pipeline/trt/backends.py", "pipeline/trt/report.py")
+                "pipeline/runners/base.py", "pipeline/trt/backends.py", "pipeline/trt/report.py",
+                "pipeline/trt/bisect.py")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
