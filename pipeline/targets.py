@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from pipeline.recipe.precisions import capability_problem
 
 # Triton container tag -> the TensorRT it ships, only rows confirmed against
 # NVIDIA's own table: "Release Compatibility Matrix", Container Name:
@@ -275,16 +274,6 @@ def compare(actual: Target, declared: Target, what: str) -> Comparison:
 
 def _image(t: Target) -> str:
     return f" {t.image}" if t.image else ""
-
-
-def precision_problem(precision: str, capability: str, where: str) -> str | None:
-    """Why a GPU of ``capability`` ("8.6") cannot run ``precision``'s GEMMs (None if it can): the
-    precision table's minimum compute capability (:func:`pipeline.recipe.precisions.capability_problem`).
-
-    Raises:
-        ValueError: ``capability`` is not "major.minor".
-    """
-    return capability_problem(precision, capability_tuple(capability), where)
 
 
 def sm_name(capability: str) -> str:

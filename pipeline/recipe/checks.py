@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.recipe.kinds import PAST_DIM, PROMPT_TOKENS, facts, source_problem
 from pipeline.recipe.problems import Loc, Problem
+from pipeline.recipe.precisions import capability_problem
 
 if TYPE_CHECKING:
     from pipeline.sources.data import DataSource
@@ -295,7 +296,7 @@ def _target_problems(r: Recipe) -> list[Problem]:
     out: list[Problem] = []
     for i, target in enumerate(b.targets):
         cap = serving_targets.sm_capability(target)
-        if serving_targets.precision_problem(r.quantize.precision, cap, target):
+        if capability_problem(r.quantize.precision, cap, target):
             out.append((("build", "targets", i), f"{target}: FP8 needs compute capability >= 8.9 (sm89, sm90, "
                         "sm100, sm120, ...); drop it or quantize to int8"))
     if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving_targets.RTX_TARGETS for t in b.targets):

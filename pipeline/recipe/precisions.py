@@ -107,14 +107,21 @@ CALIBRATED = names(calibrated=True)
 CAST = names(cast=True)
 
 
-def capability_problem(precision: str, capability: tuple[int, int], where: str) -> str | None:
-    """Why a GPU of compute capability ``capability`` cannot run ``precision``'s GEMM kernels, or None.
+def capability_problem(precision: str, capability: str | tuple[int, int], where: str) -> str | None:
+    """Why a GPU of compute capability ``capability`` ("8.6" or (8, 6)) cannot run ``precision``'s GEMM
+    kernels, or None.
 
     ``where`` names the GPU in the sentence ("sm86", "this GPU (NVIDIA L4)").
 
     Raises:
         KeyError: ``precision`` is not in the table.
+        ValueError: ``capability`` is not "major.minor".
     """
+    if isinstance(capability, str):
+        parts = capability.strip().split(".")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"compute capability {capability!r} is not 'major.minor', e.g. '8.9'")
+        capability = (int(parts[0]), int(parts[1]))
     need = facts(precision).min_compute_capability
     if need is None or capability >= need:
         return None

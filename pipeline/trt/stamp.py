@@ -21,6 +21,7 @@ from pipeline.trt.backends import TENSORRT
 from pipeline.trt.builder import BuiltEngine, EngineBuildError, tensorrt_version
 from pipeline.fsutil import sha256_file
 from pipeline.recipe.schema import Recipe
+from pipeline.recipe.precisions import capability_problem
 
 
 class ServingRuntimeError(EngineBuildError):
@@ -166,7 +167,7 @@ def preflight(recipe: Recipe, local: serving_targets.Target, script: Path) -> li
             major.minor.patch or compute capability than declared.
     """
     precision = recipe.quantize.precision
-    problem = serving_targets.precision_problem(precision, local.compute_capability, f"this GPU ({local.gpu_name})")
+    problem = capability_problem(precision, local.compute_capability, f"this GPU ({local.gpu_name})")
     if problem:
         raise ServingRuntimeError(f"build: {problem}; build on a GPU of compute capability 8.9 or later")
     cfg = recipe.triton.serving
@@ -178,7 +179,7 @@ def preflight(recipe: Recipe, local: serving_targets.Target, script: Path) -> li
             "{tensorrt: '10.8.0', gpu: 'H100'}" + _containers_hint(local.tensorrt)
         )
     declared = serving_targets.declared_target(cfg)
-    problem = serving_targets.precision_problem(precision, declared.compute_capability, f"the serving GPU ({declared.gpu_name})")
+    problem = capability_problem(precision, declared.compute_capability, f"the serving GPU ({declared.gpu_name})")
     if problem:
         raise ServingRuntimeError(f"build: {problem} (recipe triton.serving.gpu)")
     result = serving_targets.compare(local, declared, "this machine")

@@ -7,6 +7,7 @@ from conftest import ROOT
 from pipeline import targets as serving_targets
 from pipeline.errors import RecipeError
 from pipeline.recipe.load import load_recipe
+from pipeline.recipe.precisions import capability_problem
 
 
 def _load(cfg):
@@ -79,6 +80,6 @@ def test_tensorrt_versions_compare_on_major_minor_patch():
 
 
 def test_fp8_threshold():
-    assert serving_targets.precision_problem("fp8", "8.9", "x") is None and serving_targets.precision_problem("fp8", "10.0", "x") is None
-    assert serving_targets.precision_problem("fp8", "8.6", "this GPU (A10)") == \
+    assert capability_problem("fp8", "8.9", "x") is None and capability_problem("fp8", "10.0", "x") is None
+    assert capability_problem("fp8", "8.6", "this GPU (A10)") == \
         "FP8 needs compute capability >= 8.9; this GPU (A10) has compute capability 8.6"
