@@ -112,12 +112,6 @@ class ModelAdapter(Protocol):
 
     #: the recipe's ``model.kind`` this adapter serves, e.g. ``"text-generation"``.
     kind: ClassVar[str]
-    #: True when the kind's front model streams generated tokens (a decoupled generation
-    #: model: ``serve --check``, the OpenAI endpoint and the TTFT/TPOT bench apply).
-    generates: ClassVar[bool]
-    #: names of the metrics :meth:`metrics` writes to ``validate/metrics.json`` that a
-    #: gate may name (``validate.gates``: checked at ``check`` time against this set).
-    metric_names: ClassVar[frozenset[str]]
 
     def check_files(self) -> None:
         """Refuse, before any stage (``check`` and the export stage), a source that lacks
@@ -225,7 +219,7 @@ class ModelAdapter(Protocol):
                 engine: Runner | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Accuracy of the candidate against the reference on ``validate``'s held-out
         data: ``(metrics, tokens)``. ``metrics`` holds every name of
-        :attr:`metric_names` (NaN, never an error, for a broken candidate); with
+        the kind's gate metrics (:attr:`pipeline.recipe.kinds.KindFacts.gate_metrics`; NaN, never an error, for a broken candidate); with
         ``engine`` also ``engine.<metric>`` measured through it. ``tokens``: greedy
         token ids per label for generation kinds, else ``{}``.
 

@@ -7,7 +7,7 @@ produces (:func:`kind_metrics`), checks a gate list against them before any work
 (:func:`problems`) and turns measured metrics into verdicts (:func:`evaluate`).
 
 Uncertainty. Where a metric has a standard error σ (``<metric>_stderr`` in
-``metrics.json``, :data:`STDERR_METRICS`; :mod:`pipeline.metrics.uncertainty`), each
+``metrics.json``, :func:`stderr_metrics`; :mod:`pipeline.metrics.uncertainty`), each
 verdict carries it, the margin in standard errors and a "within noise" flag (the value
 is less than :data:`NOISE_SE` standard errors from the bound), with the eval size
 that would resolve it (:func:`n_needed`). A gate's ``statistic`` chooses the test, as
@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 
 from pipeline.artifacts import GateResult
 from pipeline.errors import InternalError, RecipeError
+from pipeline.recipe import kinds
+from pipeline.recipe.legacy import RENAMED_KINDS
 
 if TYPE_CHECKING:
     from pipeline.recipe.schema import Gate
@@ -45,54 +47,10 @@ BASIS_KEY = "stderr_basis"
 
 Loc = tuple[str | int, ...]
 
-_TEXT_GENERATION = frozenset({
-    "relative_perplexity_increase",  # (ppl_candidate - ppl_fp32) / ppl_fp32
-    "token_agreement",  # greedy tokens equal to FP32's, fraction in [0, 1]
-    "prompts_identical",  # prompts whose greedy tokens all equal FP32's (count)
-    "mean_common_prefix_tokens",  # greedy tokens before the first difference, mean over prompts
-    "perplexity_fp32",  # the reference itself (a floor on the eval data)
-    # against FP32 per scored token, as llama.cpp's --kl-divergence (pipeline/metrics/llm_quality.py)
-    "perplexity_ratio",  # PPL(cand) / PPL(fp32)
-    "kld_mean", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max",  # KL(fp32 || cand), nats
-    "top1_agreement",  # teacher-forced: same argmax at each scored position, fraction
-    "delta_p_rms", "delta_p_p01", "delta_p_p99",  # p_cand - p_fp32 of the correct token
-    "speedup_vs_fp32",  # median FP32 / candidate prefill latency in ONNX Runtime (pipeline/metrics/speed.py)
-    "quantized_fraction",  # Q/DQ weight GEMMs / all weight GEMMs (validate, from the quantize artifact)
-})
-_SENTENCE_EMBEDDING = frozenset({
-    "spearman_drop_wordsim353", "spearman_drop_simlex999",  # Spearman points (x100) lost vs FP32
-    "spearman_drop_max",  # the larger of the two
-    "mean_cosine", "min_cosine",  # candidate vs FP32 embeddings of the held-out sentences
-    "speedup_vs_fp32",  # FP32 / candidate median latency in ONNX Runtime, batch 8 x 64 tokens
-})
-_IMAGE_CLASSIFICATION = frozenset({
-    "top1_accuracy_drop",  # top-1 accuracy points (x100) lost vs FP32, on the labels
-    "top1_agreement",  # fraction of inputs whose top-1 class equals FP32's
-})
-
-_GENERIC = frozenset({
-    "mean_cosine", "min_cosine",  # cosine of candidate vs FP32 outputs (worst output counts)
-    "max_abs_diff", "rel_l2",  # largest absolute difference; relative L2 error
-    "top1_agreement",  # argmax of class-score outputs equal to FP32's
-})
-
 #: The unit of a gate metric's value, where it has one: the gate line prints it after the value;
 #: a ``fraction`` also prints as a signed percentage (``+0.97 %``), as the README's table gives it.
 UNITS: dict[str, str] = {"relative_perplexity_increase": "fraction",
                          **dict.fromkeys(("kld_mean", "kld_p50", "kld_p90", "kld_p99", "kld_p999", "kld_max"), "nats")}
-
-#: Model kind -> the gate metrics that have a standard error (``<metric>_stderr``), the
-#: only ones a statistical test (``statistic`` other than ``point``) may name.
-STDERR_METRICS: dict[str, frozenset[str]] = {
-    "text-generation": frozenset({"relative_perplexity_increase", "perplexity_ratio", "kld_mean", "top1_agreement",
-                                  "token_agreement"}),
-    "sentence-embedding": frozenset({"spearman_drop_wordsim353", "spearman_drop_simlex999", "spearman_drop_max",
-                                     "mean_cosine"}),
-    "generic": frozenset({"mean_cosine", "top1_agreement"}),  # pipeline.models.generic.metrics: over eval samples
-    "image-classification": frozenset({"top1_accuracy_drop", "top1_agreement"}),  # over eval images
-}
-STDERR_METRICS["causal-lm"] = STDERR_METRICS["text-generation"]
-STDERR_METRICS["encoder"] = STDERR_METRICS["sentence-embedding"]
 
 #: a value closer to its bound than this many standard errors is "within noise"
 NOISE_SE = 2.0
@@ -103,32 +61,21 @@ SPEEDUP_MARGIN = 0.10
 #: gate metric -> allowed shortfall below a ``min`` bound (timing noise)
 NOISE_MARGINS = {"speedup_vs_fp32": SPEEDUP_MARGIN}
 
-#: Model kind -> the metric names its validate stage writes that a gate may name. A standard
-#: error (``<metric>_stderr``) is not one: it measures the eval, not the model; a gate's
-#: ``statistic`` uses it. ``perplexity_fp32`` (the reference on the eval data) and
-#: ``prompts_identical`` (a count, with validate.generation) are: a floor on the data, a min.
-#: Old kind names are kept so a recipe is checked the same before and after the rename.
-#: (To be replaced by each kind's adapter declaring its metrics; see :func:`kind_metrics`.)
-METRICS: dict[str, frozenset[str]] = {
-    "text-generation": _TEXT_GENERATION,
-    "causal-lm": _TEXT_GENERATION,
-    "sentence-embedding": _SENTENCE_EMBEDDING,
-    "encoder": _SENTENCE_EMBEDDING,
-    "image-classification": _IMAGE_CLASSIFICATION,
-    "generic": _GENERIC,
-}
-
-
 def kind_metrics(kind: str) -> frozenset[str]:
-    """The metric names a gate may name for model kind ``kind``.
+    """The metric names a gate may name for model kind ``kind`` (an old kind name reads its new
+    name's row): :attr:`pipeline.recipe.kinds.KindFacts.gate_metrics`.
 
     Raises:
-        KeyError: no metric list is known for ``kind`` (the message lists the known kinds).
+        KeyError: ``kind`` has no row (the message lists the kinds).
     """
-    try:
-        return METRICS[kind]
-    except KeyError:
-        raise KeyError(f"model kind {kind!r} declares no gate metrics; kinds with metrics: {sorted(METRICS)}") from None
+    return kinds.facts(RENAMED_KINDS.get(kind, kind)).gate_metrics
+
+
+def stderr_metrics(kind: str) -> frozenset[str]:
+    """The gate metrics of ``kind`` that carry a standard error (``<metric>_stderr``), the only ones a
+    statistical test (``statistic`` other than ``point``) may name; empty for an unknown kind."""
+    row = kinds.KINDS.get(RENAMED_KINDS.get(kind, kind))
+    return row.stderr_metrics if row is not None else frozenset()
 
 
 def problems(gates: Sequence[Gate], kind: str, at: Loc) -> list[tuple[Loc, str]]:
@@ -136,7 +83,7 @@ def problems(gates: Sequence[Gate], kind: str, at: Loc) -> list[tuple[Loc, str]]
     a metric the kind does not produce (naming the valid ones) or two gates with one
     name (their junit test case names must differ). ``at`` is the list's key path,
     e.g. ``("validate", "gates")``; each problem's path adds the gate index. A
-    statistical test on a metric without a standard error (:data:`STDERR_METRICS`) is one.
+    statistical test on a metric without a standard error (:func:`stderr_metrics`) is one.
     """
     try:
         valid = kind_metrics(kind)
@@ -148,12 +95,12 @@ def problems(gates: Sequence[Gate], kind: str, at: Loc) -> list[tuple[Loc, str]]
         if gate.metric not in valid:
             base = gate.metric.removesuffix(STDERR_SUFFIX)
             hint = (f"; it is the standard error of {base}: gate {base} with statistic: evidence_of_regression "
-                    "or evidence_of_meeting" if base != gate.metric and base in STDERR_METRICS.get(kind, ()) else "")
+                    "or evidence_of_meeting" if base != gate.metric and base in stderr_metrics(kind) else "")
             out.append(((*at, i, "metric"), f"{gate.metric!r} is not a metric of a {kind} model; "
                         f"valid: {sorted(valid)}{hint}"))
-        if gate.statistic != "point" and gate.metric in valid and gate.metric not in STDERR_METRICS.get(kind, ()):
+        if gate.statistic != "point" and gate.metric in valid and gate.metric not in stderr_metrics(kind):
             out.append(((*at, i, "statistic"), f"{gate.statistic} needs a standard error, and {gate.metric!r} has "
-                        f"none; use statistic: point, or a metric with one: {sorted(STDERR_METRICS.get(kind, ()))}"))
+                        f"none; use statistic: point, or a metric with one: {sorted(stderr_metrics(kind))}"))
         if gate.label in seen:
             out.append(((*at, i), f"gate name {gate.label!r} is also the name of gate {seen[gate.label]}; "
                         "give one of them its own name (name: <text>)"))

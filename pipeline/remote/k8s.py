@@ -71,6 +71,7 @@ from pipeline.fsutil import folder_problem
 from pipeline.run.report import last_manifest
 from pipeline.targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 from pipeline.recipe.kinds import KV_PAST_RE
+from pipeline.recipe.kinds import facts as kind_facts
 
 BASE_SHM_MIB = 256
 HTTP, GRPC, METRICS = 8000, 8001, 8002
@@ -183,9 +184,7 @@ def queue_target_us(recipe) -> int:
     """HPA target: average queue time per request, 10 % of the recipe's latency SLO
     (LLM: TTFT), in microseconds."""
     slo = recipe.serve.slo
-    from pipeline.models import registry
-
-    budget_ms = slo.ttft_ms if registry.adapter_class(recipe.model.kind).generates else slo.latency_ms
+    budget_ms = slo.ttft_ms if kind_facts(recipe.model.kind).generates else slo.latency_ms
     return int(budget_ms * 1000 * 0.1)
 
 

@@ -23,6 +23,7 @@ from pipeline.errors import GateFailed, PipelineError, RepositoryCorrupt
 from pipeline.recipe.schema import DynamicBatching, InstanceGroup, Recipe
 from pipeline.stages.triton import write_repository
 from pipeline.triton.repository import INDEX_FILE, repository_runtime
+from pipeline.recipe.kinds import facts as kind_facts
 
 #: resolved target -> the tritonserver backend folder it needs.
 NEEDED_BACKEND = {"tensorrt": "tensorrt", "onnxruntime": "onnxruntime", "python-onnxruntime": "python"}
@@ -59,7 +60,7 @@ class Served:
     @property
     def ensemble_model(self) -> str | None:
         """The one-response front model (an ensemble), for kinds that do not generate."""
-        return None if self.adapter.generates else self.adapter.front_model(self.recipe)
+        return None if kind_facts(self.adapter.kind).generates else self.adapter.front_model(self.recipe)
 
     @functools.cached_property
     def compute_in_process(self) -> bool:
@@ -91,7 +92,7 @@ def generate_model_of(recipe: Recipe) -> str | None:
     from pipeline.models import registry
 
     adapter = registry.adapter(recipe.model)
-    return adapter.front_model(recipe) if adapter.generates else None
+    return adapter.front_model(recipe) if kind_facts(adapter.kind).generates else None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ def test_one_row_per_schema_kind_and_adapter():
 @pytest.mark.parametrize("kind", sorted(recipe_kinds.KINDS))
 def test_each_row_matches_its_adapter(kind):
     row, cls = recipe_kinds.facts(kind), registry.adapter_class(kind)
-    assert row.kv_cache == cls.generates  # the generating kind decodes with its KV cache
+    assert cls.kind == kind
+    assert row.kv_cache == row.generates  # the generating kind decodes with its KV cache
+    assert row.stderr_metrics <= row.gate_metrics
     assert row.text_data == (row.graph_inputs is not None)  # the tokenized kinds have fixed text inputs
 
 

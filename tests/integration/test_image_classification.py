@@ -22,6 +22,7 @@ from pipeline.models.image_classification import graph, metrics, preprocess, ren
 from pipeline.models.image_classification.adapter import ImageClassificationAdapter
 from pipeline.models.image_classification.data import labelled_inputs
 from pipeline.quant import qdq
+from pipeline.recipe.kinds import facts as kind_facts
 from test_repository import FakeRequest, fake_pb_utils, load_template
 
 SPLITS = (render.Split("calibration", 0, 20, 8), render.Split("eval", 150, 300, 24))
@@ -291,7 +292,7 @@ def test_adapter_implements_the_contract_from_an_onnx_source(lines, tmp_path):
     assert isinstance(adapter, ModelAdapter) and adapter.kind == "image-classification"
     from pipeline.recipe import gates
 
-    assert adapter.metric_names == gates.kind_metrics("image-classification") == {"top1_accuracy_drop", "top1_agreement"}
+    assert gates.kind_metrics("image-classification") == {"top1_accuracy_drop", "top1_agreement"}
     loaded = adapter.load(SimpleNamespace())
     assert loaded.input_names == ("x",) and loaded.example_feeds["x"].shape == (2, 3, 48, 192)
     export_cfg = SimpleNamespace(dynamic_axes={"x": {0: "batch"}}, opset=17)
@@ -311,7 +312,7 @@ def test_adapter_implements_the_contract_from_an_onnx_source(lines, tmp_path):
     q = QuantizedArtifact(str(tmp_path / "model.onnx"), "fp32", [], [])  # candidate = the FP32 graph itself
     ctx = SimpleNamespace(recipe=SimpleNamespace(validate_=SimpleNamespace(data=images(lines / "eval"), batch_size=16)))
     got, tokens = adapter.metrics(ctx, exp, q)
-    assert tokens == {} and set(got) == {*metrics.METRICS, "stderr_basis", *(f"{m}_stderr" for m in metrics.GATE_METRICS)}
+    assert tokens == {} and set(got) == {*metrics.METRICS, "stderr_basis", *(f"{m}_stderr" for m in kind_facts("image-classification").stderr_metrics)}
     assert got["top1_agreement"] == 1.0 and got["top1_accuracy_drop"] == 0.0 and got["samples"] == 48
     assert got["top1_accuracy_fp32"] >= 0.9
 
@@ -408,7 +409,7 @@ def test_served_models_are_what_triton_models_writes(tmp_path):
     recipe = SimpleNamespace(triton=SimpleNamespace(model_name="textline_cls", version=1, max_batch_size=8))
     staged = adapter.triton_models(recipe, None, compute_model(), None, tmp_path)
     assert [m.config.name for m in staged] == adapter.served_models(recipe)
-    assert adapter.front_model(recipe) == "textline_cls_ensemble" and adapter.generates is False
+    assert adapter.front_model(recipe) == "textline_cls_ensemble" and not kind_facts("image-classification").generates
     assert adapter.triton_models(recipe, None, None, None, tmp_path) == []
 
 

@@ -32,7 +32,7 @@ from pipeline.errors import ExportError, RecipeError
 from pipeline.models.base import BenchWorkload, LoadedModel, add_engine_metrics
 from pipeline.models.common import OnnxRuntimeRunners, SourceFiles
 import pipeline.models.generic.feeds as F
-from pipeline.models.generic.metrics import METRIC_NAMES, agreement
+from pipeline.models.generic.metrics import agreement
 from pipeline.sources.model import EntrySource, ModelFileError, OnnxSource, check_entry_axes, external_data_files
 from pipeline.recipe.kinds import source_problem
 from pipeline.sources.model import load_tokenizer
@@ -45,8 +45,6 @@ class GenericAdapter(OnnxRuntimeRunners, SourceFiles):
     """Adapter of ``kind: generic`` (see the module docstring)."""
 
     kind: ClassVar[str] = "generic"
-    generates: ClassVar[bool] = False
-    metric_names: ClassVar[frozenset[str]] = METRIC_NAMES
 
     def __init__(self, model_section):
         source = getattr(model_section, "source", None)

@@ -32,7 +32,6 @@ import numpy as np
 
 from pipeline.errors import AccuracyError
 
-METRIC_NAMES = frozenset({"mean_cosine", "min_cosine", "max_abs_diff", "rel_l2", "top1_agreement"})
 _WORST = {"mean_cosine": min, "min_cosine": min, "top1_agreement": min, "max_abs_diff": max, "rel_l2": max}
 _CLASS_SCORES = re.compile(r"logit|score|prob|class", re.IGNORECASE)
 

@@ -42,8 +42,6 @@ class ImageClassificationAdapter(OnnxRuntimeRunners, SourceFiles):
     """An ONNX image classifier with one ``[batch, 3, H, W]`` input and one ``[batch, classes]`` output."""
 
     kind: ClassVar[str] = "image-classification"
-    generates: ClassVar[bool] = False
-    metric_names: ClassVar[frozenset[str]] = frozenset(metrics.GATE_METRICS)
 
     def __init__(self, source: Any):
         self.source = source

@@ -11,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 METRICS = ("top1_accuracy_fp32", "top1_accuracy_candidate", "top1_accuracy_drop", "top1_agreement", "samples")
-#: the ones a gate may name (pipeline.recipe.gates.kind_metrics("image-classification"))
-GATE_METRICS = ("top1_accuracy_drop", "top1_agreement")
 
 
 def top1(scores: np.ndarray) -> np.ndarray:

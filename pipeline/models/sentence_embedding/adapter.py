@@ -34,9 +34,6 @@ class SentenceEmbeddingAdapter(OnnxRuntimeRunners, SourceFiles):
     """
 
     kind: ClassVar[str] = "sentence-embedding"
-    generates: ClassVar[bool] = False
-    metric_names: ClassVar[frozenset[str]] = frozenset(
-        {"spearman_drop_max", "spearman_drop_wordsim353", "spearman_drop_simlex999", "mean_cosine", "min_cosine"})
 
     def __init__(self, source: ModelSource | None):
         self.source = source

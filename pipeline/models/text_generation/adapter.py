@@ -38,10 +38,6 @@ class TextGenerationAdapter(OnnxRuntimeRunners, SourceFiles):
     """
 
     kind: ClassVar[str] = "text-generation"
-    generates: ClassVar[bool] = True
-    metric_names: ClassVar[frozenset[str]] = frozenset(
-        {"relative_perplexity_increase", "token_agreement", "perplexity_fp32", "prompts_identical",
-         "mean_common_prefix_tokens"})
 
     def __init__(self, source: ModelSource | None):
         self.source = source

@@ -38,16 +38,8 @@ def test_implemented_adapters_follow_the_contract(kind):
     cls = registry.adapter_class(kind)
     adapter = cls(None)
     assert isinstance(adapter, base.ModelAdapter)
-    assert cls.kind == kind and isinstance(cls.generates, bool)
-    assert cls.metric_names and all(isinstance(m, str) for m in cls.metric_names)
+    assert cls.kind == kind
 
-
-@pytest.mark.parametrize("kind", [k for k, v in registry.ADAPTERS.items() if isinstance(v, str)])
-def test_adapters_declare_the_metrics_gates_are_checked_against(kind):
-    from pipeline.recipe import gates
-
-    # every metric the adapter declares is gateable (gates.METRICS is to become metric_names itself)
-    assert registry.adapter_class(kind).metric_names <= gates.kind_metrics(kind)
 
 
 def test_unknown_kind_is_refused_by_the_registry():

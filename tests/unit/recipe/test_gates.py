@@ -15,6 +15,7 @@ from pipeline.cli.app import main
 from pipeline.errors import InternalError, RecipeError
 from pipeline.recipe.schema import Gate
 from pipeline.recipe.load import load_recipe
+from pipeline.recipe import kinds
 
 LLM = ROOT / "recipes" / "fp8-llm.yaml"
 ENCODER = ROOT / "recipes" / "int8-encoder.yaml"
@@ -64,7 +65,7 @@ def test_kind_metrics_cover_old_and_new_kind_names():
         "speedup_vs_fp32"}
     assert gates.kind_metrics("image-classification") == {"top1_accuracy_drop", "top1_agreement"}
     assert gates.kind_metrics("generic") >= {"mean_cosine", "min_cosine", "top1_agreement"}
-    with pytest.raises(KeyError, match="model kind 'speech' declares no gate metrics; kinds with metrics: "):
+    with pytest.raises(KeyError, match="model kind 'speech' has no row in pipeline.recipe.kinds.KINDS; rows: "):
         gates.kind_metrics("speech")
 
 
@@ -79,12 +80,12 @@ def test_problems_name_the_gate_index_and_the_valid_metrics():
          "them its own name (name: <text>)"),
     ]
     assert gates.problems(listed[:1], "speech", ("validate", "gates")) == [
-        (("validate", "gates"), f"model kind 'speech' declares no gate metrics; kinds with metrics: {sorted(gates.METRICS)}")]
+        (("validate", "gates"), f"model kind 'speech' has no row in pipeline.recipe.kinds.KINDS; rows: {sorted(kinds.KINDS)}")]
     assert gates.problems(listed[:1], "speech", ("validate", "gates")) and not gates.problems([], "speech", ("x",))
 
 
 def test_a_standard_error_is_no_gate_metric_and_points_to_its_metric():
-    assert not any(m.endswith(gates.STDERR_SUFFIX) for kind in gates.METRICS for m in gates.kind_metrics(kind))
+    assert not any(m.endswith(gates.STDERR_SUFFIX) for kind in kinds.KINDS for m in gates.kind_metrics(kind))
     (problem,) = gates.problems([Gate(metric="kld_mean_stderr", max=0.001)], "text-generation", ("validate", "gates"))
     assert problem[0] == ("validate", "gates", 0, "metric")
     assert problem[1].endswith("; it is the standard error of kld_mean: gate kld_mean with statistic: "
