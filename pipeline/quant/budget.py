@@ -1,4 +1,4 @@
-"""``quantize.accuracy_budget``: automatic mixed precision that meets a budget or fails (issue 10 §3).
+"""``quantize.accuracy_budget``: automatic mixed precision that meets a budget or fails.
 
 1. Measure every group's sensitivity on the tuning split (:mod:`pipeline.quant.sensitivity`;
    the ranking pass uses the first half of the tuning windows, the budget is judged on all).
@@ -224,7 +224,7 @@ def _better(budget, a: dict, b: dict, tol: float) -> bool:
 def search_fine(runner: S.TrialRunner, gains: dict[str, float], budget, *, total_gemms: int, min_fraction: float,
                 max_trials: int, time_limit_s: float, tol: Tolerance, full_trials: int = FULL_TRIALS,
                 say=None) -> BudgetResult:
-    """GEMM by GEMM, ranked by a proxy, bracketed by full trials (issue 18 §5).
+    """GEMM by GEMM, ranked by a proxy, bracketed by full trials.
 
     GEMMs are ranked by their predicted gain (:func:`pipeline.quant.proxy.predicted_gain`, ties
     within ``tol.tie`` by name). The predicted metric after reverting the top ``k`` is the

@@ -1,4 +1,4 @@
-"""Pinned tuning results: the calibration and accuracy-budget outcome as a lock file (issue 18 §1).
+"""Pinned tuning results: the calibration and accuracy-budget outcome as a lock file.
 
 ``python -m pipeline tune recipes/<r>.yaml`` (``make tune RECIPE=<r>`` for this checkout's recipes) calibrates, runs the
 sensitivity pass and the budget search, and writes ``recipes/tuned/<r>.json`` beside the recipe

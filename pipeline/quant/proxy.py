@@ -1,4 +1,4 @@
-"""A cheap per-GEMM sensitivity proxy for the accuracy-budget search (issue 18 §5).
+"""A cheap per-GEMM sensitivity proxy for the accuracy-budget search.
 
 Measuring each GEMM alone costs a forward pass per GEMM (fp8-llm: 210), and on a small tuning
 split the single-GEMM gains sit below the trial-to-trial spread: on fp8-llm (4 windows of 128

@@ -178,7 +178,7 @@ def quantize_weight(w: np.ndarray, fmt: QFormat, axis: int | None) -> tuple[np.n
     0.04287 (down_proj of layers 15-29 alone: +0.0132), power-of-two per-channel
     0.02685; ONNX Runtime's per-axis FP8 DequantizeLinear matched numpy to 2e-8 in
     both. The cause is the scale's mantissa per channel, not the axis, ORT, saturation
-    or subnormals (details: issue 10 §4 report).
+    or subnormals.
     """
     reduce = None if axis is None else tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w).max(axis=reduce)

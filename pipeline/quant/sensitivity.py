@@ -1,4 +1,4 @@
-"""Per-group quantization sensitivity on a tuning split (issue 10 §2).
+"""Per-group quantization sensitivity on a tuning split.
 
 A *trial* is the Q/DQ graph with a set of GEMM groups left in high precision,
 measured on the tuning windows against the FP32 reference. The reference

@@ -192,8 +192,7 @@ def serving_overhead(served: Served, server: TritonServer, prompt: list[int], lo
     """Served batch-1 TPOT against the served graph's own decode step, measured side by side:
     one streamed request of ``serve.max_tokens`` tokens (EOS ignored), then the graph alone in
     ONNX Runtime in this process (:func:`graph_decode_ms`) at the same contexts, then the request
-    again. Times in ms; ``ratio`` = median TPOT of the two requests / median graph step (issue 11
-    target <= 1.15). ``{"skipped": why}`` for targets whose graph is not ONNX Runtime's."""
+    again. Times in ms; ``ratio`` = median TPOT of the two requests / median graph step (target <= 1.15). ``{"skipped": why}`` for targets whose graph is not ONNX Runtime's."""
     graph = served_graph(served)
     if graph is None:
         return {"skipped": f"target {served.target!r}: the served graph does not run in ONNX Runtime here"}

@@ -82,7 +82,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     retune = pin.tune_command(ctx.recipe_path)
     bound = pinned is not None and pin.check_consumers(pinned, targets, ctx.pin.path, retune)
     cal_src, extra, chan = src, {}, {}
-    if q.smoothquant is not None:  # issue 10: weights loaded, FP32 graph smoothed
+    if q.smoothquant is not None:  # weights loaded, FP32 graph smoothed
         try:
             model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
                 ctx, src, model, kept, batches, pin.channel_amax(pinned) if pinned else None)

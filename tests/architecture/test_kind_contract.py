@@ -1,4 +1,4 @@
-"""Issue 19 §1: one per-kind facts table (pipeline.recipe.kinds) for the recipe checks; each row
+"""One per-kind facts table (pipeline.recipe.kinds) for the recipe checks; each row
 agrees with its kind's adapter."""
 from __future__ import annotations
 

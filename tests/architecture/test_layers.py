@@ -162,7 +162,7 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
 
 
 def test_a_stage_key_hashes_its_own_import_closure_only():
-    """Issue 19 §1: a serve-only edit re-runs no stage; a quantization edit re-runs quantize, not export."""
+    """A serve-only edit re-runs no stage; a quantization edit re-runs quantize, not export."""
     from pipeline import imports, provenance
 
     export, quantize = imports.closure("pipeline.stages.export"), imports.closure("pipeline.stages.quantize")

@@ -1,4 +1,4 @@
-"""Issue 19 §1: each stage declares itself (NAME, NEEDS, ARTIFACT, key_sections, run); the
+"""Each stage declares itself (NAME, NEEDS, ARTIFACT, key_sections, run); the
 runner only walks them and knows no recipe section."""
 from __future__ import annotations
 

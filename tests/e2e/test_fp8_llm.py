@@ -78,7 +78,7 @@ def test_tight_gate_fails_with_reason(fp8_llm_run, llm_workspace, capsys):
                *[f"--set={k}={v}" for k, v in llm_overrides(llm_workspace).items()],
                "--set", "validate.gates.0.max=0.0001"])
     assert rc == 1
-    # the passing run's record stays; the refused run's goes to failed/ (issue 22)
+    # the passing run's record stays; the refused run's goes to failed/
     report = (llm_workspace / "artifacts" / "fp8-llm" / "failed" / "report.md").read_text()
     row = next(r for r in report.splitlines() if r.startswith("| max_relative_perplexity_increase |"))
     assert "**FAIL**" in row and "<= 0.0001" in row and " ± " in row  # value ± its standard error

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness against the served model (issue 22, section 1): its ``local-completions``
+"""lm-evaluation-harness against the served model: its ``local-completions``
 model scores a multiple-choice task through ``/v1/completions`` (echo + logprobs), its
 ``local-chat-completions`` model runs a ``generate_until`` task through ``/v1/chat/completions``.
 Task YAMLs and data are written here (no hub). SmolLM2 (the session's fp8-llm run, minutes) must

@@ -1,4 +1,4 @@
-"""Issue 20: every shipped recipe's quantized graph builds a real TensorRT-RTX engine here.
+"""Every shipped recipe's quantized graph builds a real TensorRT-RTX engine here.
 
 fp8-llm (tests/e2e/test_fp8_llm.py), int8-encoder (tests/e2e/test_int8_encoder.py), int8-textline-orientation
 (tests/integration/test_image_classification.py) and examples/custom-model build theirs in their end-to-end

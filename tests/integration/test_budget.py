@@ -1,4 +1,4 @@
-"""Issue 10 §2-§3: sensitivity on a tuning split and quantize.accuracy_budget, on the tiny Llama."""
+"""Sensitivity on a tuning split and quantize.accuracy_budget, on the tiny Llama."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 36 §1: a native crash inside the engine builder is a named error, not a silent death.
+"""A native crash inside the engine builder is a named error, not a silent death.
 
 Each TensorRT(-RTX) parse + build runs in a child process (a fork of a fork server), so a SIGFPE
 there kills the child only. The child crashes for real: ``PIPELINE_FAULT=builder:build`` with

@@ -1,4 +1,4 @@
-"""Issue 12 §3: the gate measures what ships. On the tiny Llama, the build stage is made to
+"""The gate measures what ships. On the tiny Llama, the build stage is made to
 report an engine and the TensorRT runner is replaced by a fake (ONNX Runtime on the Q/DQ
 graph, optionally with its logits perturbed): the gates use the engine's numbers, the
 report has both side by side, and a failing engine publishes nothing."""

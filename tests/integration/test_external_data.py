@@ -1,5 +1,5 @@
 """ONNX files: atomic replacement, external data (> 2 GiB path forced on a tiny
-model), load checks and the stage cache (issue 8, sections 1 and 5)."""
+model), load checks and the stage cache."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 36 §2: a model folder whose files contradict each other (or the recipe) is refused by
+"""A model folder whose files contradict each other (or the recipe) is refused by
 ``check``, or served within what it holds, instead of building, passing, publishing and then
 failing requests.
 

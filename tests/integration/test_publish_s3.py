@@ -1,4 +1,4 @@
-"""``pipeline publish`` to S3-compatible storage (issue 13, section 1), against moto's S3
+"""``pipeline publish`` to S3-compatible storage, against moto's S3
 server on 127.0.0.1 and, for the round trip, the real tritonserver of the pytriton wheel
 reading ``s3://127.0.0.1:<port>/bucket/prefix``.
 
@@ -96,7 +96,7 @@ def test_s3_urls_in_boto3_and_triton_forms(monkeypatch):
     ("examples/custom-model/recipe.yaml", []),  # generic: clients call the compute model, no ensemble
 ])
 def test_front_models_are_the_adapters(recipe, front):
-    """Issue 19: a generic recipe was given an ``_ensemble`` it does not have."""
+    """A generic recipe was given an ``_ensemble`` it does not have."""
     from pipeline.recipe.load import load_recipe
 
     assert s3.front_models(load_recipe(ROOT / recipe)) == front

@@ -1,4 +1,4 @@
-"""Data sources in the recipe (issue 9 §3): `quantize.calibration.data` and
+"""Data sources in the recipe: `quantize.calibration.data` and
 `validate.data` replace `dataset` + `split`, overlapping uses fail `check` and the
 start of `build`, and a user's own JSONL eval set runs end to end on the tiny LM."""
 from __future__ import annotations

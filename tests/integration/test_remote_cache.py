@@ -1,4 +1,4 @@
-"""The stage cache shared by runners (pipeline/remote/cache.py, issue 24 section 4), against
+"""The stage cache shared by runners, against
 moto's S3 server on 127.0.0.1 (the ``moto_s3`` fixture of conftest.py).
 
 Runner A builds tests/tiny.py's recipe in one folder and pushes every stage; each other

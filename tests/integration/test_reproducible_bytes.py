@@ -1,4 +1,4 @@
-"""The same build in two folders writes the same ONNX bytes, free of machine paths (issue 18 §4)."""
+"""The same build in two folders writes the same ONNX bytes, free of machine paths."""
 from __future__ import annotations
 
 import json

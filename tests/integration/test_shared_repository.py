@@ -1,4 +1,4 @@
-"""The repository where users really put it (issue 23): shared by two recipes built at
+"""The repository where users really put it: shared by two recipes built at
 once, on a mounted volume, on a full or read-only disk.
 
 Builds use the hand-made ONNX graph of the custom-model example (``onnx:`` source, no

@@ -1,4 +1,4 @@
-"""Issue 18 §1-§2: a pinned tuning result (``tune``, ``build --locked``) and a search robust to float noise."""
+"""A pinned tuning result (``tune``, ``build --locked``) and a search robust to float noise."""
 from __future__ import annotations
 
 import json
@@ -255,7 +255,7 @@ def test_a_build_without_its_pin_says_so_on_the_console(tuned, capsys):
             f"(python -m pipeline tune {copied} writes it); calibrating and searching") in out.out + out.err
 
 
-# --- issue 36 §3: the pin is validated like any input, and the recipe's bounds apply to it
+# --- the pin is validated like any input, and the recipe's bounds apply to it
 
 
 def _pinned_copy(tuned, tiny_export, name: str, edit=None, **changes) -> Path:

@@ -459,7 +459,7 @@ def test_bench_client_agreement_fails_naming_the_prompt_that_differs(stack):
     assert two["agreement"] < 1 and two["mismatches"] == []  # batched: a batch-1 rerun decides
     lines = failures({"llm": {"client_agreement": result}})
     assert lines[0].startswith("concurrency 1: prompt 1: MISMATCH with the validate tokens from position 0")
-    assert "skipped" in result["perplexity"]  # no prompt logprobs on this branch (issue 22 section 1)
+    assert "skipped" in result["perplexity"]  # no prompt logprobs on this branch
 
 
 #: ``python -m pipeline serve`` on the tiny LM: the CLI with its recipe run replaced by serve_tiny's artifacts.
@@ -520,7 +520,7 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits_cleanly(tmp_pat
     assert "Traceback" not in err, err
 
 
-# --- issue 22: the loglikelihood contract, refused parameters, invalid values -------------------------
+# --- the loglikelihood contract, refused parameters, invalid values -------------------------
 
 
 @pytest.mark.parametrize("body,param", [

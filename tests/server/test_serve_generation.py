@@ -1,5 +1,4 @@
-"""The generation model's limits, finish reasons, cancellation and streamed text (issue 8, sections
-6 and 7): the template against a stand-in triton_python_backend_utils (seconds), then one real
+"""The generation model's limits, finish reasons, cancellation and streamed text: the template against a stand-in triton_python_backend_utils (seconds), then one real
 tritonserver on the tiny LM with a SentencePiece-style (Metaspace) tokenizer."""
 from __future__ import annotations
 
@@ -457,7 +456,7 @@ def test_check_excuses_a_batched_difference_only_after_a_near_tie():
         "there: prompts [0]")
 
 
-# --- prompt and token logprobs (issue 22, section 1) -----------------------------------------------------
+# --- prompt and token logprobs -----------------------------------------------------
 
 
 def reference_logprobs(onnx_path, ids: list[int]) -> np.ndarray:
@@ -535,7 +534,7 @@ def test_template_scoring_refusals(generate_model):
     assert len(scores(full)[0]["prompt"]["logprobs"]) == CONTEXT  # the whole context can be scored
 
 
-# --- chat templates (issue 22, section 2) ----------------------------------------------------------------
+# --- chat templates ----------------------------------------------------------------
 
 GENERATION_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}"
                        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
@@ -580,7 +579,7 @@ def test_triton_stage_renders_the_chat_template_once_and_refuses_one_that_cannot
 
 
 def test_template_stop_string_that_is_a_special_token_matches(tmp_path, monkeypatch):
-    """'.' (id 8) made a special token: decoded text leaves it out, so before issue 22 a stop
+    """'.' (id 8) made a special token: decoded text leaves it out, so before the fix a stop
     string '.' never matched and the generation ran on to max_tokens."""
     folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -622,7 +621,7 @@ def _small_tokenizer(folder: Path, words: int) -> Path:
 
 
 def test_the_generation_model_never_samples_or_lists_ids_past_the_tokenizer(tmp_path, monkeypatch):
-    """Issue 36 §2 (C83), a vocabulary padded past the tokenizer: the tiny LM's logits cover ids
+    """A vocabulary padded past the tokenizer: the tiny LM's logits cover ids
     0..10, its tokenizer has ids 0..5. Greedy, sampled and logprobs answers hold only ids 0..5
     (the raw graph's greedy pick after the prompt is past them)."""
     known = 6

@@ -353,7 +353,7 @@ def encoder_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference
     return out
 
 
-#: the shape ``speedup_vs_fp32`` is timed at: batch x tokens (issue 24 §3)
+#: the shape ``speedup_vs_fp32`` is timed at: batch x tokens
 SPEED_BATCH, SPEED_TOKENS = 8, 64
 
 

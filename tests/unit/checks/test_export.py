@@ -1,4 +1,4 @@
-"""Export faults in user models (issue 9, section 7): each one is a small torch module,
+"""Export faults in user models: each one is a small torch module,
 exported with ``export_checks.export_module`` (torch.onnx.export(dynamo=True) with named
 Dims, as the stage's adapters do) and verified with ``export_checks.verify_export``."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CLI exit codes (issue 8 §2), --set values (§3) and verify-repo, driven in-process."""
+"""CLI exit codes, --set values (§3) and verify-repo, driven in-process."""
 from __future__ import annotations
 
 import hashlib

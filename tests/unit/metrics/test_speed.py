@@ -1,4 +1,4 @@
-"""Issue 10 §6: "keep only if faster" with its noise margin, quantized_fraction as a gate,
+""""keep only if faster" with its noise margin, quantized_fraction as a gate,
 and the FP8 caveat on CPU timing."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_the_margin_is_only_for_timing_and_also_reads_engine_metrics():
 
 
 def test_speedup_gate_fails_like_any_gate_when_slower_beyond_noise():
-    """MiniLM INT8 at ORT's basic level: 40.6 ms against 31.4 ms FP32 (issue 10 §6)."""
+    """MiniLM INT8 at ORT's basic level: 40.6 ms against 31.4 ms FP32."""
     [res] = gates.evaluate([Gate(metric="speedup_vs_fp32", min=1.0)], {"speedup_vs_fp32": 31.4 / 40.6})
     assert not res.passed and "FAILED: speedup_vs_fp32 = 0.773" in res.message
 

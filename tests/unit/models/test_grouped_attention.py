@@ -1,4 +1,4 @@
-"""Issue 11 §2 (per-step cost): the KV-cache graph is exported with grouped-query attention
+"""The KV-cache graph is exported with grouped-query attention
 (pipeline/models/text_generation/attention.py), which gives SDPA's numbers without repeating
 K/V to every query head (no Expand on the KV path of the ONNX graph)."""
 from __future__ import annotations

@@ -94,7 +94,7 @@ KIND_NEEDLES = ("model.kind ==", "model.kind !=", "model.kind in", "model.kind n
 
 
 def test_no_kind_is_tested_outside_the_adapters():
-    """Issue 19 §1: every file of the package outside models/ and the kind tables asks the
+    """Every file of the package outside models/ and the kind tables asks the
     adapter or the facts table (pipeline.recipe.kinds), never the kind."""
     found = []
     for path in sorted((ROOT / "pipeline").rglob("*.py")):

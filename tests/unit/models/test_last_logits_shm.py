@@ -1,4 +1,4 @@
-"""Issue 12 §4 (shared memory): the exported LM also returns the last position's logits,
+"""The exported LM also returns the last position's logits,
 and the triton stage writes the --shm-size the repository needs into deploy notes."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The generation model's in-flight batching scheduler, sampling, stop strings and chat template
-(issue 11, sections 1-4 and 7), against a stand-in triton_python_backend_utils. The compute graph
+, against a stand-in triton_python_backend_utils. The compute graph
 here honours the attention mask: a causal masked mean over the cache, with position ids from the
 mask's cumulative sum (as the exported LLM derives them), so wrong padding changes the logits."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12 §5: quantize.rest_precision writes FP16/BF16 into the graph for everything but
+"""Quantize.rest_precision writes FP16/BF16 into the graph for everything but
 the Q/DQ GEMMs, the sensitive ops and the I/O; FP16 runs in ONNX Runtime close to FP32."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GGUF blocks as block DequantizeLinear (issue 37): pipeline.quant.gguf_blocks and pipeline.quant.int4.
+"""GGUF blocks as block DequantizeLinear: pipeline.quant.gguf_blocks and pipeline.quant.int4.
 
 Synthetic tensors of every supported type (gguf.quants.quantize where gguf has a quantizer,
 hand-packed bytes for Q4_K / Q6_K) decode bit for bit as gguf.quants.dequantize does; their DQ

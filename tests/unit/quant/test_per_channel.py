@@ -1,4 +1,4 @@
-"""Issue 10 §4: FP8 per-channel weight scales are the per-tensor scale over powers of two,
+"""FP8 per-channel weight scales are the per-tensor scale over powers of two,
 so per channel never rounds a value worse than per tensor (and rescues small channels)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 36 §3: a pin file (``recipes/tuned/<r>.json``) is validated like any input.
+"""A pin file (``recipes/tuned/<r>.json``) is validated like any input.
 
 No model here: :func:`pipeline.quant.pin.read` on edited copies of the shipped pins, the graph binding
 (``consumers``) on synthetic GEMMs, and ``tune``'s pre-flight refusals. The end-to-end refusals (exit

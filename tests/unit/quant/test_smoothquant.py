@@ -1,4 +1,4 @@
-"""Issue 10 §5: SmoothQuant folded into the FP32 ONNX graph keeps it equivalent,
+"""SmoothQuant folded into the FP32 ONNX graph keeps it equivalent,
 and moves activation range into the weights."""
 from __future__ import annotations
 

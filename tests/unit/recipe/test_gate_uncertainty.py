@@ -1,4 +1,4 @@
-"""Gates that know their uncertainty (issue 18 §3) and a report a person reads (§7):
+"""Gates that know their uncertainty and a report a person reads (§7):
 bootstrap standard errors over eval windows / items, margins in standard errors, the
 within-noise flag, statistical gate tests, and report.md / junit.xml rows."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Accuracy gates (issue 9 §4): one list type, checked against the model kind's metrics
+"""Accuracy gates: one list type, checked against the model kind's metrics
 at `check` time, evaluated on measured metrics; the flat gate fields of older recipes
 are refused with the new form."""
 from __future__ import annotations

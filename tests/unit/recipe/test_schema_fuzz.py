@@ -1,4 +1,4 @@
-"""Fuzz the CLI's input handling (issue 8 §2): random mutations of the shipped recipes
+"""Fuzz the CLI's input handling: random mutations of the shipped recipes
 and random ``--set`` values, through ``check`` and the build's pre-flight (the stages
 are replaced by a stub, so nothing runs). Never a traceback on the console, never
 exit 3; invalid input exits 2, valid input 0, and ``check`` agrees with ``build``."""

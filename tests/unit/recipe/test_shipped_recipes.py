@@ -1,6 +1,6 @@
 """Every shipped recipe resolves to Triton configs that pass check_config, both on a
 CPU-only machine (no engine: target onnxruntime) and where an engine was built
-(target tensorrt). Issue 12 §1: a KIND_CPU instance group made fp8-llm unpublishable
+(target tensorrt). A KIND_CPU instance group made fp8-llm unpublishable
 right after a successful GPU build."""
 from __future__ import annotations
 

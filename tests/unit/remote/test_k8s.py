@@ -1,4 +1,4 @@
-"""``pipeline deploy k8s`` manifests (issue 13, section 2), generated from the recipe files alone
+"""``pipeline deploy k8s`` manifests, generated from the recipe files alone
 (no build) with a fixed storage URI. There is no cluster here: validation is offline.
 
 * Plain objects (Deployment, Service, HPA, ConfigMap, Secret, ServiceAccount): the Kubernetes
@@ -221,7 +221,7 @@ def test_without_a_build_the_shm_is_the_base_size(tmp_path):
     ("int8-textline-orientation", ["textline_cls_int8", "textline_cls_int8_preprocess", "textline_cls_int8_ensemble"]),
 ])
 def test_each_kind_loads_the_models_its_adapter_serves(name, models):
-    """Issue 19: an image classifier was given a _tokenizer/_ensemble pair it does not have."""
+    """An image classifier was given a _tokenizer/_ensemble pair it does not have."""
     assert k8s.model_names(load_recipe(ROOT / "recipes" / f"{name}.yaml")) == models
 
 

@@ -1,4 +1,4 @@
-"""A text-generation model folder without its tokenizer files (issue 23): ``check`` and
+"""A text-generation model folder without its tokenizer files: ``check`` and
 the export stage refuse what a later stage would fail on (exit 2, naming the folder and
 the missing files); the EOS set comes from the model's own config files."""
 from __future__ import annotations

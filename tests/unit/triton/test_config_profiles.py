@@ -1,4 +1,4 @@
-"""Issue 12 §5: several optimization profiles (decode: sequence 1; prefill) reach Triton
+"""Several optimization profiles (decode: sequence 1; prefill) reach Triton
 (``instance_group.profile``), and max_batch_size / context limits account for every one."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the deployed server can read (issue 23): the served graph's IR version and opset
+"""What the deployed server can read: the served graph's IR version and opset
 against the serving-runtime table (pipeline.targets), down-converted where lossless."""
 from __future__ import annotations
 

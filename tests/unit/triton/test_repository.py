@@ -614,7 +614,7 @@ def test_recipes_sharing_a_repository_keep_each_others_models(stage):
 
 
 def test_eos_set_is_the_union_of_generation_config_tokenizer_and_end_of_turn(tmp_path):
-    """Issue 22 §2: generation_config.json's list (as Llama-3-Instruct and Qwen2.5 ship), the
+    """Generation_config.json's list (as Llama-3-Instruct and Qwen2.5 ship), the
     tokenizer's eos_token and a declared end-of-turn token, in that order, without repeats."""
     from serve_tiny import tiny_metaspace
 
