@@ -167,7 +167,7 @@ def _weight_only_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
     net = stamp.get("network") or {}
     by_type = Counter((net.get("weight_only_gemms") or {}).values())
     engine = ", ".join(f"{t} {n}" for t, n in sorted(by_type.items())) or "none"
-    forms = "; ".join(f"{label}: {r['gemms']} GEMMs, {r['bits_per_weight']:.2f} bits/weight"
+    forms = "; ".join(f"{label}: {r['gemms']} GEMM{'s' * (r['gemms'] != 1)}, {r['bits_per_weight']:.2f} bits/weight"
                       for label, r in formats.items())
     mean = bits_per_weight(formats)
     return [("weight-only GEMMs (block weights, FP32 activations)", f"{sum(by_type.values())} in the network "
