@@ -225,15 +225,15 @@ def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path
     graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
     rewritten = {t.node for t in done}
     excluded = [t.node for t in targets if t.node not in rewritten]
-    formats = Counter(f"{t.ggml_type} -> {t.onnx_form}" for t in done)
-    info = {"method": w.method, "source": str(path), "block_size": w.block_size,
-            "gemm_formats": dict(sorted(formats.items(), key=lambda kv: -kv[1])),
+    counts = Counter(f"{t.ggml_type} -> {t.onnx_form}" for t in done)
+    formats = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    info = {"method": w.method, "source": str(path), "block_size": w.block_size, "gemm_formats": formats,
             "row_orders": dict(Counter(t.row_order for t in done)),
             "rounded_offsets": sum(t.rounded_offsets for t in done), "blocks": sum(t.blocks for t in done),
             "max_weight_error": max(t.max_weight_error for t in done),
             "quantized_fraction": len(done) / (len(done) + len(excluded))}
     ctx.progress.print(f"  quantize: {len(done)} GEMMs weight-only ("
-                       + ", ".join(f"{n} {k}" for k, n in info["gemm_formats"].items())
+                       + ", ".join(f"{n} {k}" for k, n in formats.items())
                        + f"), {len(excluded)} left FP32; max |weight - GGML's| {info['max_weight_error']:g}")
     art = QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info)
     return _save(art, model, src)

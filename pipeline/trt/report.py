@@ -107,8 +107,10 @@ def block_weight_formats(model: Any) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for n in model.graph.node:
         d = dq.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) > 1 else None
-        block = next((a.i for a in d.attribute if a.name == "block_size"), 0) if d is not None else 0
-        values = inits.get(d.input[0]) if d is not None else None
+        if d is None:
+            continue
+        block = next((a.i for a in d.attribute if a.name == "block_size"), 0)
+        values = inits.get(d.input[0])
         if not block or values is None or values.data_type not in bits:
             continue
         scale = inits.get(d.input[1])
