@@ -62,6 +62,11 @@ class QuantizedArtifact:
     def summary(self) -> str:
         if not self.quantized_nodes:
             return f"{self.precision}: no Q/DQ"
+        formats = self.calibration.get("gemm_formats")
+        if formats:  # weight-only: {"Q4_1 -> INT4 block 32 + offsets": 210, ...}
+            shown = ", ".join(f"{n} {form}" for form, n in formats.items())
+            return (f"{self.precision}: {len(self.quantized_nodes)} GEMMs weight-only ({shown}), "
+                    f"{len(self.excluded_nodes)} left FP32, weights from {self.calibration.get('method')}")
         text = (f"{self.precision}: {len(self.quantized_nodes)} GEMMs quantized, "
                 f"{len(self.excluded_nodes)} excluded, calibration {self.calibration.get('method')}")
         shortfall = self.calibration.get("shortfall")

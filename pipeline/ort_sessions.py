@@ -48,7 +48,12 @@ def _usable(provider: str) -> bool:
 #   FP8 Q/DQ                              -> "basic"
 #   INT8 Q/DQ with a weight beyond +-64   -> "basic" (exact on every CPU)
 #   INT8 Q/DQ, 7-bit weights; FP32; FP16  -> "all"
-# The served config (pipeline.triton.config.compute_config) asks for the same level.
+#   weight-only blocks (INT4/INT8 DequantizeLinear with block_size, FP32 activations) -> "all",
+#     with session config MATMULNBITS_FP32: level "all" fuses each DequantizeLinear + MatMul into
+#     com.microsoft.MatMulNBits, whose default accuracy_level 4 would quantize the activations to
+#     INT8; level 1 computes in FP32 (pipeline.quant.int4). No integer activation kernel runs, so
+#     the +-64 rule does not apply to those weights.
+# The served config (pipeline.triton.config.compute_config) asks for the same level and entries.
 # 7-bit weights are the recipe's quantize.reduce_range (pipeline.quant.qdq.quant_format);
 # docs/quantization.md gives the speed they buy.
 
@@ -59,6 +64,10 @@ ORT_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+
+#: ONNX Runtime session config entries a graph of weight-only blocks runs with (validate and the
+#: served python-onnxruntime model alike): MatMulNBits computes in FP32 (accuracy level 1)
+MATMULNBITS_FP32 = {"session.qdq_matmulnbits_accuracy_level": "1"}
 
 _FLOAT8 = frozenset(getattr(onnx.TensorProto, n) for n in (
     "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ") if hasattr(onnx.TensorProto, n))
@@ -92,11 +101,34 @@ def int8_weights_saturate(model: onnx.ModelProto, base_dir: str = "") -> bool:
 
     inits = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8}
     for node in model.graph.node:
+        if _block_size(node):  # weight-only blocks: MatMulNBits, FP32 activations, no int16 products
+            continue
         w = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
         if w is not None and int(np.abs(numpy_helper.to_array(w, base_dir).astype(np.int16)).max(initial=0)) \
                 > SATURATION_SAFE_INT8:
             return True
     return False
+
+
+def _block_size(node: onnx.NodeProto) -> int:
+    """A DequantizeLinear's ``block_size`` (0: none, or not a DequantizeLinear)."""
+    if node.op_type != "DequantizeLinear":
+        return 0
+    return next((a.i for a in node.attribute if a.name == "block_size"), 0)
+
+
+def has_block_weights(model: onnx.ModelProto) -> bool:
+    """True when a DequantizeLinear of the main graph is blocked (``block_size``): weight-only INT4/INT8
+    weights (:mod:`pipeline.quant.int4`). Reads no weight data."""
+    return any(_block_size(n) for n in model.graph.node)
+
+
+def session_config(model: str | Path | onnx.ModelProto) -> dict[str, str]:
+    """ONNX Runtime session config entries the graph runs with, validated and served:
+    :data:`MATMULNBITS_FP32` for weight-only blocks, else none."""
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model), load_external_data=False)
+    return dict(MATMULNBITS_FP32) if has_block_weights(model) else {}
 
 
 def optimization_level(model: str | Path | onnx.ModelProto, base_dir: str = "") -> str:
@@ -131,17 +163,23 @@ def ort_session(path: str, level: str | None = None, *, prepack: bool = True,
     few times where memory matters more than speed; the results are the same. ``prepack=False``:
     no prepacked copy of each GEMM weight; the GEMM kernels then differ from a prepacking
     session's in the last bits (up to ~2e-6 relative; the search's reference runs so since
-    ``pin.SEARCH_VERSION`` 3)."""
-    return session_from(path, path, session_options(level or optimization_level(path), prepack, arena))
+    ``pin.SEARCH_VERSION`` 3). The graph's :func:`session_config` entries are always set."""
+    graph = onnx.load(str(path), load_external_data=False)
+    level = level or optimization_level(graph, str(Path(path).parent))
+    return session_from(path, path, session_options(level, prepack, arena, config=session_config(graph)))
 
 
-def session_options(level: str, prepack: bool = True, arena: bool = True) -> ort.SessionOptions:
-    """:func:`ort_session`'s options at ``level`` (a key of :data:`ORT_LEVELS`)."""
+def session_options(level: str, prepack: bool = True, arena: bool = True,
+                    config: Mapping[str, str] | None = None) -> ort.SessionOptions:
+    """:func:`ort_session`'s options at ``level`` (a key of :data:`ORT_LEVELS`), with the session
+    config entries ``config`` (:func:`session_config`)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.graph_optimization_level = ORT_LEVELS[level]
     if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
+    for key, value in (config or {}).items():
+        opts.add_session_config_entry(key, value)
     opts.enable_cpu_mem_arena = arena
     return opts
 

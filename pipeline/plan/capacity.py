@@ -151,20 +151,27 @@ def weight_bytes_by_target(export: onnx.ModelProto, quantized_nodes: list[str],
     """(CPU bytes, GPU bytes, parameters, quantized parameters) of the export's float initializers.
 
     CPU: each tensor at its ONNX type's width (2 for fp16 recipes); GPU: the
-    weights of ``quantized_nodes`` (MatMul/Gemm input 1) at 1 byte, the rest as on CPU.
+    weights of ``quantized_nodes`` (MatMul/Gemm input 1, or the initializer a Transpose there
+    reads: a tied lm_head, whose table the embedding Gather still reads at its own width too) at the
+    precision's weight bytes (1; 0.5 for int4), the rest as on CPU.
 
     Raises:
         PipelineError: a quantized node is not in the export, or has no initializer weight.
     """
     inits = {t.name: t for t in export.graph.initializer}
     nodes = {n.name: n for n in export.graph.node}
-    quantized = set()
+    transposed = {n.output[0]: n.input[0] for n in export.graph.node if n.op_type == "Transpose" and n.input}
+    quantized, tied = set(), set()
     for name in quantized_nodes:
         node = nodes.get(name)
-        if node is None or len(node.input) < 2 or node.input[1] not in inits:
+        direct = node.input[1] if node is not None and len(node.input) >= 2 else ""
+        weight = direct if direct in inits else transposed.get(direct, "")
+        if weight not in inits:
             raise PipelineError(f"quantize/stage.json: quantized node {name!r} has no weight initializer in "
                                 "export/model.onnx; the stages are out of step: rebuild the recipe")
-        quantized.add(node.input[1])
+        quantized.add(weight)
+        if weight != direct:
+            tied.add(weight)
     cpu = gpu = params = qparams = 0
     for t in inits.values():
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
@@ -174,7 +181,10 @@ def weight_bytes_by_target(export: onnx.ModelProto, quantized_nodes: list[str],
         width = int(facts(precision).weight_bytes) if facts(precision).cast else dtype.itemsize
         params += n
         cpu += n * width
-        gpu += n * (1 if t.name in quantized else width)
+        if t.name in quantized:
+            gpu += int(n * facts(precision).weight_bytes) + (n * width if t.name in tied else 0)
+        else:
+            gpu += n * width
         qparams += n if t.name in quantized else 0
     return cpu, gpu, params, qparams
 

@@ -40,6 +40,7 @@ def constraint_problems(r: Recipe) -> list[Problem]:
         *_gate_problems(r),
         *_triton_problems(r),
         *_target_problems(r),
+        *_weights_problems(r),
     ]
 
 
@@ -289,18 +290,71 @@ def _triton_problems(r: Recipe) -> list[Problem]:
 
 
 def _target_problems(r: Recipe) -> list[Problem]:
-    """``build.targets`` against FP8 (needs sm89+) and TensorRT-RTX's architectures."""
+    """``build.targets`` against the precision's GPUs (the precision table's minimum compute
+    capability: FP8 sm89+, INT4 sm86+) and TensorRT-RTX's architectures."""
     from pipeline import targets as serving_targets
+    from pipeline.recipe.precisions import runs_on
 
     b = r.build
     out: list[Problem] = []
     for i, target in enumerate(b.targets):
         cap = serving_targets.sm_capability(target)
-        if capability_problem(r.quantize.precision, cap, target):
-            out.append((("build", "targets", i), f"{target}: FP8 needs compute capability >= 8.9 (sm89, sm90, "
-                        "sm100, sm120, ...); drop it or quantize to int8"))
+        problem = capability_problem(r.quantize.precision, cap, target)
+        if problem:
+            there = ", ".join(runs_on(serving_targets.capability_tuple(cap)))
+            out.append((("build", "targets", i), f"{target}: {problem}; drop it, or quantize to a precision "
+                        f"{target} runs ({there})"))
     if b.backend == "tensorrt-rtx" and b.targets and not any(t in serving_targets.RTX_TARGETS for t in b.targets):
         out.append((("build", "backend"), f"tensorrt-rtx cannot build for {b.targets} (it builds "
                     f"{', '.join(serving_targets.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "
                     f"{serving_targets.RTX_CHECK_TARGET} plus trtexec.sh) or tensorrt on such a GPU"))
+    return out
+
+
+#: GGUF block types carried as INT4 (pipeline.quant.gguf_blocks.SUPPORTED) all have 32-wide blocks
+#: (Q4_0, Q4_1; Q4_K's sub-blocks); kept here so that check reads no file
+GGUF_INT4_BLOCK = 32
+
+
+def _weights_problems(r: Recipe) -> list[Problem]:
+    """``quantize.weights`` (weight-only precisions): its method exists, ``source`` reads a GGUF file
+    with the file's block size, and the served ONNX graph can run at ONNX Runtime's accuracy level 1
+    (Triton's stock onnxruntime backend cannot set it)."""
+    from pipeline.recipe.precisions import REFERENCE
+    from pipeline.recipe.schema import WEIGHT_METHODS_DONE
+
+    w = r.quantize.weights
+    if w is None:
+        return []
+    at: Loc = ("quantize", "weights")
+    out: list[Problem] = []
+    if w.method not in WEIGHT_METHODS_DONE:
+        out.append(((*at, "method"), f"{w.method!r} is not implemented yet; valid now: "
+                    f"{', '.join(WEIGHT_METHODS_DONE)} (a GGUF model source's own blocks)"))
+    if w.method == "source":
+        src = r.model.source
+        name = getattr(src, "file", None) or getattr(src, "path", None) or ""
+        if src.tag not in ("package", "path") or not str(name).endswith(".gguf"):
+            out.append((("model", "source"), f"{src.describe()} is not a GGUF file, and quantize.weights.method: "
+                        "source takes the weights' blocks from one; use {path: ./model.gguf} or {package: P, file: "
+                        "F.gguf}, or another weights.method"))
+        if w.block_size != GGUF_INT4_BLOCK:
+            out.append(((*at, "block_size"), f"{w.block_size}: method source keeps the GGUF file's blocks, which are "
+                        f"{GGUF_INT4_BLOCK} weights wide for every 4-bit type (Q4_0, Q4_1, Q4_K); set block_size: "
+                        f"{GGUF_INT4_BLOCK}"))
+    q = r.quantize
+    if q.exclude.nodes or q.exclude.op_types:
+        out.append(((*at[:1], "exclude"), f"not implemented yet for {q.precision}: every GEMM whose weight is a tensor "
+                    "of the GGUF file gets its blocks; drop quantize.exclude"))
+    if q.rest_precision != REFERENCE:
+        out.append(((*at[:1], "rest_precision"), f"{q.rest_precision!r}: {q.precision} keeps the activations and "
+                    f"everything but the GEMM weights in {REFERENCE} (MatMulNBits computes in FP32); use "
+                    f"rest_precision: {REFERENCE}"))
+    if r.triton.target in ("onnxruntime", "auto"):
+        why = ("" if r.triton.target == "onnxruntime" else
+               " (auto serves onnxruntime_onnx wherever no datacenter TensorRT engine is built)")
+        out.append((("triton", "target"), f"{r.triton.target!r}{why}: Triton's stock onnxruntime backend cannot set "
+                    "ONNX Runtime's session.qdq_matmulnbits_accuracy_level, so it would run the "
+                    f"{r.quantize.precision.upper()} GEMMs with INT8-quantized activations (accuracy level 4), not "
+                    "what validate measured; use target python-onnxruntime (or tensorrt with a datacenter engine)"))
     return out

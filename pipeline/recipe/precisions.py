@@ -15,13 +15,16 @@ Sources of the numbers:
 * export tolerances: (rtol, atol) of :func:`pipeline.checks.tolerance.tolerance`, measured on this
   project's models (docs/recipes-and-gates.md).
 * weight bytes: the bytes one weight takes in the engine, for the capacity plan.
+* INT4 (weight-only): ONNX's blocked ``DequantizeLinear`` (``block_size``) and the INT4 type came
+  with opset 21; TensorRT-RTX 1.7 builds INT4 blocks for sm86, sm89 and sm120 and refuses sm75
+  ("HW-specific datatypes: int4", measured: tests/unit/quant/test_gguf_blocks.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 __all__ = ["PrecisionFacts", "PRECISIONS", "REFERENCE", "facts", "names", "QUANTIZE", "REST", "CALIBRATED", "CAST",
-           "capability_problem"]
+           "WEIGHT_ONLY", "capability_problem", "runs_on"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class PrecisionFacts:
             through a TensorRT engine).
         fp8_tensor_cores: its GEMMs run on FP8 tensor cores where the GPU has them (the capacity plan then
             uses the GPU table's FP8 peak, else its FP16 peak).
+        weight_only: only the GEMM weights are quantized (blocked DequantizeLinear on the weight, no
+            QuantizeLinear on the activation, which stays FP32): no calibration; the weights come from
+            ``quantize.weights`` (:mod:`pipeline.quant.int4`); ONNX Runtime fuses each into a
+            ``MatMulNBits`` run at accuracy level 1 (:data:`pipeline.ort_sessions.MATMULNBITS_FP32`),
+            which Triton's stock onnxruntime backend cannot set.
     """
 
     name: str
@@ -63,6 +71,7 @@ class PrecisionFacts:
     cpu_simulated: bool = False
     ort_cpu: bool = True
     fp8_tensor_cores: bool = False
+    weight_only: bool = False
 
 
 PRECISIONS: dict[str, PrecisionFacts] = {p.name: p for p in (
@@ -78,6 +87,9 @@ PRECISIONS: dict[str, PrecisionFacts] = {p.name: p for p in (
     PrecisionFacts("bf16", quantize=False, rest=True, calibrated=False, qdq=False, cast=True, min_opset=13,
                    min_compute_capability=(8, 0), export_tolerance=(2e-2, 2e-2), weight_bytes=2.0,
                    ort_cpu=False),
+    PrecisionFacts("int4", quantize=True, rest=False, calibrated=False, qdq=True, cast=False, min_opset=21,
+                   min_compute_capability=(8, 6), export_tolerance=(1e-2, 1e-2), weight_bytes=0.5, integer=False,
+                   weight_only=True),
 )}
 
 #: the reference every candidate is compared with, and the precision of an unquantized graph
@@ -105,6 +117,8 @@ QUANTIZE = names(quantize=True)
 REST = (REFERENCE, *(n for n in names(rest=True) if n != REFERENCE))
 CALIBRATED = names(calibrated=True)
 CAST = names(cast=True)
+#: weight-only precisions (``quantize.weights``): int4
+WEIGHT_ONLY = names(weight_only=True)
 
 
 def capability_problem(precision: str, capability: str | tuple[int, int], where: str) -> str | None:
@@ -127,3 +141,9 @@ def capability_problem(precision: str, capability: str | tuple[int, int], where:
         return None
     major, minor = capability
     return f"{precision.upper()} needs compute capability >= {need[0]}.{need[1]}; {where} has compute capability {major}.{minor}"
+
+
+def runs_on(capability: tuple[int, int]) -> tuple[str, ...]:
+    """``quantize.precision`` names whose GEMM kernels a GPU of ``capability`` has (the table's order)."""
+    return tuple(p.name for p in PRECISIONS.values()
+                 if p.quantize and (p.min_compute_capability is None or capability >= p.min_compute_capability))

@@ -125,9 +125,26 @@ class ExcludeConfig(Strict):
                                 "occur in the graph")
 
 
+#: how weight-only (int4) weights are made: ``source`` takes the GGUF file's own blocks; ``rtn`` / ``awq``
+#: (round to nearest / activation-aware) are refused by ``check`` until they exist (pipeline.recipe.checks)
+WeightMethod = Literal["rtn", "awq", "source"]
+#: methods the quantize stage implements
+WEIGHT_METHODS_DONE = ("source",)
+
+
+class WeightsConfig(Strict):
+    """Weight-only quantization (``quantize.precision: int4``): blocked INT4 weights, FP32 activations."""
+
+    method: WeightMethod = Field(description="source: the model file's own GGUF blocks (Q4_0, Q4_1, Q4_K as INT4; "
+                                 "Q8_0, Q6_K as INT8), carried without re-rounding (pipeline.quant.int4); rtn, awq: "
+                                 "not implemented yet (check refuses them)")
+    block_size: Literal[32, 64, 128] = Field(32, description="weights per scale along the GEMM's input dimension; "
+                                             "source: the file's (32 for every GGUF 4-bit type)")
+
+
 class QuantizeConfig(Strict):
     precision: Precision = Field(description="fp8 / int8: Q/DQ on the weight GEMMs (needs calibration); "
-                                 "fp16 / fp32: no Q/DQ")
+                                 "int4: weight-only INT4 blocks (needs weights, no calibration); fp16 / fp32: no Q/DQ")
     calibration: CalibrationConfig | None = Field(None, description="activation ranges; required for fp8 and int8")
     exclude: ExcludeConfig = Field(ExcludeConfig(), description="nodes kept in high precision by hand")
     per_channel_weights: bool = Field(
@@ -150,12 +167,38 @@ class QuantizeConfig(Strict):
     tuning: TuningConfig | None = Field(None, description="tuning split and search bounds for sensitivity/budget")
     sensitivity: SensitivityConfig | None = Field(None, description="per-group sensitivity pass on the tuning split "
                                                   "(pipeline.quant.sensitivity); needs tuning")
+    weights: WeightsConfig | None = Field(None, description="weight-only precisions (int4): where the blocked weights "
+                                          "come from, {method: source, block_size: 32}; required for int4, refused "
+                                          "for the others")
 
     @model_validator(mode="after")
     def _needs_calibration(self) -> "QuantizeConfig":
         if self.precision in precisions.CALIBRATED and self.calibration is None:
             raise ValueError(f"precision {self.precision!r} needs a calibration section")
         return self
+
+    @model_validator(mode="after")
+    def _weights_fit(self) -> "QuantizeConfig":
+        weight_only = precisions.facts(self.precision).weight_only
+        if weight_only and self.weights is None:
+            raise ValueError(f"precision {self.precision!r} needs a weights section, e.g. weights: {{method: source, "
+                             "block_size: 32} (the GGUF file's own blocks)")
+        if not weight_only and self.weights is not None:
+            raise ValueError(f"weights (weight-only blocks) need precision {' or '.join(precisions.WEIGHT_ONLY)}, "
+                             f"not {self.precision!r}")
+        if weight_only and self.calibration is not None:
+            raise ValueError(f"precision {self.precision!r} is weight-only: its activations stay FP32 and nothing is "
+                             "calibrated; drop the calibration section")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _added_fields_as_before(self, handler):
+        """``weights`` unset dumps as absent, so recipe digests, stage keys and pins
+        (:func:`pipeline.quant.pin.match_fields`) of recipes without it are what they were before it existed."""
+        data = handler(self)
+        if self.weights is None and isinstance(data, dict):
+            data.pop("weights", None)
+        return data
 
     @model_validator(mode="after")
     def _reduce_range_is_int8(self) -> "QuantizeConfig":

@@ -9,7 +9,8 @@ folder, or the config transformers derives from a GGUF file) with
 inside ``<work_dir>/<name>-test/``: nothing is published, and the real run's
 stage cache is untouched. Gates are evaluated and reported but not enforced:
 the exit code is 0 when every stage ran. ``entry:`` and ``onnx:`` sources have no
-config to copy from and are refused (exit 2).
+config to copy from and are refused (exit 2), and so is ``quantize.weights.method:
+source`` (a random copy has no GGUF blocks to take).
 """
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def hf_location(recipe) -> Path:
     from pipeline.sources.model import package_file
 
     source = recipe.model.source
+    weights = recipe.quantize.weights
+    if weights is not None and weights.method == "source":
+        raise PipelineError("build --test: quantize.weights.method: source takes the weights' blocks from the GGUF "
+                            f"file, and the randomly initialised copy of {source.describe()} has none; run `build` "
+                            "without --test")
     if not source.hf_loadable:
         raise PipelineError(f"build --test: model.source is {source.describe()}; a randomly initialised 2-layer "
                             "copy can only be made of a Hugging Face folder or GGUF file (package: or path: "

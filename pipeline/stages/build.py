@@ -176,6 +176,10 @@ def build_from_onnx(
     write_bytes_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
     stamp["onnx_qdq_nodes"] = sum(n.op_type in INSERTED_OPS for n in model.graph.node)
+    formats = engine_report.block_weight_formats(model)  # weight-only (int4) GEMMs: bits per weight by form
+    if formats:
+        stamp["weight_formats"] = formats
+        stamp["weight_bits_per_weight"] = engine_report.bits_per_weight(formats)
     notes = _gemm_warnings(built.network, quantized_nodes) + notes
     stamp_path = _write_records(out_dir, stamp, quantized_nodes, notes)
     for note in notes:

@@ -1,4 +1,5 @@
-"""Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, or FP16."""
+"""Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, weight-only INT4 blocks
+taken from a GGUF file (``quantize.weights.method: source``), or FP16."""
 from __future__ import annotations
 
 import dataclasses
@@ -69,6 +70,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         return _save(QuantizedArtifact(str(out), q.precision, [], []), model, src)
     if facts(q.precision).cast:
         return _fp16(model, src, out, q.precision)
+    if facts(q.precision).weight_only:
+        return _weight_only(ctx, model, src, out)
     _check_opset(model, q.precision)
     targets = qdq.find_targets(model, list(q.quantize_op_types))
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
@@ -214,6 +217,74 @@ def _save(art: QuantizedArtifact, model: onnx.ModelProto, src: Path) -> Quantize
     onnx_io.save_model_atomic(model, art.onnx_path, base_dir=src.parent)
     onnx_io.require_loadable(art.onnx_path, "quantize")
     return art
+
+
+def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path) -> QuantizedArtifact:
+    """``quantize.weights.method: source``: every weight GEMM whose FP32 weight is a GGUF tensor's
+    decode (the model source's file) becomes that tensor's blocks as blocked DequantizeLinear + MatMul
+    (:func:`pipeline.quant.int4.rewrite_matmuls`, and the tied lm_head), the opset raised to 21.
+    No calibration: activations stay FP32. ``calibration`` records the GEMM count per GGML type and
+    ONNX form (``gemm_formats``), the file, and how far the forms are from GGML's weights.
+
+    Raises:
+        GGUFWeightError: (exit 2) the model file is not a GGUF file; a GEMM's GGUF tensor has a type
+            with no block form; a module's weight is not its tensor's decode; the file's INT4 blocks are
+            not ``quantize.weights.block_size`` wide; no GEMM matched the file.
+        QuantizationError: an op of the graph means something else at opset 21.
+    """
+    from collections import Counter
+
+    from pipeline.quant import gguf_blocks, int4
+    from pipeline.sources.model import package_file
+
+    w = ctx.recipe.quantize.weights
+    assert w is not None  # the schema requires it for a weight-only precision
+    path = package_file(ctx.recipe.model)
+    targets = qdq.find_targets(model, list(ctx.recipe.quantize.quantize_op_types))
+    with ctx.progress.step(f"quantize: weight-only blocks from {path.name}"):
+        reader = gguf_blocks.open_gguf(path)
+        done = int4.rewrite_matmuls(model, reader, base_dir=str(src.parent))
+        if _has_tied_lm_head(model) and any(t.name == int4.EMBEDDING for t in reader.tensors):
+            done.append(int4.rewrite_tied_lm_head(model, reader, base_dir=str(src.parent)))  # SmolLM2's
+        int4.raise_opset(model)
+    if not done:
+        raise gguf_blocks.GGUFWeightError(
+            f"model.source: no weight GEMM of the exported graph holds a tensor of {path} (quantize.weights.method: "
+            "source needs the graph exported from that GGUF file)")
+    wrong = {t.tensor: size for t, (bits, size) in zip(done, _forms(done)) if bits == 4 and size != w.block_size}
+    if wrong:
+        shown = ", ".join(f"{name} ({size})" for name, size in sorted(wrong.items())[:3])
+        raise gguf_blocks.GGUFWeightError(
+            f"quantize.weights.block_size: {w.block_size}, but {path.name}'s INT4 tensors have other blocks: {shown}; "
+            "method source keeps the file's blocks: set block_size to the file's")
+    graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
+    rewritten = {t.node for t in done}
+    excluded = [t.node for t in targets if t.node not in rewritten]
+    counts = Counter(f"{t.ggml_type} -> {t.onnx_form}" for t in done)
+    formats = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    info = {"method": w.method, "source": str(path), "block_size": w.block_size, "gemm_formats": formats,
+            "row_orders": dict(Counter(t.row_order for t in done)),
+            "rounded_offsets": sum(t.rounded_offsets for t in done), "blocks": sum(t.blocks for t in done),
+            "max_weight_error": max(t.max_weight_error for t in done),
+            "quantized_fraction": len(done) / (len(done) + len(excluded))}
+    ctx.progress.print(f"  quantize: {len(done)} GEMMs weight-only ("
+                       + ", ".join(f"{n} {k}" for k, n in formats.items())
+                       + f"), {len(excluded)} left FP32; max |weight - GGML's| {info['max_weight_error']:g}")
+    art = QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info)
+    return _save(art, model, src)
+
+
+def _has_tied_lm_head(model: onnx.ModelProto) -> bool:
+    """A MatMul reads ``Transpose(table)`` of an initializer a Gather also reads (a tied embedding)."""
+    inits = {t.name for t in model.graph.initializer}
+    gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits}
+    transposed = {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in gathered}
+    return any(n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in transposed for n in model.graph.node)
+
+
+def _forms(done) -> list[tuple[int, int]]:
+    """(bits, block size) of each rewritten GEMM's ONNX form (``"INT4 block 32 + offsets"``)."""
+    return [(int(t.onnx_form.split()[0][3:]), int(t.onnx_form.split()[2])) for t in done]
 
 
 def _check_opset(model: onnx.ModelProto, precision: str) -> None:

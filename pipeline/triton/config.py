@@ -26,6 +26,7 @@ Device rule (``instance_group.kind``), checked by :func:`check_config`:
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from pipeline.artifacts import TensorSpec
 from pipeline.errors import TritonConfigError
 from pipeline.recipe.schema import TritonConfig
-from pipeline.ort_sessions import optimization_level
+from pipeline.ort_sessions import optimization_level, session_config
 
 if TYPE_CHECKING:  # the generated protobuf module ships no type stubs
     ModelConfig = Any
@@ -175,7 +176,11 @@ def compute_config(
             ORT_ENABLE_BASIC) for ``basic``, unset (all) otherwise;
             ``python-onnxruntime``: parameter ``graph_optimization_level`` and, at
             ``basic``, ``dequantize_weights`` ``once`` (constant weight
-            DequantizeLinear run once at load; bit-identical outputs, see the template).
+            DequantizeLinear run once at load; bit-identical outputs, see the template);
+            for a graph of weight-only blocks (int4) also ``session_config``, the JSON of
+            :func:`pipeline.ort_sessions.session_config` (MatMulNBits at accuracy level 1),
+            which Triton's stock ``onnxruntime`` backend has no parameter for (``check``
+            refuses that target for such recipes).
         qdq: used only without ``graph`` (older callers): the graph holds
             Q/DQ nodes, taken as ``basic``.
 
@@ -191,6 +196,9 @@ def compute_config(
         cfg.parameters["graph_optimization_level"].string_value = level
         if level == "basic":
             cfg.parameters["dequantize_weights"].string_value = "once"
+        entries = session_config(graph) if graph is not None else {}
+        if entries:
+            cfg.parameters["session_config"].string_value = json.dumps(entries, sort_keys=True)
     batched = triton.max_batch_size > 0
     for kind, entries, specs in (("input", cfg.input, inputs), ("output", cfg.output, outputs)):
         for spec in specs:

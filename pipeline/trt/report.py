@@ -6,16 +6,22 @@ kept, and the GEMMs (matrix multiply, convolution, deconvolution) whose two
 operands both come from a DequantizeLayer of INT8/FP8 data (through
 shuffles: transposes and reshapes). Those are the GEMMs TensorRT may run in
 INT8/FP8; a GEMM the quantize stage quantized that is not among them would
-run in higher precision than validate measured.
+run in higher precision than validate measured. A weight-only GEMM (``quantize.precision:
+int4``) has its weight dequantized from INT4/INT8 blocks and an FP32 activation by design:
+those are counted apart (``weight_only_gemms``), not as left in high precision.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 GEMM_TYPES = ("MATRIX_MULTIPLY", "CONVOLUTION", "DECONVOLUTION")
 _LOW_PRECISION = ("INT8", "FP8")
+#: weight types of weight-only GEMMs (blocked DequantizeLinear on the weight alone)
+_WEIGHT_ONLY = ("INT4", "INT8")
 _PASS_THROUGH = ("SHUFFLE",)
 SECTION_FILE = "engine.md"
 
@@ -24,12 +30,14 @@ SECTION_FILE = "engine.md"
 class NetworkSummary:
     """``layers_by_type``: LayerType name -> count; ``qdq_layers``: Quantize + Dequantize layers;
     ``gemms``: GEMM layers; ``low_precision_gemms``: layer name -> "INT8"/"FP8" of those
-    with both operands dequantized from that type."""
+    with both operands dequantized from that type; ``weight_only_gemms``: layer name ->
+    "INT4"/"INT8" of those whose weight (input 1) alone is dequantized from that type."""
 
     layers_by_type: dict[str, int]
     qdq_layers: int
     gemms: int
     low_precision_gemms: dict[str, str]
+    weight_only_gemms: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,25 +49,28 @@ def summarize_network(network: Any) -> NetworkSummary:
     producer = {layer.get_output(j).name: layer for layer in layers for j in range(layer.num_outputs)}
     types = Counter(layer.type.name for layer in layers)
     low: dict[str, str] = {}
+    weight_only: dict[str, str] = {}
     for layer in layers:
         if layer.type.name in GEMM_TYPES and layer.num_inputs >= 2:
-            kinds = {_dequantized_from(layer.get_input(k), producer) for k in (0, 1)}
-            if len(kinds) == 1 and None not in kinds:
-                low[layer.name] = str(kinds.pop())
+            act, weight = (_dequantized_from(layer.get_input(k), producer) for k in (0, 1))
+            if act == weight and act in _LOW_PRECISION:
+                low[layer.name] = str(act)
+            elif act is None and weight in _WEIGHT_ONLY:
+                weight_only[layer.name] = str(weight)
     return NetworkSummary(dict(sorted(types.items())), types["QUANTIZE"] + types["DEQUANTIZE"],
-                          sum(types[t] for t in GEMM_TYPES), low)
+                          sum(types[t] for t in GEMM_TYPES), low, weight_only)
 
 
 def _dequantized_from(tensor: Any, producer: dict[str, Any]) -> str | None:
-    """"INT8"/"FP8" if ``tensor`` is a DequantizeLayer's output of such data (via shuffles)."""
+    """The data type name ("INT8", "FP8", "INT4", ...) if ``tensor`` is a DequantizeLayer's
+    output (via shuffles), else None."""
     seen = 0
     while tensor is not None and seen < 16:
         layer = producer.get(tensor.name)
         if layer is None:
             return None
         if layer.type.name == "DEQUANTIZE":
-            dtype = layer.get_input(0).dtype.name
-            return dtype if dtype in _LOW_PRECISION else None
+            return str(layer.get_input(0).dtype.name)
         if layer.type.name not in _PASS_THROUGH:
             return None
         tensor, seen = layer.get_input(0), seen + 1
@@ -68,16 +79,56 @@ def _dequantized_from(tensor: Any, producer: dict[str, Any]) -> str | None:
 
 def gemm_mismatch(summary: NetworkSummary, quantized_nodes: list[str] | None) -> list[str]:
     """The quantize stage's quantized GEMMs (ONNX node names, which the parser keeps as
-    layer names) that are not low-precision GEMMs in the network; [] when not known."""
+    layer names) that are neither low-precision nor weight-only GEMMs in the network; [] when not known."""
     if quantized_nodes is None:
         return []
-    return [n for n in quantized_nodes if n not in summary.low_precision_gemms]
+    return [n for n in quantized_nodes if n not in summary.low_precision_gemms and n not in summary.weight_only_gemms]
 
 
 def mismatch_warning(missing: list[str], quantized: int) -> str:
     shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
-    return (f"{len(missing)} of the {quantized} GEMMs the quantize stage quantized have no INT8/FP8 operands in "
-            f"the TensorRT network, so TensorRT runs them in higher precision than validate measured: {shown}")
+    return (f"{len(missing)} of the {quantized} GEMMs the quantize stage quantized have no INT8/FP8 operands (nor "
+            f"an INT4/INT8 block weight) in the TensorRT network, so TensorRT runs them in higher precision than "
+            f"validate measured: {shown}")
+
+
+def block_weight_formats(model: Any) -> dict[str, dict[str, Any]]:
+    """Weight-only GEMMs of an ONNX graph (loaded without its external data: reads dims and types
+    only) by ONNX form: ``{"INT4 block 32 + offsets": {"gemms": 210, "weights": n, "bits_per_weight":
+    6.0}, ...}``. A weight-only GEMM is a MatMul whose ``B`` is a blocked DequantizeLinear
+    (``block_size``) of an INT4/INT8 initializer; the bits per weight count the integer, its float
+    scale and, where :mod:`pipeline.quant.int4` added one, the block's float offset (``<prefix>.offsets``
+    beside ``<prefix>.values``), as the graph stores them."""
+    from onnx import TensorProto, helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    bits = {TensorProto.INT4: 4, TensorProto.INT8: 8, TensorProto.UINT4: 4, TensorProto.UINT8: 8}
+    out: dict[str, dict[str, Any]] = {}
+    for n in model.graph.node:
+        d = dq.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) > 1 else None
+        if d is None:
+            continue
+        block = next((a.i for a in d.attribute if a.name == "block_size"), 0)
+        values = inits.get(d.input[0])
+        if not block or values is None or values.data_type not in bits:
+            continue
+        scale = inits.get(d.input[1])
+        scale_bits = 8 * helper.tensor_dtype_to_np_dtype(scale.data_type).itemsize if scale is not None else 32
+        offsets = inits.get(values.name.removesuffix(".values") + ".offsets") if values.name.endswith(".values") else None
+        label = f"INT{bits[values.data_type]} block {block}" + (" + offsets" if offsets is not None else "")
+        per = bits[values.data_type] + scale_bits / block + (
+            8 * helper.tensor_dtype_to_np_dtype(offsets.data_type).itemsize / block if offsets is not None else 0)
+        row = out.setdefault(label, {"gemms": 0, "weights": 0, "bits_per_weight": per})
+        row["gemms"] += 1
+        row["weights"] += int(np.prod(values.dims, dtype=np.int64))
+    return out
+
+
+def bits_per_weight(formats: dict[str, dict[str, Any]]) -> float | None:
+    """Mean bits per weight over :func:`block_weight_formats`' rows (None when there are none)."""
+    weights = sum(r["weights"] for r in formats.values())
+    return sum(r["bits_per_weight"] * r["weights"] for r in formats.values()) / weights if weights else None
 
 
 def section_markdown(stamp: dict[str, Any], quantized_count: int | None, warnings: list[str]) -> str:
@@ -97,6 +148,7 @@ def section_markdown(stamp: dict[str, Any], quantized_count: int | None, warning
         ("GEMMs with INT8/FP8 operands", f"{len(net.get('low_precision_gemms', {}))} of {net.get('gemms', '?')} "
                                          "engine matrix multiplies, attention's included (quantize stage: "
                                          f"{'?' if quantized_count is None else quantized_count} weight GEMMs)"),
+        *_weight_only_rows(stamp),
         ("timing cache", stamp["timing_cache"]),
         ("where it runs", stamp["runs_on"]),
     ]
@@ -106,3 +158,21 @@ def section_markdown(stamp: dict[str, Any], quantized_count: int | None, warning
     if warnings:
         text += "\n" + "\n".join(f"- WARNING: {w}" for w in warnings) + "\n"
     return text
+
+
+def _weight_only_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
+    """Report rows of a graph with weight-only GEMMs (none without): the network's count by weight
+    type, and the ONNX forms with their GEMM count and bits per weight."""
+    formats = stamp.get("weight_formats") or {}
+    if not formats:
+        return []
+    net = stamp.get("network") or {}
+    by_type = Counter((net.get("weight_only_gemms") or {}).values())
+    engine = ", ".join(f"{t} {n}" for t, n in sorted(by_type.items())) or "none"
+    forms = "; ".join(f"{label}: {r['gemms']} GEMM{'s' * (r['gemms'] != 1)}, {r['bits_per_weight']:.2f} bits/weight"
+                      for label, r in formats.items())
+    mean = bits_per_weight(formats)
+    return [("weight-only GEMMs (block weights, FP32 activations)", f"{sum(by_type.values())} in the network "
+             f"({engine})"),
+            ("weight formats (ONNX graph)", f"{forms}; mean {mean:.2f} bits per weight (integer + float scale "
+             "+ float offset per block)")]

@@ -206,7 +206,8 @@ def _generate_compute_runtime(recipe: Recipe, staging: Path, *, last_logits: boo
         return {"compute_runtime": "bls", "compute_parameters": logits}
     params = parse_config((compute_dir / "config.pbtxt").read_text()).parameters
     onnx_file = params["onnx_file"].string_value if "onnx_file" in params else "model.onnx"
-    forwarded = {k: params[k].string_value for k in ("graph_optimization_level", "dequantize_weights") if k in params}
+    forwarded = {k: params[k].string_value for k in ("graph_optimization_level", "dequantize_weights", "session_config")
+                 if k in params}
     return {"compute_runtime": "onnxruntime",
             "compute_parameters": {"compute_onnx": f"{recipe.triton.model_name}/{version}/{onnx_file}", **forwarded,
                                    **logits}}

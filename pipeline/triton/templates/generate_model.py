@@ -10,7 +10,7 @@ next to the tokenizer files (``tokenizer.json`` is loaded with the
 ``max_concurrent_generations`` (the batch bound), ``continuous_batching``
 (1/0), ``kv_cache_budget_mib`` (0 = the batch bound times ``max_context``),
 ``compute_runtime`` (``bls`` | ``onnxruntime``; with ``onnxruntime`` also
-``compute_onnx``, ``graph_optimization_level``, ``dequantize_weights``),
+``compute_onnx``, ``graph_optimization_level``, ``dequantize_weights``, ``session_config``),
 ``logits_output`` (``last_logits`` [B, vocab] where the graph has it, else
 ``logits`` [B, n, vocab], of which the last position is used). Logits of ids past the
 tokenizer's largest (a vocabulary padded past the tokenizer) are set to -inf: never sampled,
@@ -408,6 +408,7 @@ class InProcessCompute:
         helper = _import_file(os.path.join(os.path.dirname(path), "model.py"), "generate_compute_helper")
         options = ort.SessionOptions()
         options.graph_optimization_level = helper.LEVELS[params.get("graph_optimization_level", "all")]
+        helper.apply_session_config(options, params)  # weight-only INT4: MatMulNBits in FP32
         model = onnx.load(path)
         weights = helper.dequantize_once(model) if params.get("dequantize_weights") == "once" else {}
         self.weights = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}

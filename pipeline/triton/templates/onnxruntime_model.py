@@ -4,7 +4,10 @@ Written into ``<repo>/<model>/<version>/model.py`` by pipeline.triton.repository
 next to the ONNX file named by the config parameter ``onnx_file``. Inputs and
 outputs are the config's, in the graph's dtypes and shapes. The parameter
 ``graph_optimization_level`` (``disabled`` | ``basic`` | ``extended`` | ``all``)
-sets the session's graph optimizations (``basic`` for Q/DQ graphs).
+sets the session's graph optimizations (``basic`` for Q/DQ graphs). The parameter
+``session_config`` (a JSON object, optional) holds ONNX Runtime session config entries
+set on the session: ``{"session.qdq_matmulnbits_accuracy_level": "1"}`` for weight-only
+INT4 blocks, so that their fused MatMulNBits compute in FP32 as validate ran them.
 
 Weights (parameter ``dequantize_weights`` = ``once``, set for Q/DQ graphs):
 every DequantizeLinear of a weight (its inputs all initializers: a quantized
@@ -137,6 +140,13 @@ def session_source(model, scratch):
     return path
 
 
+def apply_session_config(options, params):
+    """Set the session config entries of parameter ``session_config`` (JSON object) on ``options``."""
+    for key, value in json.loads(params.get("session_config") or "{}").items():
+        options.add_session_config_entry(str(key), str(value))
+    return options
+
+
 def intra_op_threads(config, params):
     """ONNX Runtime intra-op threads for one instance (0: ONNX Runtime's default)."""
     given = int(params.get("intra_op_threads", "0"))
@@ -155,6 +165,7 @@ class TritonPythonModel:
         options = ort.SessionOptions()
         options.graph_optimization_level = LEVELS[params.get("graph_optimization_level", "all")]
         options.intra_op_num_threads = intra_op_threads(config, params)
+        apply_session_config(options, params)
         model = onnx.load(path)
         weights = dequantize_once(model) if params.get("dequantize_weights") == "once" else {}
         self.weights = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}

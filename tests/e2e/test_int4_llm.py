@@ -1,0 +1,64 @@
+"""Issue 37 end to end: recipes/int4-llm.yaml on the real SmolLM2-135M (its Q4_1 GGUF blocks as INT4).
+
+Its export is fp8-llm's (the same model and export section, so the same stage key): the run starts
+from the session's cache record of that stage (conftest.smollm2_export). Validate runs on 8 windows
+and 2 prompts to keep it short (about 3 min on two shared cores after the export).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("smollm2")]
+
+
+@pytest.fixture(scope="module")
+def int4_run(smollm2_export, tmp_path_factory):
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline
+
+    ws = tmp_path_factory.mktemp("int4-llm")
+    path = ROOT / "recipes" / "int4-llm.yaml"
+    (ws / "artifacts" / "int4-llm" / "export").mkdir(parents=True)
+    shutil.copy(smollm2_export / "stage.json", ws / "artifacts" / "int4-llm" / "export" / "stage.json")
+    over = {"work_dir": str(ws / "artifacts"), "output_dir": str(ws / "model_repository"),
+            "validate.max_windows": 8, "validate.generation": {"prompts": 2, "new_tokens": 8}}
+    return run_pipeline(load_recipe(path, over), path, quiet=True)
+
+
+def test_int4_llm_passes_its_gates_with_the_files_own_blocks(int4_run):
+    man = int4_run.manifest
+    assert man["stages"]["export"]["cache_hit"], "int4-llm's export key no longer equals fp8-llm's"
+    assert int4_run.passed and man["verdict"] == "pass", man["gates"]
+    q = int4_run.artifacts["quantize"]
+    assert q.calibration["gemm_formats"] == {"Q4_1 -> INT4 block 32 + offsets": 210, "Q8_0 -> INT8 block 32": 1}
+    assert (q.calibration["rounded_offsets"], q.calibration["max_weight_error"]) == (0, 0.0)
+    m = man["metrics"]
+    assert m["kld_mean"] < 1e-6 and abs(m["relative_perplexity_increase"]) < 1e-5 and m["quantized_fraction"] == 1.0
+
+
+def test_one_tensorrt_rtx_engine_for_three_targets_with_weight_only_gemms(int4_run):
+    b, q = int4_run.artifacts["build"], int4_run.artifacts["quantize"]
+    assert (b.status, b.backend, b.reason) == ("ok", "tensorrt-rtx", ""), b.reason  # no GEMM "left in FP32"
+    assert Path(b.engine_path).name == "model.rtx-sm86-sm89-sm120.engine"
+    stamp = json.loads(Path(b.stamp_path).read_text())
+    assert stamp["targets"] == ["sm86", "sm89", "sm120"] and 100e6 < stamp["engine_bytes"] < 300e6
+    assert set(q.quantized_nodes) == set(stamp["network"]["weight_only_gemms"])
+    assert {k: r["gemms"] for k, r in stamp["weight_formats"].items()} == {"INT4 block 32 + offsets": 210,
+                                                                           "INT8 block 32": 1}
+
+
+def test_the_served_model_runs_matmulnbits_at_accuracy_level_1(int4_run):
+    from pipeline.triton.config import parse_config
+
+    repo = Path(int4_run.artifacts["triton"].repository)
+    for model in ("smollm2_int4", "smollm2_int4_generate"):
+        params = parse_config((repo / model / "config.pbtxt").read_text()).parameters
+        assert json.loads(params["session_config"].string_value) == {"session.qdq_matmulnbits_accuracy_level": "1"}
+    compute = parse_config((repo / "smollm2_int4" / "config.pbtxt").read_text())
+    assert compute.backend == "python" and compute.parameters["graph_optimization_level"].string_value == "all"

@@ -1,0 +1,94 @@
+"""Issue 37: the ``int4`` precision row, ``quantize.weights`` and what ``check`` refuses (exit 2, named),
+and that the new field at its default changes no shipped recipe's digest, stage key or pin."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT
+from pipeline.errors import EXIT_BAD_INPUT, RecipeError
+from pipeline.quant import pin
+from pipeline.recipe import precisions
+from pipeline.recipe.load import load_recipe
+
+INT4 = ROOT / "recipes" / "int4-llm.yaml"
+
+
+def refusal(path, overrides: dict) -> str:
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, overrides)
+    assert err.value.exit_code == EXIT_BAD_INPUT
+    return str(err.value)
+
+
+def test_the_int4_row():
+    row = precisions.facts("int4")
+    assert (row.quantize, row.rest, row.calibrated, row.qdq, row.cast) == (True, False, False, True, False)
+    assert (row.min_opset, row.min_compute_capability, row.weight_bytes, row.weight_only) == (21, (8, 6), 0.5, True)
+    assert precisions.WEIGHT_ONLY == ("int4",) and "int4" in precisions.QUANTIZE and "int4" not in precisions.REST
+    assert not any(precisions.facts(n).weight_only for n in precisions.PRECISIONS if n != "int4")  # a default
+    assert precisions.runs_on((7, 5)) == ("int8", "fp16", "fp32")
+    assert precisions.runs_on((8, 6)) == ("int8", "fp16", "fp32", "int4")
+
+
+def test_the_shipped_int4_recipe_is_valid():
+    r = load_recipe(INT4)
+    assert (r.quantize.precision, r.quantize.weights.method, r.quantize.weights.block_size) == ("int4", "source", 32)
+    assert r.quantize.calibration is None and r.triton.target == "python-onnxruntime"
+    assert r.build.targets == ["sm86", "sm89", "sm120"]
+
+
+@pytest.mark.parametrize("name", ["fp8-llm", "int8-llm"])
+def test_weights_at_its_default_leaves_digests_and_the_shipped_pins_as_they_were(name):
+    """``weights`` unset is absent from every dump (the recipe digest, the stage keys and the pins'
+    quantize digest read dumps), and the shipped pins' quantize digests still match."""
+    r = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    assert r.quantize.weights is None and "weights" not in r.quantize.model_dump(mode="json")
+    assert "weights" not in r.model_dump(mode="json", by_alias=True)["quantize"]
+    pinned = json.loads((ROOT / "recipes" / "tuned" / f"{name}.json").read_text())["match"]
+    fields = pin.match_fields(r, {})
+    assert (fields["search_version"], fields["quantize"]) == (pinned["search_version"], pinned["quantize"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"build.targets": ["sm75", "sm89"]}, "build.targets.0: sm75: INT4 needs compute capability >= 8.6; sm75 has "
+                                          "compute capability 7.5; drop it, or quantize to a precision sm75 runs "
+                                          "(int8, fp16, fp32)"),
+    ({"quantize.weights.method": "rtn"}, "quantize.weights.method: 'rtn' is not implemented yet; valid now: source"),
+    ({"quantize.weights.method": "awq"}, "quantize.weights.method: 'awq' is not implemented yet"),
+    ({"quantize.weights.block_size": 128}, "quantize.weights.block_size: 128: method source keeps the GGUF file's "
+                                           "blocks, which are 32 weights wide"),
+    ({"model.source": {"path": "../tests/data"}}, "model.source: path ../tests/data is not a GGUF file, and "
+                                                 "quantize.weights.method: source takes the weights' blocks from one"),
+    ({"triton.target": "onnxruntime"}, "triton.target: 'onnxruntime': Triton's stock onnxruntime backend cannot set "
+                                       "ONNX Runtime's session.qdq_matmulnbits_accuracy_level"),
+    ({"triton.target": "auto"}, "triton.target: 'auto' (auto serves onnxruntime_onnx wherever no datacenter TensorRT "
+                                "engine is built)"),
+    ({"quantize.exclude.nodes": ["*down_proj*"]}, "quantize.exclude: not implemented yet for int4"),
+    ({"quantize.rest_precision": "fp16"}, "quantize.rest_precision: 'fp16': int4 keeps the activations"),
+    ({"quantize.weights": None}, "precision 'int4' needs a weights section, e.g. weights: {method: source, "
+                                 "block_size: 32}"),
+    ({"quantize.calibration": {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 0, "stop": 20}},
+                               "samples": 8}}, "precision 'int4' is weight-only"),
+])
+def test_check_refuses_naming_the_field(overrides, message):
+    assert message in refusal(INT4, overrides)
+
+
+def test_weights_on_another_precision_and_fp8_below_sm89_name_the_precision():
+    assert "weights (weight-only blocks) need precision int4, not 'fp8'" in refusal(
+        ROOT / "recipes" / "fp8-llm.yaml", {"quantize.weights": {"method": "source"}})
+    assert ("build.targets.0: sm86: FP8 needs compute capability >= 8.9; sm86 has compute capability 8.6; drop it, "
+            "or quantize to a precision sm86 runs (int8, fp16, fp32, int4)") in refusal(
+        ROOT / "recipes" / "fp8-llm.yaml", {"build.targets": ["sm86"]})
+
+
+def test_build_test_refuses_method_source():
+    from pipeline.errors import PipelineError
+    from pipeline.run import smoke
+
+    with pytest.raises(PipelineError, match=r"build --test: quantize.weights.method: source takes the weights' blocks "
+                                            r"from the GGUF file") as err:
+        smoke.hf_location(load_recipe(INT4))
+    assert err.value.exit_code == EXIT_BAD_INPUT

@@ -1,0 +1,196 @@
+"""Issue 37: the quantize stage's weight-only INT4 path (``quantize.weights.method: source``) on a tiny
+GGUF file, and what later stages do with its graph: ONNX Runtime runs every rewritten GEMM as a
+MatMulNBits at accuracy level 1 (validate and the served python-onnxruntime model alike, same
+options, same outputs), and TensorRT-RTX's network report counts them as weight-only GEMMs rather
+than as GEMMs left in FP32. A few seconds (the TensorRT-RTX build: about 10 s more).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+from pipeline import ort_sessions
+from pipeline.artifacts import ExportArtifact, TensorSpec
+from pipeline.context import Progress, StageContext
+from pipeline.errors import EXIT_BAD_INPUT
+from pipeline.quant import gguf_blocks as gb
+from pipeline.quant import int4
+from pipeline.recipe.schema import Recipe
+from pipeline.stages import quantize
+
+gguf = pytest.importorskip("gguf")
+from test_gguf_blocks import HEADS, HEAD_DIM, K, KV_HEADS, VOCAB, llama_like_graph, write_gguf  # noqa: E402
+
+#: what the rewrite gives the llama-like graph (test_gguf_blocks.llama_like_graph)
+GEMMS = ["q_mm", "k_mm", "up_mm", "lm_head"]
+FORMATS = {"Q4_1 -> INT4 block 32 + offsets": 1, "Q4_0 -> INT4 block 32 + offsets": 1, "Q6_K -> INT8 block 16": 1,
+           "Q8_0 -> INT8 block 32": 1}
+
+
+def int4_recipe(gguf_path: Path, **weights) -> Recipe:
+    return Recipe.model_validate({
+        "name": "tiny-int4",
+        "model": {"kind": "text-generation", "source": {"path": str(gguf_path)}},
+        "export": {"dynamic_axes": {"input_ids": {0: "batch", 1: "sequence"}}},
+        "quantize": {"precision": "int4", "weights": {"method": "source", **weights}},
+        "build": {"profiles": [{"name": "p", "dims": {"b": {"min": 1, "opt": 2, "max": 4},
+                                                      "s": {"min": 1, "opt": 3, "max": 8}}}],
+                  "targets": ["sm89"], "backend": "tensorrt-rtx"},
+        "validate": {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 0, "stop": 10}},
+                     "gates": []},
+        "triton": {"model_name": "tiny", "max_batch_size": 4, "target": "python-onnxruntime"},
+    })
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny GGUF file, the llama-like graph exported from it (external data, as the export stage
+    writes), and the quantize stage's artifact of it."""
+    root = tmp_path_factory.mktemp("int4")
+    path = write_gguf(root / "tiny.gguf")
+    (root / "export").mkdir()
+    onnx.save(llama_like_graph(gb.open_gguf(path)), str(root / "export" / "model.onnx"), save_as_external_data=True,
+              location="model.onnx.data", size_threshold=0)
+    exp = ExportArtifact(str(root / "export" / "model.onnx"), [TensorSpec("x", "float32", ["b", "s", K]),
+                                                               TensorSpec("ids", "int64", ["b", "s"])], [], "")
+    ctx = StageContext(int4_recipe(path), root / "r.yaml", root / "run", "quantize", Progress(quiet=True))
+    return root, exp, quantize.run(ctx, exp)
+
+
+def feeds() -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(11).standard_normal((2, 3, K)).astype(np.float32),
+            "ids": np.array([[0, 5, 39], [1, 2, 3]], np.int64)}
+
+
+def test_the_stage_rewrites_every_gguf_gemm_and_records_the_formats(tiny):
+    _, exp, art = tiny
+    assert (art.precision, art.quantized_nodes, art.excluded_nodes) == ("int4", GEMMS, [])
+    info = art.calibration
+    assert info["method"] == "source" and info["block_size"] == 32 and info["source"].endswith("tiny.gguf")
+    assert info["gemm_formats"] == FORMATS and info["quantized_fraction"] == 1.0
+    assert info["row_orders"] == {"llama q/k reverse permutation": 2, "gguf": 2}
+    assert art.calibration_feeds_path is None  # nothing calibrated
+    assert art.summary.startswith("int4: 4 GEMMs weight-only (1 Q4_1 -> INT4 block 32 + offsets, ")
+    model = onnx.load(art.onnx_path)
+    onnx.checker.check_model(model, full_check=True)
+    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 21
+    assert json.dumps(info, allow_nan=False)  # the stage record is strict JSON
+
+
+def test_validate_runs_each_rewritten_gemm_as_an_fp32_matmulnbits(tiny, tmp_path):
+    """The optimized graph of validate's session: no INT4 DequantizeLinear left, every GEMM fused."""
+    _, exp, art = tiny
+    assert ort_sessions.optimization_level(art.onnx_path) == "all"  # INT8 blocks of 127 are not the +-64 rule's
+    assert ort_sessions.session_config(art.onnx_path) == ort_sessions.MATMULNBITS_FP32 == dict([int4.ORT_ACCURACY_CONFIG])
+    opts = ort_sessions.session_options("all", config=ort_sessions.session_config(art.onnx_path))
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort_sessions.session_from(art.onnx_path, art.onnx_path, opts)
+    optimized = onnx.load(opts.optimized_model_filepath)
+    ops = Counter(n.op_type for n in optimized.graph.node)
+    assert ops["MatMulNBits"] == len(GEMMS)
+    nbits = {n.name: {a.name: a.i for a in n.attribute} for n in optimized.graph.node if n.op_type == "MatMulNBits"}
+    assert sorted(a["bits"] for a in nbits.values()) == [4, 4, 8, 8]
+    assert all(a.get("accuracy_level") == 1 for a in nbits.values())
+    inits = {t.name: t.data_type for t in optimized.graph.initializer}
+    assert not [n.name for n in optimized.graph.node if n.op_type == "DequantizeLinear"
+                and inits.get(n.input[0]) in (TensorProto.INT4, TensorProto.UINT4)]
+    weight_matmuls = [n.name for n in optimized.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+                      and not n.name.endswith("/offset_MatMul")]
+    assert weight_matmuls == []  # the offset terms' FP32 MatMuls [.., K/32] x [K/32, N] are the only ones left
+
+    from pipeline.runners.base import OrtRunner
+
+    runner = OrtRunner(art.onnx_path)  # validate's candidate
+    got = runner.session.get_session_options()
+    assert got.get_session_config_entry(int4.ORT_ACCURACY_CONFIG[0]) == "1"
+    assert got.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    reference = OrtRunner(exp.onnx_path)
+    names = ["q", "k", "u", "logits", "emb"]
+    for name, a, b in zip(names, reference.run_names(names, feeds()), runner.run_names(names, feeds())):
+        assert np.allclose(a, b, rtol=0, atol=1e-5 * max(1.0, float(np.abs(a).max()))), name
+
+
+def test_the_served_python_onnxruntime_model_runs_the_validated_graph_at_the_same_options(tiny, tmp_path):
+    from pipeline.recipe.schema import TritonConfig
+    from pipeline.runners.base import OrtRunner
+    from pipeline.triton.config import compute_config
+    from pipeline.triton.templates import onnxruntime_model as served
+
+    root, exp, art = tiny
+    triton = TritonConfig(model_name="tiny", max_batch_size=4, target="python-onnxruntime")
+    cfg = compute_config(triton, exp.inputs, [TensorSpec("logits", "float32", ["b", "s", VOCAB])],
+                         target="python-onnxruntime", graph=art.onnx_path)
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params["graph_optimization_level"] == "all" and "dequantize_weights" not in params  # blocks kept
+    assert json.loads(params["session_config"]) == ort_sessions.MATMULNBITS_FP32
+    fp8_cfg = compute_config(triton, exp.inputs, [], target="python-onnxruntime", graph=exp.onnx_path)
+    assert "session_config" not in fp8_cfg.parameters  # other graphs' configs are unchanged
+
+    version = tmp_path / "1"
+    version.mkdir()
+    onnx.save(onnx.load(art.onnx_path), str(version / "model.onnx"))
+    model = served.TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()},
+                                                  "input": [{"name": "x"}, {"name": "ids"}],
+                                                  "output": [{"name": n} for n in ("q", "k", "u", "logits")]}),
+                      "model_repository": str(tmp_path), "model_version": "1"})
+    options = model.session.get_session_options()
+    assert options.get_session_config_entry(int4.ORT_ACCURACY_CONFIG[0]) == "1"
+    validated = OrtRunner(art.onnx_path).run_names(["q", "k", "u", "logits"], feeds())
+    for a, b in zip(validated, model._session_run(feeds())):
+        assert np.array_equal(a, b)
+
+
+def test_a_block_size_other_than_the_files_is_refused_by_the_stage(tiny, tmp_path):
+    root, exp, _ = tiny
+    recipe = int4_recipe(root / "tiny.gguf", block_size=64)  # check refuses it first; the stage says so too
+    ctx = StageContext(recipe, tmp_path / "r.yaml", tmp_path / "run", "quantize", Progress(quiet=True))
+    with pytest.raises(gb.GGUFWeightError, match=r"quantize.weights.block_size: 64, but tiny.gguf's INT4 tensors have "
+                                                 r"other blocks: blk.0.attn_k.weight \(32\)") as err:
+        quantize.run(ctx, exp)
+    assert err.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_a_model_file_that_is_not_gguf_is_refused_by_the_stage(tiny, tmp_path):
+    root, exp, _ = tiny
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file at all" * 10)
+    ctx = StageContext(int4_recipe(fake), tmp_path / "r.yaml", tmp_path / "run", "quantize", Progress(quiet=True))
+    with pytest.raises(gb.GGUFWeightError, match="not a readable GGUF file") as err:
+        quantize.run(ctx, exp)
+    assert err.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_tensorrt_rtx_counts_the_gemms_as_weight_only_not_left_in_fp32(tiny, tmp_path):
+    from pipeline.trt import backends as engine_backends
+    from pipeline.trt import report as engine_report
+    from pipeline.stages import build
+
+    if engine_backends.import_problem(engine_backends.TENSORRT_RTX) is not None:
+        pytest.skip(engine_backends.import_problem(engine_backends.TENSORRT_RTX))
+    root, exp, art = tiny
+    b = build.build_from_onnx(int4_recipe(root / "tiny.gguf"), art.onnx_path, exp.inputs, tmp_path / "build",
+                              quantized_nodes=art.quantized_nodes, source_onnx=exp.onnx_path)
+    assert (b.status, b.reason) == ("ok", ""), b.reason  # no "left in higher precision" warning
+    stamp = json.loads(Path(b.stamp_path).read_text())
+    assert stamp["network"]["weight_only_gemms"] == {"q_mm": "INT4", "k_mm": "INT4", "up_mm": "INT8", "lm_head": "INT8"}
+    assert stamp["network"]["low_precision_gemms"] == {}
+    rows = stamp["weight_formats"]
+    assert {k: r["gemms"] for k, r in rows.items()} == {"INT4 block 32 + offsets": 2, "INT8 block 16": 1,
+                                                        "INT8 block 32": 1}
+    assert rows["INT4 block 32 + offsets"]["bits_per_weight"] == 4 + 32 / 32 + 32 / 32
+    assert rows["INT8 block 16"]["bits_per_weight"] == 8 + 32 / 16
+    n = {"INT4 block 32 + offsets": (HEADS + KV_HEADS) * HEAD_DIM * K, "INT8 block 16": 24 * K, "INT8 block 32": VOCAB * K}
+    assert {k: r["weights"] for k, r in rows.items()} == n
+    mean = (6 * n["INT4 block 32 + offsets"] + 10 * n["INT8 block 16"] + 9 * n["INT8 block 32"]) / sum(n.values())
+    assert stamp["weight_bits_per_weight"] == pytest.approx(mean)
+    section = (tmp_path / "build" / engine_report.SECTION_FILE).read_text()
+    assert "| weight-only GEMMs (block weights, FP32 activations) | 4 in the network (INT4 2, INT8 2) |" in section
+    assert "INT4 block 32 + offsets: 2 GEMMs, 6.00 bits/weight" in section and "WARNING" not in section
