@@ -82,6 +82,16 @@ def test_override_by_dotted_path():
     assert r.validate_.gates[0].max == 0.5
 
 
+def test_a_tilde_in_work_dir_and_output_dir_is_the_home_folder(tmp_path, monkeypatch):
+    """As for model and data paths: ``~/x`` was a literal ``./~/x`` folder (issue 36 C90)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    path = _variant(tmp_path, lambda d: d.update(work_dir="~/work"))
+    r = load_recipe(path, {"output_dir": "~/repo"})
+    assert (r.work_dir, r.output_dir) == (str(tmp_path / "home" / "work"), str(tmp_path / "home" / "repo"))
+    assert load_recipe(RECIPE).work_dir == "artifacts"  # a relative path stays as given
+
+
 def test_missing_file_and_non_mapping(tmp_path):
     with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")
