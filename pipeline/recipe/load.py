@@ -40,34 +40,50 @@ def _key_value(loader: yaml.SafeLoader, key_node: yaml.Node) -> object:
 
 
 def _refuse_duplicates(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, recurse: bool = True) -> None:
-    """Raise RecipeError for a key listed twice in one mapping (anywhere under ``node``
-    when ``recurse``); ``path`` is the key path of ``node``, for the message."""
+    """Raise RecipeError for every key listed more than once in one mapping (anywhere under
+    ``node`` when ``recurse``), all of them in one message; ``path`` is the key path of ``node``."""
+    found = [text for _, text in sorted(_duplicates(loader, node, path, recurse))]
+    if len(found) == 1:
+        raise RecipeError(f"{found[0]}; keep one (YAML would silently keep the last)")
+    if found:
+        raise RecipeError(f"{len(found)} keys are given more than once; keep one of each (YAML would silently "
+                          "keep the last):\n  " + "\n  ".join(found))
+
+
+def _duplicates(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, recurse: bool) -> list[tuple[int, str]]:
+    """(first line, message) of each key listed more than once in one mapping under ``node``: its key
+    path and every line it is on."""
+    out: list[tuple[int, str]] = []
     if isinstance(node, yaml.SequenceNode) and recurse:
         for i, item in enumerate(node.value):
-            _refuse_duplicates(loader, item, (*path, i))
+            out += _duplicates(loader, item, (*path, i), recurse)
     if not isinstance(node, yaml.MappingNode):
-        return
-    seen: dict[object, int] = {}
+        return out
+    seen: dict[object, list[int]] = {}
+    shown: dict[object, str] = {}
     for key_node, value_node in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":
             continue
         key = _key_value(loader, key_node)
-        line = key_node.start_mark.line + 1
-        if key in seen:
-            where = ".".join(str(p) for p in (*path, key_node.value))
-            raise RecipeError(f"key {where!r} is given twice, at lines {seen[key]} and {line}; "
-                              "keep one (YAML would silently keep the last)")
-        seen[key] = line
+        seen.setdefault(key, []).append(key_node.start_mark.line + 1)
+        shown.setdefault(key, ".".join(str(p) for p in (*path, key_node.value)))
         if recurse:
-            _refuse_duplicates(loader, value_node, (*path, key_node.value))
+            out += _duplicates(loader, value_node, (*path, key_node.value), recurse)
+    for key, lines in seen.items():
+        if len(lines) == 2:
+            out.append((lines[0], f"key {shown[key]!r} is given twice, at lines {lines[0]} and {lines[1]}"))
+        elif len(lines) > 2:
+            out.append((lines[0], f"key {shown[key]!r} is given {len(lines)} times, at lines "
+                                  f"{', '.join(map(str, lines[:-1]))} and {lines[-1]}"))
+    return out
 
 
 def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
     """Parse one YAML document; returns (data, node tree for line lookups).
 
     Raises:
-        RecipeError: not YAML, or a key given twice in one mapping (naming the
-            key path and both lines); the message starts with ``source``.
+        RecipeError: not YAML, or keys given more than once in one mapping (every one, naming
+            its key path and lines); the message starts with ``source``.
     """
     try:
         loader = _RecipeLoader(text)  # the reader refuses control characters here

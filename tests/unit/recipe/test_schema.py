@@ -130,6 +130,24 @@ def test_duplicate_key_is_refused_naming_path_and_both_lines(tmp_path, old, new,
     assert f"given twice, at lines {first} and {second}" in str(err.value)
 
 
+def test_every_duplicate_key_is_named_in_one_error(tmp_path):
+    """All of them at once, not the first one per run (issue 36 C39)."""
+    text = RECIPE.read_text()
+    lines = text.splitlines()
+    path = tmp_path / "dups.yaml"
+    path.write_text(text.replace("name: fp8-llm", "name: fp8-llm\nname: a\nname: b", 1)
+                    .replace("    nodes: []", "    nodes: []\n    nodes: []", 1))
+    name_line = next(i for i, line in enumerate(lines, 1) if line.startswith("name: fp8-llm"))
+    nodes_line = next(i for i, line in enumerate(lines, 1) if line.startswith("    nodes: []")) + 2
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert f"{path}: 2 keys are given more than once" in message
+    assert f"key 'name' is given 3 times, at lines {name_line}, {name_line + 1} and {name_line + 2}" in message
+    assert f"key 'quantize.exclude.nodes' is given twice, at lines {nodes_line} and {nodes_line + 1}" in message
+    assert message.index("'name'") < message.index("'quantize.exclude.nodes'")  # in the file's order
+
+
 @pytest.mark.parametrize("text, where", [("name: [a, b\nmodel: {}\n", "line 2, column 6"),
                                          ("name: \x07\n", "position 6")])
 def test_a_yaml_syntax_error_names_the_file_at_every_mark(tmp_path, text, where):
