@@ -335,8 +335,20 @@ def test_unquoted_container_tag_read_as_a_float_says_to_quote_it(tmp_path):
         load_recipe(path)
     assert "triton.serving.container: Input should be a valid string (got 24.1); YAML reads the unquoted 24.10 " \
            "as the number 24.1: quote it, e.g. '24.10'" in str(err.value)
-    with pytest.raises(RecipeError, match=r"quote it as written, e\.g\. '24\.10'"):
+    with pytest.raises(RecipeError, match=r"--set reads its value as YAML, which reads an unquoted value as a number "
+                                          r"\(24\.10 as 24\.1\): quote it inside the argument \[from --set triton.serving\]"):
         load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"triton.serving": {"container": 24.1, "gpu": "H100"}})
+
+
+def test_a_number_set_where_a_string_is_wanted_quotes_the_set_value_not_the_files(capsys):
+    """``--set name=123`` said to quote 'fp8-llm', the file's value there (issue 36)."""
+    from pipeline.cli import app as cli
+
+    assert cli.main(["check", str(RECIPE), "--set", "name=123"]) == 2
+    err = capsys.readouterr().err
+    assert "name: Input should be a valid string (got 123); --set reads its value as YAML, which reads an unquoted " \
+           "123 as a number: quote it inside the argument, e.g. --set \"name='123'\" [from --set name]" in err, err
+    assert "fp8-llm" not in err.split("name:", 1)[1]
 
 
 def test_a_generic_recipe_with_a_hugging_face_folder_names_file_line_and_the_kinds(tmp_path):
