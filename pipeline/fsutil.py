@@ -237,6 +237,13 @@ def write_json_atomic(path: Path, data: dict, *, strict: bool = True) -> None:
     write_text_atomic(path, text)
 
 
+def user_path(value: str) -> str:
+    """``value`` with a leading ``~`` or ``~user`` expanded to that home folder (:func:`os.path.expanduser`),
+    as a shell expands it: the one place a path typed into a recipe (``work_dir``, ``output_dir``, a model
+    or data file) or on the command line (``deploy --out``) gets it, so none becomes a folder named ``~``."""
+    return os.path.expanduser(value)
+
+
 def folder_problem(path: str | Path) -> OSError | str | None:
     """Why ``path`` cannot be (or become) a folder this process writes into, without leaving
     anything behind: a file is in the way (a message), or a probe folder cannot be made in its

@@ -40,34 +40,50 @@ def _key_value(loader: yaml.SafeLoader, key_node: yaml.Node) -> object:
 
 
 def _refuse_duplicates(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, recurse: bool = True) -> None:
-    """Raise RecipeError for a key listed twice in one mapping (anywhere under ``node``
-    when ``recurse``); ``path`` is the key path of ``node``, for the message."""
+    """Raise RecipeError for every key listed more than once in one mapping (anywhere under
+    ``node`` when ``recurse``), all of them in one message; ``path`` is the key path of ``node``."""
+    found = [text for _, text in sorted(_duplicates(loader, node, path, recurse))]
+    if len(found) == 1:
+        raise RecipeError(f"{found[0]}; keep one (YAML would silently keep the last)")
+    if found:
+        raise RecipeError(f"{len(found)} keys are given more than once; keep one of each (YAML would silently "
+                          "keep the last):\n  " + "\n  ".join(found))
+
+
+def _duplicates(loader: yaml.SafeLoader, node: yaml.Node, path: tuple, recurse: bool) -> list[tuple[int, str]]:
+    """(first line, message) of each key listed more than once in one mapping under ``node``: its key
+    path and every line it is on."""
+    out: list[tuple[int, str]] = []
     if isinstance(node, yaml.SequenceNode) and recurse:
         for i, item in enumerate(node.value):
-            _refuse_duplicates(loader, item, (*path, i))
+            out += _duplicates(loader, item, (*path, i), recurse)
     if not isinstance(node, yaml.MappingNode):
-        return
-    seen: dict[object, int] = {}
+        return out
+    seen: dict[object, list[int]] = {}
+    shown: dict[object, str] = {}
     for key_node, value_node in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":
             continue
         key = _key_value(loader, key_node)
-        line = key_node.start_mark.line + 1
-        if key in seen:
-            where = ".".join(str(p) for p in (*path, key_node.value))
-            raise RecipeError(f"key {where!r} is given twice, at lines {seen[key]} and {line}; "
-                              "keep one (YAML would silently keep the last)")
-        seen[key] = line
+        seen.setdefault(key, []).append(key_node.start_mark.line + 1)
+        shown.setdefault(key, ".".join(str(p) for p in (*path, key_node.value)))
         if recurse:
-            _refuse_duplicates(loader, value_node, (*path, key_node.value))
+            out += _duplicates(loader, value_node, (*path, key_node.value), recurse)
+    for key, lines in seen.items():
+        if len(lines) == 2:
+            out.append((lines[0], f"key {shown[key]!r} is given twice, at lines {lines[0]} and {lines[1]}"))
+        elif len(lines) > 2:
+            out.append((lines[0], f"key {shown[key]!r} is given {len(lines)} times, at lines "
+                                  f"{', '.join(map(str, lines[:-1]))} and {lines[-1]}"))
+    return out
 
 
 def parse_yaml(text: str, source: str) -> tuple[object, yaml.Node | None]:
     """Parse one YAML document; returns (data, node tree for line lookups).
 
     Raises:
-        RecipeError: not YAML, or a key given twice in one mapping (naming the
-            key path and both lines); the message starts with ``source``.
+        RecipeError: not YAML, or keys given more than once in one mapping (every one, naming
+            its key path and lines); the message starts with ``source``.
     """
     try:
         loader = _RecipeLoader(text)  # the reader refuses control characters here
@@ -154,13 +170,22 @@ def _walk(node: yaml.Node | None, loc: Sequence[str | int]) -> tuple[int | None,
     return line, node
 
 
-def _quote_hint(got, node: yaml.Node | None, loc: tuple) -> str:
+def _quote_hint(got, node: yaml.Node | None, loc: tuple, setter: str | None = None) -> str:
     """For a number where a string is wanted: YAML read an unquoted scalar as a number
-    (``24.10`` is the float 24.1), so say to quote it, with the text as written."""
+    (``24.10`` is the float 24.1), so say to quote it, with the text as written. ``setter``: the
+    ``--set`` key that gave the value (the file's text at ``loc`` is not what was read then)."""
     if isinstance(got, bool) or not isinstance(got, (int, float)):
         return ""
+    if setter is not None:
+        key = dotted(loc)
+        if isinstance(got, int):  # the text typed was the number's digits
+            read, typed = f"an unquoted {got} as a number", str(got)
+        else:  # 24.10 and 24.1 read alike: the text typed is gone
+            read, typed = "an unquoted value as a number (24.10 as 24.1)", "<as typed>"
+        example = f", e.g. --set \"{key}='{typed}'\"" if setter == key else ""
+        return f"; --set reads its value as YAML, which reads {read}: quote it inside the argument{example}"
     value = _walk(node, loc)[1]
-    if not isinstance(value, yaml.ScalarNode):  # e.g. set by --set: the text as typed is gone
+    if not isinstance(value, yaml.ScalarNode):  # e.g. a YAML alias: the text as written is elsewhere
         return f"; YAML reads an unquoted value as a number (24.10 as 24.1): quote it as written, e.g. '24.10'"
     shown = f"the number {got!r}" if value.value != str(got) else "a number"
     return f"; YAML reads the unquoted {value.value} as {shown}: quote it, e.g. '{value.value}'"
@@ -217,10 +242,12 @@ def _unknown_key_message(loc: tuple) -> str:
     return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
 
 
-def _validation_problems(err: ValidationError, node: yaml.Node | None = None) -> list[Problem]:
+def _validation_problems(err: ValidationError, node: yaml.Node | None = None,
+                         overrides: Sequence[str] = ()) -> list[Problem]:
     """The ``(key path, message)`` of each schema error in ``err``; a validator's
     :class:`ConstraintErrors` give their own problems. ``node``: the recipe's YAML tree,
-    for the text of a value YAML read as a number where a string is wanted."""
+    for the text of a value YAML read as a number where a string is wanted; ``overrides``: the
+    ``--set`` keys (a value one of them gave is not the file's)."""
     items: list[Problem] = []
     for e in err.errors():
         cause = (e.get("ctx") or {}).get("error")
@@ -233,9 +260,15 @@ def _validation_problems(err: ValidationError, node: yaml.Node | None = None) ->
         got = e.get("input")
         shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
         loc = _untagged(tuple(e["loc"]))
-        hint = _quote_hint(got, node, loc) if e["type"] == "string_type" else ""
+        hint = _quote_hint(got, node, loc, _setter(dotted(loc), overrides)) if e["type"] == "string_type" else ""
         items.append((loc, msg + shown + hint))
     return items
+
+
+def _setter(key: str, overrides: Sequence[str]) -> str | None:
+    """The ``--set`` key (of ``overrides``) that set the recipe key ``key``, or one inside it; None: the file's."""
+    setters = [o for o in overrides if key == o or key.startswith(o + ".") or o.startswith(key + ".")]
+    return setters[-1] if setters else None
 
 
 def _format_problems(path: Path, items: list[Problem], node: yaml.Node | None, overrides: Sequence[str]) -> str:
@@ -243,10 +276,10 @@ def _format_problems(path: Path, items: list[Problem], node: yaml.Node | None, o
     lines = [f"{path}: invalid recipe ({len(items)} error(s))"]
     for loc, msg in items:
         key = dotted(loc)
-        setters = [o for o in overrides if key == o or key.startswith(o + ".") or o.startswith(key + ".")]
+        setter = _setter(key, overrides)
         line = yaml_line(node, loc)
-        if setters:
-            lines.append(f"  {key}: {msg} [from --set {setters[-1]}]")
+        if setter is not None:
+            lines.append(f"  {key}: {msg} [from --set {setter}]")
         elif line is not None:
             lines.append(f"  {path}:{line}: {key}: {msg}")
         else:
@@ -288,7 +321,8 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> Recipe:
     try:
         recipe = Recipe.model_validate(data, context={"base_dir": path.parent})
     except ValidationError as e:
-        raise RecipeError(_format_problems(path, _validation_problems(e, node), node, list(overrides or {}))) from None
+        sets = list(overrides or {})
+        raise RecipeError(_format_problems(path, _validation_problems(e, node, sets), node, sets)) from None
     problems = constraint_problems(recipe)
     if problems:
         raise RecipeError(_format_problems(path, problems, node, list(overrides or {})))

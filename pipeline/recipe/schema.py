@@ -19,6 +19,7 @@ from pipeline.sources.model import ModelSourceSpec, legacy_problem
 from pipeline.recipe.legacy import RENAMED_KINDS, refuse_old_fields
 from pipeline.recipe.problems import ConstraintErrors
 from pipeline.recipe import precisions
+from pipeline.fsutil import user_path
 
 Precision = Literal[precisions.QUANTIZE]  # type: ignore[valid-type]  # the precision table's
 CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
@@ -538,6 +539,12 @@ class Recipe(Strict):
     work_dir: str = Field("artifacts", description="folder of the stage artifacts, manifest and logs")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("output_dir", "work_dir")
+    @classmethod
+    def _home(cls, value: str) -> str:
+        """A leading ``~`` is the home folder, as for model and data paths (:func:`pipeline.fsutil.user_path`)."""
+        return user_path(value)
 
     def section_hash(self, *sections: str) -> str:
         """sha256 of the named top-level sections (``"validate"`` for validation)."""

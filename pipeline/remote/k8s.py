@@ -67,7 +67,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import folder_problem
+from pipeline.fsutil import folder_problem, user_path
 from pipeline.run.report import last_manifest
 from pipeline.targets import DEFAULT_RELEASE  # Triton 2.51.0, the pytriton wheel's tritonserver
 from pipeline.recipe.kinds import KV_PAST_RE
@@ -454,7 +454,7 @@ def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", choices=["tensorrt", "onnxruntime", "python-onnxruntime"],
                         help="compute model runtime (default: triton.target, the published target, ...)")
     parser.add_argument("--image", help="Triton image (default: from triton.serving, else tritonserver:24.10-py3)")
-    parser.add_argument("--out", help="output folder (default: <work_dir>/<recipe>/deploy)")
+    parser.add_argument("--out", type=user_path, help="output folder (default: <work_dir>/<recipe>/deploy)")
     parser.add_argument("--max-replicas", type=int, default=4, help="HPA / KServe maxReplicas (default 4)")
     parser.add_argument("--local-model-cache", metavar="NODE_GROUP",
                         help="also write kserve-localmodelcache/: a KServe LocalModelCache of the repository on the "

@@ -35,7 +35,16 @@ from pipeline import artifacts as A
 from pipeline import fsutil, interrupts, provenance
 from pipeline.run import report as M
 from pipeline.context import Progress, StageContext
-from pipeline.errors import EXIT_INTERNAL, InternalError, LockHeld, PipelineError
+from pipeline.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    InternalError,
+    LockHeld,
+    PipelineError,
+    StorageFault,
+    storage_fault,
+    storage_oserror,
+)
 from pipeline.faults import fault_point
 from pipeline.fsutil import remove_scratch
 from pipeline.memory import PeakRSS, frozen_between_stages, memory_fault, release_freed
@@ -385,7 +394,8 @@ def _execute(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict
             art = stage.fn(ctx, *(arts[d] for d in stage.deps))
             fault_point(f"stage:{stage.name}:end")
     except (Exception, KeyboardInterrupt) as e:
-        err = _memory_fault(e, stage.name, mem.peak_mib) or _named_ort_error(e, stage.name)
+        err = (_memory_fault(e, stage.name, mem.peak_mib) or _storage_fault(e, stage.name, ctx.run_dir / stage.name)
+               or _named_ort_error(e, stage.name))
         man["stages"][stage.name] = M.stage_record("failed", f"{type(err).__name__}: {err}", time.perf_counter() - start,
                                                    mem.peak_mib)
         M.write_run_outputs(man, ctx.run_dir)
@@ -407,6 +417,22 @@ def _memory_fault(e: BaseException, stage: str, peak_mib: float):
     if isinstance(e, PipelineError) and e.exit_code != EXIT_INTERNAL:
         return None
     return memory_fault(e, stage, peak_mib)
+
+
+def _storage_fault(e: BaseException, stage: str, folder: Path) -> StorageFault | None:
+    """A StorageFault (exit 4) naming the stage for a full, over-quota, read-only or cross-device file
+    system under ``e``, and its folder: the failing file's, or the stage's own (``folder``) where the
+    OS error names no file (torch's exporter, TensorRT's builder); the error it came through follows.
+    None when ``e`` is no such fault, or is one of ours with an exit code of its own but for bad
+    input (a StorageFault already, a gate)."""
+    if isinstance(e, PipelineError) and e.exit_code not in (EXIT_BAD_INPUT, EXIT_INTERNAL):
+        return None
+    err = storage_oserror(e)
+    if err is None:
+        return None
+    fault = storage_fault(e, None if err.filename else folder)
+    first = str(e).splitlines()[0] if str(e) and e is not err else ""
+    return StorageFault(f"stage {stage}: {fault}" + (f"\n  (while: {first[:300]})" if first else ""))
 
 
 def _named_ort_error(e: BaseException, stage: str) -> BaseException:

@@ -42,6 +42,7 @@ from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_v
 
 from pipeline.sources.data.base import RecipeBound, files_sha256
 from pipeline.errors import ExportError, PipelineError
+from pipeline.fsutil import user_path
 
 _PACKAGE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 SOURCE_KEYS = ("package", "path", "entry", "onnx")
@@ -97,7 +98,7 @@ class _ModelSource(RecipeBound, abc.ABC):
         Raises:
             ModelFileError: nothing exists there; names ``<where>.<field>`` and the folder.
         """
-        path = Path(value).expanduser()
+        path = Path(user_path(value))
         base = self._base_dir or Path.cwd()
         if not path.is_absolute():
             path = base / path

@@ -190,9 +190,24 @@ def check_ownership(repo: Path, recipe_name: str, names: Sequence[str] | dict[st
 
 
 def tree_hashes(model_dir: Path) -> dict[str, str]:
-    """relative posix path -> sha256 hex of every file under ``model_dir``."""
+    """relative posix path -> sha256 hex of every file under ``model_dir`` but Python's bytecode
+    caches (:func:`bytecode_cache`)."""
     files = sorted(p for p in model_dir.rglob("*") if p.is_file())
-    return {p.relative_to(model_dir).as_posix(): file_sha256(p) for p in files}
+    return {rel: file_sha256(p) for p in files if not bytecode_cache(rel := p.relative_to(model_dir).as_posix())}
+
+
+def bytecode_cache(rel: str) -> bool:
+    """``rel`` (a posix path inside a model folder) is a ``.pyc`` file in a ``__pycache__`` folder: the
+    bytecode Python writes beside a source it imports. The python backend's stub writes one into
+    each version folder whose ``model.py`` it loads, whoever serves the repository in place (``serve``,
+    a tritonserver container with it mounted): the stub runs its Python isolated (``sys.flags.isolated``:
+    PYTHONDONTWRITEBYTECODE and the rest of the environment are ignored), so nothing outside it can
+    stop the write. Python reads such a file only as the cache of ``<name>.py`` in the folder above,
+    while its header matches that source's size and time stamp; the source is checked. So no publish
+    records or uploads one, and verify-repo skips them; a ``.pyc`` anywhere else (importable on its
+    own) and any other file in ``__pycache__`` are checked as every file is."""
+    parts = rel.split("/")
+    return len(parts) >= 2 and parts[-2] == "__pycache__" and parts[-1].endswith(".pyc")
 
 
 def _published_at(prev: dict | None, entry: dict) -> str:

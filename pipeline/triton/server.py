@@ -10,6 +10,14 @@ interpreter's ``bin`` first on ``PATH`` (the stub embeds the system
 numpy<2). The server listens on 127.0.0.1 only, on free ports, with a python
 backend shared-memory prefix unique to the process.
 
+The python backend starts each model's stub through ``bash -c`` with the stub's, the
+``model.py``'s and the backend folder's paths unquoted, and the stub runs Python isolated
+with ASCII file names: a path holding a space, a shell character or a non-ASCII letter
+never reaches a running stub. Such a path (a repository, the backend folder) is handed to
+tritonserver as a symlink in a temporary folder of a plain path (:func:`stub_safe`); a stub
+that cannot start ends the readiness wait at once (its shell's error in the log), not at
+its timeout.
+
     with start_server(repo, models=["m"]) as server:
         httpclient.InferenceServerClient(server.http_url) ...
 """
@@ -19,6 +27,7 @@ import ctypes
 import ctypes.util
 import importlib.util
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,14 +43,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pipeline.errors import PipelineError
+from pipeline.errors import EnvironmentFault
 
 SHM_DIR = Path("/dev/shm")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # ignore http_proxy for 127.0.0.1
 
 
-class TritonServerError(PipelineError):
-    """tritonserver is missing, exited, or did not become ready in time."""
+class TritonServerError(EnvironmentFault):
+    """tritonserver is missing, cannot be given a path, exited, or did not become ready in time,
+    or a model's stub could not start (exit 4: the environment)."""
+
+
+#: What a path handed to the python backend's stub may hold (:func:`stub_safe`).
+_STUB_SAFE = re.compile(r"[A-Za-z0-9_./+:@%,=-]*")
+#: Log lines of a python-backend stub that did not start: the shell its launcher runs (``bash -c
+#: "<stub> <model.py> ..."``) failing, or the backend's own launch errors. tritonserver keeps
+#: waiting for such a stub (its stub timeout, model after model), so one ends the readiness wait.
+_STUB_FAILED = re.compile(r"^(?:bash: .*|.*(?:Failed to run python backend stub|Launch stub process failed).*)$",
+                          re.MULTILINE)
+#: Where a folder of symlinks to paths the stub cannot take is made: the first of these with a
+#: stub-safe path that can hold one.
+_LINK_PARENTS = (tempfile.gettempdir, lambda: "/tmp", lambda: "/var/tmp", lambda: "/dev/shm")
+
+
+def stub_safe(path: str | Path) -> bool:
+    """``path`` can be handed to a python-backend stub as it is: only ASCII letters, digits and
+    ``_./+:@%,=-``. The backend starts the stub with ``bash -c`` and the paths unquoted (a space
+    splits one, ``$`` or ``;`` would be run), and the stub's Python decodes file names as ASCII
+    (it runs isolated, in the C locale: a Cyrillic folder is a UnicodeEncodeError)."""
+    return _STUB_SAFE.fullmatch(str(path)) is not None
 
 
 @dataclass(frozen=True)
@@ -100,6 +130,7 @@ class TritonServer:
     workdir: Path
     owns_workdir: bool = False  # a temporary workdir is removed by stop()
     _log_file: IO[str] | None = field(repr=False, default=None)
+    links: Path | None = None  # symlinks to the paths the stub cannot take (:func:`stub_safe`), removed by stop()
 
     @property
     def http_url(self) -> str:
@@ -116,8 +147,9 @@ class TritonServer:
         """Poll ``/v2/health/ready`` and each model's ``/ready`` until all answer 200.
 
         Raises:
-            TritonServerError: the process exited, or not ready within
-                ``timeout_s``; the message ends with the log tail.
+            TritonServerError: the process exited, a model's stub could not start
+                (:data:`_STUB_FAILED` in the log), or not ready within ``timeout_s``; the
+                message ends with the log tail.
         """
         paths = ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in models)]
         deadline = time.monotonic() + timeout_s
@@ -125,6 +157,10 @@ class TritonServer:
             status = self._peek_exit()
             if status is not None:
                 raise TritonServerError(f"tritonserver exited with status {status}:\n{self._tail()}")
+            failed = _STUB_FAILED.search(self.logs())
+            if failed is not None:
+                raise TritonServerError(f"tritonserver: the python backend could not start a model's stub "
+                                        f"({failed.group(0).strip()}); the server is stopped:\n{self._tail()}")
             if time.monotonic() > deadline:
                 raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f}s ({paths}):\n{self._tail()}")
             time.sleep(0.25)
@@ -152,6 +188,8 @@ class TritonServer:
         for leftover in SHM_DIR.glob(f"{self.shm_prefix}*"):
             leftover.unlink(missing_ok=True)
         shutil.rmtree(self.workdir if self.owns_workdir else self.workdir / "backends", ignore_errors=True)
+        if self.links is not None:
+            shutil.rmtree(self.links, ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> "TritonServer":
@@ -229,8 +267,9 @@ def start_server(
             start; the others are loaded and unloaded by the client
             (``load_model`` / ``unload_model``).
         timeout_s: readiness deadline; the server is stopped when it passes.
-        workdir: where the backend folder and ``tritonserver.log`` go; the log
-            is kept after stop. Default: a temporary folder, removed by stop.
+        workdir: where the backend folder (unless its path is not :func:`stub_safe`: then in the
+            folder of links) and ``tritonserver.log`` go; the log is kept after stop. Default: a
+            temporary folder, removed by stop.
         exit_timeout_s: how long tritonserver waits for in-flight requests,
             open connections and model unloads when stopped (Triton's own default,
             30 s: a python-backend model unloads in ~2 s, but more than 10 s was seen
@@ -240,19 +279,27 @@ def start_server(
         extra_args: more tritonserver flags.
 
     Raises:
-        TritonServerError: no server in the wheel, it exited, or it was not
-            ready in time (message ends with the log tail).
+        TritonServerError: (exit 4) no server in the wheel; a path the stubs cannot take and no
+            temporary folder to link it from (names it, before starting); it exited, a model's
+            stub could not start, or it was not ready in time (message ends with the log tail).
     """
     dist = find_server()
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="tritonserver-"))
     work.mkdir(parents=True, exist_ok=True)
-    backends = _backend_dir(dist, work)
+    links = _Links()
+    try:
+        repositories = [repository] if isinstance(repository, (str, Path)) else list(repository)
+        repo_args = [links.path(_repository_arg(r), f"repository-{i}", "the model repository")
+                     for i, r in enumerate(repositories)]
+        backends = _backend_dir(dist, links.folder_for(work.resolve(), "the server's work folder"))
+    except BaseException:
+        links.remove()
+        raise
     http, grpc, metrics = free_ports(3)
     prefix = f"trtpipe{os.getpid()}-{secrets.token_hex(4)}-"
-    repositories = [repository] if isinstance(repository, (str, Path)) else list(repository)
     control = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)] if explicit else []
     cmd = [
-        str(dist.binary), *(f"--model-repository={_repository_arg(r)}" for r in repositories), *control,
+        str(dist.binary), *(f"--model-repository={r}" for r in repo_args), *control,
         f"--backend-directory={backends}", "--http-address=127.0.0.1", f"--http-port={http}",
         "--grpc-address=127.0.0.1", f"--grpc-port={grpc}", "--metrics-address=127.0.0.1",
         f"--metrics-port={metrics}", f"--exit-timeout-secs={exit_timeout_s}", f"--log-verbose={log_verbose}",
@@ -267,14 +314,64 @@ def start_server(
                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as e:
         log_file.close()
+        links.remove()
         raise TritonServerError(f"tritonserver: cannot start {dist.binary}: {e}") from e
-    server = TritonServer(process, http, grpc, metrics, log_path, prefix, work, workdir is None, log_file)
+    server = TritonServer(process, http, grpc, metrics, log_path, prefix, work, workdir is None, log_file, links.folder)
     try:
         server.wait_ready(models, timeout_s)
     except BaseException:
         server.stop()
         raise
     return server
+
+
+class _Links:
+    """Symlinks, in one temporary folder of a stub-safe path (made on first need), to the paths a
+    python-backend stub cannot take as they are (:func:`stub_safe`); the others are used as given."""
+
+    def __init__(self) -> None:
+        self.folder: Path | None = None
+
+    def path(self, path: str, name: str, what: str) -> str:
+        """``path`` (absolute, or a URL, given back as it is) when the stub can take it, else a
+        symlink ``name`` to it in :attr:`folder`.
+
+        Raises:
+            TritonServerError: no temporary folder can hold the link (names ``what`` and ``path``).
+        """
+        if "://" in path or stub_safe(path):
+            return path
+        link = self._folder(path, what) / name
+        link.symlink_to(path, target_is_directory=True)
+        return str(link)
+
+    def folder_for(self, path: Path, what: str) -> Path:
+        """``path`` when the stub can take it, else :attr:`folder` (to make what goes there in it)."""
+        return path if stub_safe(path) else self._folder(str(path), what)
+
+    def remove(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _folder(self, path: str, what: str) -> Path:
+        if self.folder is not None:
+            return self.folder
+        tried = []
+        for parent in dict.fromkeys(p() for p in _LINK_PARENTS):
+            if not stub_safe(parent):
+                tried.append(f"{parent} (not a plain path)")
+                continue
+            try:
+                self.folder = Path(tempfile.mkdtemp(prefix="trtpipe-links-", dir=parent))
+                return self.folder
+            except OSError as e:
+                tried.append(f"{parent} ({e.strerror})")
+        raise TritonServerError(
+            f"tritonserver: {what}, {path}, holds a space, a shell character or a non-ASCII letter, which the "
+            "python backend cannot hand to its stubs (it starts them with `bash -c` and the paths unquoted, and "
+            "they read file names as ASCII), and no temporary folder can hold a link to it: tried "
+            f"{', '.join(tried)}. Set TMPDIR to a writable folder whose path has only ASCII letters, digits and "
+            "_./+:@%,=-, or move it to such a path")
 
 
 def _repository_arg(repository: str | Path) -> str:

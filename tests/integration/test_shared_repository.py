@@ -164,6 +164,22 @@ def test_full_disk_during_export_exits_4(tmp_path, capsys, monkeypatch):
     assert "internal error" not in err
 
 
+def test_full_disk_with_no_file_named_names_the_stages_folder(tmp_path, capsys, monkeypatch):
+    """torch's exporter raises ENOSPC naming no file (seen on a 150 KiB tmpfs: "export: torch.onnx.export
+    failed: OSError: [Errno 28]"), and the message said "a write: no space left": it names the stage and
+    its folder now (issue 36). The injected error names no file either."""
+    path = onnx_workspace(tmp_path, byte_graph())
+    monkeypatch.setenv("PIPELINE_FAULT_ERRNO", "ENOSPC")
+    monkeypatch.setenv("PIPELINE_FAULT", "stage:export:start")
+    rc = cli.main(["build", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    folder = tmp_path / "artifacts" / "onnx-source" / "export"
+    assert rc == 4 and f"error: stage export: {folder}: no space left on the device ([Errno 28]" in err, err
+    assert "a write" not in err and "MiB free there" in err
+    record = json.loads((tmp_path / "artifacts" / "onnx-source" / "manifest.json").read_text())
+    assert record["stages"]["export"]["status"] == "failed" and str(folder) in record["stages"]["export"]["reason"]
+
+
 def test_out_of_memory_in_a_stage_exits_4_naming_the_stage_and_memory(tmp_path, capsys, monkeypatch):
     """An allocation failure (here ENOMEM at the quantize stage's start) is exit 4, not a bug's 3:
     the message names the stage, its peak resident memory, this machine's memory and what the

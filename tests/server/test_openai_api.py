@@ -539,6 +539,25 @@ def test_unsupported_and_out_of_range_fields_are_400s_naming_them(body, param):
     assert err.value.body()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body,param,says", [
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop: at most 4 stop sequences (as OpenAI's API allows); got 5"),
+    ({"stop": 5}, "stop", "stop: a string or a list of at most 4 strings; got 5"),
+    ({"stop": ["a", 5]}, "stop.1", "stop.1: a string; got 5"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options: allowed only with stream true"),
+    ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options", "stream_options: allowed only")])
+def test_five_stops_and_stream_options_without_stream_are_400s_saying_why(body, param, says):
+    """Five stops got "Input should be a valid string"; stream_options without stream was accepted (issue 36)."""
+    from pipeline.serve.openai.requests import ChatRequest
+
+    for cls, base in ((CompletionRequest, {"prompt": "a"}), (ChatRequest, {"messages": [{"role": "user", "content": "a"}]})):
+        with pytest.raises(ApiError) as err:
+            parse_request(cls, {"model": MODEL, **base, **body})
+        assert err.value.status == 400 and err.value.param == param and err.value.message.startswith(says), err.value.message
+    assert parse_request(CompletionRequest, {"model": MODEL, "prompt": "a", "stop": ["a", "b", "c", "d"]}).stops() == [
+        "a", "b", "c", "d"]
+    assert parse_request(CompletionRequest, {"model": MODEL, "prompt": "a", "stream_options": None}).stream is False
+
+
 def test_what_standard_clients_send_is_accepted():
     from pipeline.serve.openai.requests import ChatRequest
 

@@ -18,6 +18,8 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 #: Most prompts of one /v1/completions request (each is one generation request to Triton).
 MAX_PROMPTS = 256
+#: Most stop sequences of one request (OpenAI's limit).
+MAX_STOPS = 4
 #: OpenAI fields this endpoint does not implement -> the values that mean "not used" (accepted).
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
@@ -54,7 +56,7 @@ class _Request(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # extension (vLLM)
     seed: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     stream_options: dict | None = None
     n: Literal[1] = 1
@@ -163,6 +165,7 @@ def parse_request(cls: type[Body], body: Any) -> Body:
     body = _drop_unused(body)
     if cls is ChatRequest:
         _check_content_parts(body)
+    _check_stop(body.get("stop"))
     try:
         req = cls.model_validate(body, strict=True)  # JSON types as sent: "2" is no integer, true no token id
     except ValidationError as e:
@@ -212,6 +215,25 @@ def _drop_unused(body: dict) -> dict:
     return out
 
 
+def _check_stop(stop: Any) -> None:
+    """``stop``: absent, a string or a list of at most :data:`MAX_STOPS` strings, said as such (the
+    schema's union would answer a long list with "Input should be a valid string").
+
+    Raises:
+        ApiError: 400 naming ``stop`` (or ``stop.<i>``, a list item that is no string).
+    """
+    if stop is None or isinstance(stop, str):
+        return
+    if not isinstance(stop, list):
+        raise ApiError(400, f"stop: a string or a list of at most {MAX_STOPS} strings; got {stop!r}"[:400], param="stop")
+    if len(stop) > MAX_STOPS:
+        raise ApiError(400, f"stop: at most {MAX_STOPS} stop sequences (as OpenAI's API allows); got {len(stop)}",
+                       param="stop")
+    for i, item in enumerate(stop):
+        if not isinstance(item, str):
+            raise ApiError(400, f"stop.{i}: a string; got {item!r}"[:400], param=f"stop.{i}")
+
+
 def _check_content_parts(body: dict) -> None:
     for i, message in enumerate(body.get("messages") or []):
         content = message.get("content") if isinstance(message, dict) else None
@@ -226,6 +248,9 @@ def _check_content_parts(body: dict) -> None:
 
 
 def _check_combinations(req: BaseModel) -> None:
+    if isinstance(req, _Request) and req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: allowed only with stream true (as OpenAI's API refuses it otherwise); "
+                            "leave it out or send stream true", param="stream_options")
     if isinstance(req, CompletionRequest):
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens: 0 is allowed only with echo (score the prompt); "

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
 
 from pipeline.errors import InternalError, PipelineError
-from pipeline.fsutil import sha256_file
+from pipeline.fsutil import sha256_file, user_path
 
 
 class DataError(PipelineError):
@@ -79,7 +79,7 @@ def resolve(src, value: str, field: str, *, folder: bool = False) -> Path:
         DataError: the file (or folder) does not exist; names ``<where>.<field>``.
         InternalError: a relative path on a source never bound to a recipe folder.
     """
-    path = Path(value).expanduser()
+    path = Path(user_path(value))
     if not path.is_absolute():
         if src._base_dir is None:
             raise InternalError(f"{src._where}.{field}: relative path {value!r} on a source not bound to a recipe "

@@ -134,6 +134,28 @@ def test_verify_repo(capsys, tmp_path):
     assert f"{repo / 'm' / '1' / 'model.onnx'}: sha256" in err and "extra.txt: not part of the published model" in err
 
 
+def test_verify_repo_skips_the_bytecode_caches_a_server_writes_and_checks_other_pyc(capsys, tmp_path):
+    """The python backend's stub writes <version>/__pycache__/model.cpython-3XY.pyc into a repository
+    served in place, and verify-repo (so publish) exited 4 on it (issue 36 C88)."""
+    repo = tmp_path / "repo"
+    (repo / "m" / "1").mkdir(parents=True)
+    files = {"config.pbtxt": b'name: "m"\n', "1/model.py": b"x = 1\n"}
+    for rel, data in files.items():
+        (repo / "m" / rel).write_bytes(data)
+    index = {"models": {"m": {"recipe": "r", "files": {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}}}}
+    (repo / "repository.json").write_text(json.dumps(index))
+    (repo / "m" / "1" / "__pycache__").mkdir()
+    for tag in ("cpython-311", "cpython-312.opt-1"):  # this Python's and a container's
+        (repo / "m" / "1" / "__pycache__" / f"model.{tag}.pyc").write_bytes(b"bytecode")
+    code, out, err = run(capsys, "verify-repo", str(repo))
+    assert code == 0 and out.strip() == f"verified: {repo} (1 models)", err
+    (repo / "m" / "1" / "model.pyc").write_bytes(b"importable on its own")
+    (repo / "m" / "1" / "__pycache__" / "notes.txt").write_text("x")
+    code, out, err = run(capsys, "verify-repo", str(repo))
+    assert code == 4 and "2 problem(s)" in err and "model.pyc: not part of the published model" in err
+    assert "__pycache__/notes.txt: not part of the published model" in err
+
+
 @pytest.mark.parametrize("target", ["serve", "bench"])
 def test_make_serve_and_bench_pass_args_through(target):
     import shutil

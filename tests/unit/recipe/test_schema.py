@@ -82,6 +82,16 @@ def test_override_by_dotted_path():
     assert r.validate_.gates[0].max == 0.5
 
 
+def test_a_tilde_in_work_dir_and_output_dir_is_the_home_folder(tmp_path, monkeypatch):
+    """As for model and data paths: ``~/x`` was a literal ``./~/x`` folder (issue 36 C90)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    path = _variant(tmp_path, lambda d: d.update(work_dir="~/work"))
+    r = load_recipe(path, {"output_dir": "~/repo"})
+    assert (r.work_dir, r.output_dir) == (str(tmp_path / "home" / "work"), str(tmp_path / "home" / "repo"))
+    assert load_recipe(RECIPE).work_dir == "artifacts"  # a relative path stays as given
+
+
 def test_missing_file_and_non_mapping(tmp_path):
     with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")
@@ -118,6 +128,24 @@ def test_duplicate_key_is_refused_naming_path_and_both_lines(tmp_path, old, new,
         load_recipe(path)
     assert str(path) in str(err.value) and where in str(err.value)
     assert f"given twice, at lines {first} and {second}" in str(err.value)
+
+
+def test_every_duplicate_key_is_named_in_one_error(tmp_path):
+    """All of them at once, not the first one per run (issue 36 C39)."""
+    text = RECIPE.read_text()
+    lines = text.splitlines()
+    path = tmp_path / "dups.yaml"
+    path.write_text(text.replace("name: fp8-llm", "name: fp8-llm\nname: a\nname: b", 1)
+                    .replace("    nodes: []", "    nodes: []\n    nodes: []", 1))
+    name_line = next(i for i, line in enumerate(lines, 1) if line.startswith("name: fp8-llm"))
+    nodes_line = next(i for i, line in enumerate(lines, 1) if line.startswith("    nodes: []")) + 2
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert f"{path}: 2 keys are given more than once" in message
+    assert f"key 'name' is given 3 times, at lines {name_line}, {name_line + 1} and {name_line + 2}" in message
+    assert f"key 'quantize.exclude.nodes' is given twice, at lines {nodes_line} and {nodes_line + 1}" in message
+    assert message.index("'name'") < message.index("'quantize.exclude.nodes'")  # in the file's order
 
 
 @pytest.mark.parametrize("text, where", [("name: [a, b\nmodel: {}\n", "line 2, column 6"),
@@ -307,8 +335,20 @@ def test_unquoted_container_tag_read_as_a_float_says_to_quote_it(tmp_path):
         load_recipe(path)
     assert "triton.serving.container: Input should be a valid string (got 24.1); YAML reads the unquoted 24.10 " \
            "as the number 24.1: quote it, e.g. '24.10'" in str(err.value)
-    with pytest.raises(RecipeError, match=r"quote it as written, e\.g\. '24\.10'"):
+    with pytest.raises(RecipeError, match=r"--set reads its value as YAML, which reads an unquoted value as a number "
+                                          r"\(24\.10 as 24\.1\): quote it inside the argument \[from --set triton.serving\]"):
         load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {"triton.serving": {"container": 24.1, "gpu": "H100"}})
+
+
+def test_a_number_set_where_a_string_is_wanted_quotes_the_set_value_not_the_files(capsys):
+    """``--set name=123`` said to quote 'fp8-llm', the file's value there (issue 36)."""
+    from pipeline.cli import app as cli
+
+    assert cli.main(["check", str(RECIPE), "--set", "name=123"]) == 2
+    err = capsys.readouterr().err
+    assert "name: Input should be a valid string (got 123); --set reads its value as YAML, which reads an unquoted " \
+           "123 as a number: quote it inside the argument, e.g. --set \"name='123'\" [from --set name]" in err, err
+    assert "fp8-llm" not in err.split("name:", 1)[1]
 
 
 def test_a_generic_recipe_with_a_hugging_face_folder_names_file_line_and_the_kinds(tmp_path):

@@ -347,3 +347,14 @@ def test_deploy_flags_are_checked_and_an_old_cache_variant_goes(tmp_path, capsys
     (tmp_path / "file").write_text("x")
     assert cli.main([*base[:-1], str(tmp_path / "file" / "d")]) == 2
     assert f"--out {tmp_path / 'file' / 'd'}: cannot be written ({tmp_path / 'file'} is a file" in capsys.readouterr().err
+
+
+def test_deploy_out_with_a_tilde_writes_into_the_home_folder(tmp_path, monkeypatch, capsys):
+    """``--out ~/deploy`` made a literal ``./~/deploy`` folder (issue 36 C90)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    recipe = str(ROOT / "recipes" / "int8-encoder.yaml")
+    assert cli.main(["deploy", "k8s", recipe, "--storage-uri", "s3://models/p", "--set",
+                     f"output_dir={tmp_path / 'repo'}", "--out", "~/deploy"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "home" / "deploy").iterdir()) == ["kserve", "plain"]
+    assert not (tmp_path / "~").exists()
