@@ -172,9 +172,12 @@ class S3Location:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
 
-def s3_client(loc: S3Location) -> Any:
+def s3_client(loc: S3Location, *, connect_timeout_s: float = 60.0, read_timeout_s: float = 60.0,
+              attempts: int = 6) -> Any:
     """A boto3 S3 client with the standard AWS configuration (``loc.endpoint`` wins
-    over ``AWS_ENDPOINT_URL``).
+    over ``AWS_ENDPOINT_URL``). ``attempts``: per call, the first included; the defaults are
+    botocore's timeouts with 5 retries (``publish``, which must get through); the shared stage
+    cache asks for less (:mod:`pipeline.remote.cache`).
 
     Raises:
         EnvironmentFault: boto3 cannot build a client (bad profile, bad region).
@@ -185,7 +188,9 @@ def s3_client(loc: S3Location) -> Any:
 
     try:
         return boto3.session.Session().client(
-            "s3", endpoint_url=loc.endpoint, config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+            "s3", endpoint_url=loc.endpoint,
+            config=Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                          retries={"total_max_attempts": attempts, "mode": "standard"}))
     except BotoCoreError as e:
         raise EnvironmentFault(f"{loc.url}: cannot configure an S3 client ({e}); check AWS_PROFILE, "
                                "AWS_DEFAULT_REGION and AWS_ENDPOINT_URL") from e
