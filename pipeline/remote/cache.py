@@ -76,7 +76,7 @@ class RemoteCache:
         self.loc = loc
         self.url = loc.url
         self._client = client
-        self._limits = {"connect_timeout_s": connect_timeout_s, "read_timeout_s": read_timeout_s, "attempts": attempts}
+        self._timeouts, self._attempts = (connect_timeout_s, read_timeout_s), attempts
         self.pulled: list[str] = []
         self.pushed: list[str] = []
         self.present: list[str] = []
@@ -97,7 +97,8 @@ class RemoteCache:
     @property
     def client(self) -> Any:
         if self._client is None:
-            self._client = s3_client(self.loc, **self._limits)
+            self._client = s3_client(self.loc, connect_timeout_s=self._timeouts[0], read_timeout_s=self._timeouts[1],
+                                     attempts=self._attempts)
         return self._client
 
     def summary(self) -> dict:
