@@ -299,15 +299,18 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from pipeline.serve.run import bench, failures
+    from pipeline.serve.run import bench, failures, slo_failures
 
     served = _served(args)
     result = bench(served, aiperf=not args.no_aiperf, greedy=not args.no_greedy)
     print(result["markdown"])
     print(f"bench: {served.run_dir / 'bench' / 'bench.json'}\n       {served.run_dir / 'bench' / 'bench.md'}")
-    bad = failures(result)
+    bad, missed = failures(result), slo_failures(result)
     if bad:  # served tokens left validate's beyond a near tie: what is served is not what was validated
         print("served greedy tokens differ from the validate stage's:\n  " + "\n  ".join(bad), file=sys.stderr)
+    if missed:  # serve.slo.gate: CI fails on goodput
+        print("SLO gate failed (serve.slo.gate):\n  " + "\n  ".join(missed), file=sys.stderr)
+    if bad or missed:
         return 1
     if aiperf_failed := result.get("llm", {}).get("aiperf", {}).get("failed"):  # asked for, and did not run
         print(f"bench: {aiperf_failed} (--no-aiperf skips AIPerf)", file=sys.stderr)

@@ -41,6 +41,7 @@ def constraint_problems(r: Recipe) -> list[Problem]:
         *_triton_problems(r),
         *_target_problems(r),
         *_weights_problems(r),
+        *_bench_problems(r),
     ]
 
 
@@ -249,7 +250,77 @@ def _gate_problems(r: Recipe) -> list[Problem]:
         if gate.metric in GENERATION_METRICS and r.validate_.generation is None:
             out.append(((*at, i, "metric"), f"{gate.metric} is measured by greedy generation: add "
                         "validate.generation (e.g. {prompts: 8, new_tokens: 32})"))
+        units = eval_units(r, gate.metric) if gate.statistic != "point" else None
+        if units is not None and units[1] < 2:
+            field, n, unit = units
+            out.append(((*at, i, "statistic"), f"{gate.statistic} needs the standard error of {gate.metric}, which "
+                        f"resamples {unit}, and {field} is {n}: one {unit.rstrip('s')} has none, so the gate could "
+                        f"only fail at the end of the build; valid: {field} >= 2 (a useful test needs many more), "
+                        "or statistic: point"))
     return out
+
+
+def eval_units(r: Recipe, metric: str) -> tuple[str, int, str] | None:
+    """The recipe field that caps the eval units ``metric``'s standard error resamples, its value
+    and the unit (:mod:`pipeline.metrics.uncertainty`; each kind's ``stderr_basis``), or None where
+    the data alone decides (word-pair sets, perplexity windows cut from the documents)."""
+    v, kind = r.validate_, r.model.kind
+    if kind == "text-generation":
+        if metric == "token_agreement":
+            return None if v.generation is None else ("validate.generation.prompts", v.generation.prompts,
+                                                      "greedy prompts")
+        return "validate.max_windows", v.max_windows, "eval windows"
+    if kind == "sentence-embedding":
+        return ("validate.max_windows", v.max_windows, "held-out sentences") if metric == "mean_cosine" else None
+    split = v.data.split
+    size = None if split.stop is None else split.stop - split.start
+    if kind == "generic":
+        if size is not None and size < v.max_windows:
+            return "validate.data.split", size, "eval samples"
+        return "validate.max_windows", v.max_windows, "eval samples"
+    if kind == "image-classification" and size is not None:
+        return "validate.data.split", size, "eval images"
+    return None
+
+
+def served_context(r: Recipe) -> tuple[int, str] | None:
+    """The largest context (prompt + generated tokens) a KV-cache model's decode steps fit in a
+    build profile, and that profile's name: over the profiles that admit a one-token step,
+    min(``total_sequence`` max, ``past_sequence`` max + 1), as the generation model computes it
+    (:func:`pipeline.triton.repository.context_limits`); None when no profile bounds it. The
+    model's own position limit can lower it further (checked with its config.json)."""
+    total, seq = total_dim(r), _sequence_dim(r)
+    best: tuple[int, str] | None = None
+    for p in r.build.profiles:
+        if seq in p.dims and p.dims[seq].min > 1:
+            continue
+        limits = ([p.dims[total].max] if total in p.dims else []) + (
+            [p.dims[PAST_DIM].max + 1] if PAST_DIM in p.dims else [])
+        if limits and (best is None or min(limits) > best[0]):
+            best = (min(limits), p.name)
+    return best
+
+
+def _bench_problems(r: Recipe) -> list[Problem]:
+    """``serve.tpot_positions`` the generation can reach: bench's long requests need
+    ``tpot_positions[1] + 4`` tokens after a prompt of at least :data:`PROMPT_TOKENS`, each decode
+    step inside the served context (:func:`served_context`)."""
+    if not facts(r.model.kind).kv_cache:
+        return []
+    context = served_context(r)
+    if context is None:
+        return []
+    limit, profile = context
+    second = r.serve.tpot_positions[1]
+    reach = limit - PROMPT_TOKENS - 3  # token k reads a context of prompt + k - 1; k = position + 4
+    if second <= reach:
+        return []
+    return [(("serve", "tpot_positions", 1),
+             f"{second}: TPOT there needs {second + 4} generated tokens after a prompt of at least {PROMPT_TOKENS} "
+             f"tokens, a context of {PROMPT_TOKENS + second + 3}, and the generation stops at {limit} (build.profiles "
+             f"{profile!r}); the largest position it reaches is {reach}: valid: "
+             + (f"tpot_positions[1] <= {reach} (with long_max_tokens >= it + 4), or " if reach >= 2 else "")
+             + "raise the profile's total_sequence / past_sequence max")]
 
 
 def _triton_problems(r: Recipe) -> list[Problem]:

@@ -477,6 +477,17 @@ class ServeSLO(Strict):
     ttft_ms: float = Field(1000.0, gt=0, description="LLM: time to first token, ms")
     tpot_ms: float = Field(250.0, gt=0, description="LLM: mean time per output token after the first, ms")
     latency_ms: float = Field(1000.0, gt=0, description="non-LLM: request latency, ms")
+    gate: bool = Field(False, description="bench exits 1 when, at any serve.concurrency level, fewer than min_met "
+                       "of the requests meet this SLO (goodput below min_met x throughput); false: goodput is "
+                       "reported only")
+    min_met: float = Field(0.9, gt=0, le=1, description="with gate: true, the fraction of requests that must meet "
+                           "the SLO at every concurrency level")
+
+    @model_validator(mode="after")
+    def _min_met_with_gate(self) -> "ServeSLO":
+        if not self.gate and "min_met" in self.model_fields_set:
+            raise ValueError("min_met applies to the SLO gate only; add gate: true, or drop min_met")
+        return self
 
 
 class ServeConfig(Strict):

@@ -30,6 +30,14 @@ exists once all its blobs do, so a push cut short leaves no entry.
 **Credentials**: boto3's standard configuration, as :mod:`pipeline.remote.s3` (which
 also parses the URL). Storage errors never fail a build: the stage runs (pull) or
 stays local (push), with a warning in the console and the manifest's ``remote_cache``.
+
+**An unreachable cache** costs a build seconds, not an hour. The client connects within
+:data:`CONNECT_TIMEOUT_S`, waits at most :data:`READ_TIMEOUT_S` for each read and makes
+:data:`ATTEMPTS` attempts per call (botocore's defaults, 60 s and 5 retries, made an endpoint
+that accepts connections and never answers cost 6 minutes per call, and a build makes one or
+more per stage: about an hour). The first timeout or refused connection switches the cache off for the rest
+of the run, as Gradle's and sccache's remote caches do: one console line says so, every later
+pull is a miss and every push is skipped without a call (``summary()["off"]`` names the cause).
 """
 from __future__ import annotations
 
@@ -48,6 +56,9 @@ from pipeline.errors import EnvironmentFault
 from pipeline.remote.s3 import S3Location, s3_client, upload_object
 
 FORMAT = 1
+#: the cache client's limits (see the module docstring): seconds to connect, seconds per read
+#: (not per object: a large blob streams in many reads), attempts per call (the first included)
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 5.0, 15.0, 2
 ENV = "PIPELINE_CACHE"
 RUN_DIR, OUTPUT_DIR = "${run_dir}", "${output_dir}"
 _MARKER = "stage.json"  # the runner's local record, rewritten after a pull (pipeline.run.runner)
@@ -60,14 +71,17 @@ class RemoteCache:
     pulled, pushed or already present, and one line per warning.
     """
 
-    def __init__(self, loc: S3Location, client: Any = None):
+    def __init__(self, loc: S3Location, client: Any = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 read_timeout_s: float = READ_TIMEOUT_S, attempts: int = ATTEMPTS):
         self.loc = loc
         self.url = loc.url
         self._client = client
+        self._timeouts, self._attempts = (connect_timeout_s, read_timeout_s), attempts
         self.pulled: list[str] = []
         self.pushed: list[str] = []
         self.present: list[str] = []
         self.warnings: list[str] = []
+        self.off: str | None = None  # why the cache is off for the rest of the run (unreachable), or None
         self._bad_blobs: set[str] = set()  # found corrupt on a pull: re-uploaded on the next push
 
     @classmethod
@@ -83,12 +97,21 @@ class RemoteCache:
     @property
     def client(self) -> Any:
         if self._client is None:
-            self._client = s3_client(self.loc)
+            self._client = s3_client(self.loc, connect_timeout_s=self._timeouts[0], read_timeout_s=self._timeouts[1],
+                                     attempts=self._attempts)
         return self._client
 
     def summary(self) -> dict:
         return {"url": self.url, "pulled": self.pulled, "pushed": self.pushed, "present": self.present,
-                "warnings": self.warnings}
+                "warnings": self.warnings, "off": self.off}
+
+    def _switch_off(self, ctx: StageContext, e: BaseException) -> None:
+        """The first timeout or unreachable endpoint: no further call this run (one console line)."""
+        self.off = f"{ctx.stage}: {type(e).__name__}: {e}"
+        text = (f"unreachable ({type(e).__name__}: {e}); the remote cache is off for the rest of this run "
+                "(stages run here and stay in the local cache)")
+        self.warnings.append(f"{ctx.stage}: {text}")
+        ctx.progress.print(f"[yellow]warning[/yellow] {ctx.stage}: remote cache {self.url}: {text}")
 
     def entry_key(self, stage: str, key: str) -> str:
         return self.loc.key("stages", stage, f"{key}.json")
@@ -105,10 +128,12 @@ class RemoteCache:
     def pull(self, ctx: StageContext, key: str) -> dict | None:
         """Place the files of stage ``ctx.stage``'s entry for ``key`` and return its
         ``{"artifact", "record"}`` with this runner's paths; None on a miss (no entry, or a
-        bad one: warned). Never raises for storage, network or content problems."""
+        bad one: warned; or the cache is off). Never raises for storage, network or content problems."""
         from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
+        if self.off is not None:
+            return None
         try:
             entry = self._entry(ctx.stage, key)
             if entry is None:
@@ -120,6 +145,9 @@ class RemoteCache:
                 places = _places(ctx)
                 found = {"artifact": _expand(entry["artifact"], places), "record": _expand(entry["record"], places)}
         # an entry is another runner's data: whatever shape it has, a bad one is a miss
+        except _unreachable() as e:
+            self._switch_off(ctx, e)
+            return None
         except (Boto3Error, BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError, KeyError, TypeError,
                 AttributeError) as e:
             problem = f"pull failed ({type(e).__name__}: {e})"
@@ -201,11 +229,13 @@ class RemoteCache:
 
     def push(self, ctx: StageContext, key: str, stage_json: dict) -> str:
         """Upload stage ``ctx.stage``'s files and its entry for ``key``, unless an entry
-        exists (the first writer wins). Returns ``"pushed"``, ``"present"`` or
-        ``"failed"`` (warned). Never raises for storage or network problems."""
+        exists (the first writer wins). Returns ``"pushed"``, ``"present"``, ``"failed"``
+        (warned) or ``"off"`` (the cache is off: no call). Never raises for storage or network problems."""
         from boto3.exceptions import Boto3Error  # S3UploadFailedError: a bucket that refuses the upload
         from botocore.exceptions import BotoCoreError, ClientError
 
+        if self.off is not None:
+            return "off"
         try:
             entry = self._new_entry(ctx, key, stage_json)
             blobs = self._blobs(ctx, entry)
@@ -217,6 +247,9 @@ class RemoteCache:
             for sha256, path in blobs.items():
                 self._upload_blob(path, sha256)
             won = self._put_entry(ctx.stage, key, entry)
+        except _unreachable() as e:
+            self._switch_off(ctx, e)
+            return "off"
         except (Boto3Error, BotoCoreError, ClientError, EnvironmentFault, OSError, ValueError) as e:
             self._warn(ctx, f"push failed ({type(e).__name__}: {e}); the stage stays in the local cache only")
             return "failed"
@@ -283,6 +316,15 @@ class RemoteCache:
                 return False
             raise
         return True
+
+
+def _unreachable() -> tuple[type[BaseException], ...]:
+    """botocore's errors for an endpoint that refuses, drops or never answers: connect and
+    read timeouts, refused or closed connections (not an S3 error response: that endpoint answered)."""
+    from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
+    from botocore.exceptions import ConnectionError as EndpointUnreachable  # connect timeout, refused, proxy
+
+    return (EndpointUnreachable, ReadTimeoutError, ConnectionClosedError)
 
 
 def _described(paths: dict[str, Path]) -> dict[str, dict]:

@@ -37,9 +37,15 @@ Inputs, in order of precedence:
 * storage: ``--storage-uri``, else the last ``published`` entry of
   ``<work_dir>/<recipe>/manifest.json`` (``python -m pipeline publish``).
 * target (compute model runtime): ``--target``, else ``triton.target`` when not
-  ``auto``, else the published entry's target, else ``tensorrt`` when the
-  recipe declares ``triton.serving`` (an engine for a GPU) and ``onnxruntime``
-  otherwise. ``tensorrt`` requests one ``nvidia.com/gpu``.
+  ``auto``, else the repository's target (:func:`repository_target`: the published
+  entry's, or with a ``--storage-uri`` that no entry names the local repository's), else
+  ``tensorrt`` when the recipe declares ``triton.serving`` (an engine for a GPU) and
+  ``onnxruntime`` otherwise. ``tensorrt`` requests one ``nvidia.com/gpu``. A ``--target``
+  other than the repository's known one is refused (exit 2): ``tensorrt`` for an ONNX-only
+  repository requested a GPU and a runtime that has no engine to load.
+* ``--max-replicas``: 1 to :data:`MAX_REPLICAS`; ``--image``: an image reference
+  (:func:`image_problem`); ``--out``: not inside the recipe's model repository
+  (:func:`out_problem`). Each is exit 2 before anything is written.
 * image: ``--image``, else ``triton.serving.container``
   (``nvcr.io/nvidia/tritonserver:<tag>``), else a container whose TensorRT equals
   ``triton.serving.tensorrt``, else :data:`DEFAULT_RELEASE` (24.10, Triton 2.51.0:
@@ -420,6 +426,73 @@ def render(comment: str, objects: list[dict]) -> str:
     return head + "---\n".join(yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=1000) for o in objects)
 
 
+#: the largest ``--max-replicas``. Kubernetes takes any int32 (2147483647) and KServe any int, but
+#: one Deployment of 1000 Triton pods (each with a GPU for the ``tensorrt`` target) is already far
+#: beyond a cluster of Kubernetes' tested scale (5000 nodes); a larger number is a typo, and an
+#: HPA allowed to reach it turns one queue-time spike into a cluster's worth of pending pods.
+MAX_REPLICAS = 1000
+
+#: an image reference as Docker and containerd parse it (github.com/distribution/reference):
+#: ``[host[:port]/]path[:tag][@algorithm:hex]``, the path in lower case
+_ALNUM, _SEP = r"[a-z0-9]+", r"(?:[._]|__|-+)"
+_PATH = rf"{_ALNUM}(?:{_SEP}{_ALNUM})*"
+_HOST_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_IMAGE_REF = re.compile(
+    rf"(?:(?:{_HOST_PART}(?:\.{_HOST_PART})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?/)?"  # registry
+    rf"(?P<name>{_PATH}(?:/{_PATH})*)"
+    r"(?::[\w][\w.-]{0,127})?"  # tag
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?",  # digest
+    re.ASCII)
+
+
+def image_problem(image: str) -> str | None:
+    """Why ``image`` is not an image reference a container runtime pulls, or None."""
+    match = _IMAGE_REF.fullmatch(image)
+    if match is None:
+        return "not an image reference"
+    if len(match.group("name")) > 255:
+        return "its repository name is longer than 255 characters"
+    return None
+
+
+def repository_target(recipe, published: dict | None, storage_uri: str | None) -> tuple[str, str] | None:
+    """The runtime of the compute model in the repository that is deployed, and where that
+    was read: the published entry's ``target`` (the entry of ``storage_uri`` where given, else
+    the last one), else, with ``storage_uri`` naming no entry, the local repository's
+    (``output_dir``'s ``repository.json`` entry of the recipe's compute model: what
+    ``publish`` would upload); None when neither says."""
+    from pipeline.triton.publish import read_index
+
+    entries = last_manifest(Path(recipe.work_dir) / recipe.name).get("published") or []
+    if storage_uri:
+        named = [e for e in entries if isinstance(e, dict) and storage_uri.rstrip("/") in
+                 (str(e.get("to", "")).rstrip("/"), str(e.get("triton_url", "")).rstrip("/"))]
+        published = named[-1] if named else None
+    if published and published.get("target"):
+        return str(published["target"]), f"the published entry of {published.get('to')} in manifest.json"
+    if storage_uri and published is None:
+        repo = Path(recipe.output_dir)
+        try:
+            entry = read_index(repo).get(recipe.triton.model_name) if (repo / "repository.json").is_file() else None
+        except PipelineError:
+            return None
+        if entry and entry.get("recipe") == recipe.name and entry.get("target"):
+            return str(entry["target"]), f"{repo / 'repository.json'}"
+    return None
+
+
+def out_problem(recipe, out: Path) -> str | None:
+    """Why ``out`` cannot take the manifests: it is, or is inside, a model repository of the
+    recipe (``output_dir``, or the serve copy ``<work_dir>/<recipe>/serve_repository``), where
+    Triton would take its folders for models and ``verify-repo`` fail on them."""
+    target = out.resolve()
+    for repo in (Path(recipe.output_dir), Path(recipe.work_dir) / recipe.name / "serve_repository"):
+        if target == repo.resolve() or repo.resolve() in target.parents:
+            return (f"it is inside the model repository {repo} (Triton would read its folders as models and "
+                    "verify-repo would fail on them); valid: a folder outside it")
+    return None
+
+
 #: the folders :func:`manifests` writes under ``out_dir``
 VARIANTS = ("kserve", "plain", "kserve-localmodelcache")
 #: a Kubernetes object name (DNS-1123 subdomain), e.g. a LocalModelNodeGroup's
@@ -455,7 +528,8 @@ def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute model runtime (default: triton.target, the published target, ...)")
     parser.add_argument("--image", help="Triton image (default: from triton.serving, else tritonserver:24.10-py3)")
     parser.add_argument("--out", type=user_path, help="output folder (default: <work_dir>/<recipe>/deploy)")
-    parser.add_argument("--max-replicas", type=int, default=4, help="HPA / KServe maxReplicas (default 4)")
+    parser.add_argument("--max-replicas", type=int, default=4,
+                        help=f"HPA / KServe maxReplicas, 1 to {MAX_REPLICAS} (default 4)")
     parser.add_argument("--local-model-cache", metavar="NODE_GROUP",
                         help="also write kserve-localmodelcache/: a KServe LocalModelCache of the repository on the "
                              "nodes of this LocalModelNodeGroup, and its InferenceService")
@@ -473,7 +547,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     """``python -m pipeline deploy k8s RECIPE``: write the manifests, print the kubectl commands.
 
     Raises:
-        PipelineError: no ``--storage-uri`` and nothing published (exit 2).
+        PipelineError: exit 2: no ``--storage-uri`` and nothing published; ``--max-replicas`` outside
+            1 to :data:`MAX_REPLICAS`; an ``--image`` that is not an image reference; ``--out`` in a
+            model repository of the recipe (:func:`out_problem`) or not writable; a ``--target`` other
+            than the one the repository was built for (:func:`repository_target`).
     """
     from pipeline.recipe.load import load_from_args
 
@@ -487,17 +564,31 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise PipelineError(f"{run_dir / 'manifest.json'}: no `published` entry; publish first ({publish}"
                             + (f"; make publish RECIPE={make} TO=s3://...) or pass --storage-uri (make deploy "
                                f"RECIPE={make} ARGS='--storage-uri s3://...')" if make else ") or pass --storage-uri"))
-    if args.max_replicas < 1:
-        raise PipelineError(f"--max-replicas {args.max_replicas}: must be >= 1")
+    if not 1 <= args.max_replicas <= MAX_REPLICAS:
+        raise PipelineError(f"--max-replicas {args.max_replicas}: valid: 1 to {MAX_REPLICAS} (the HPA's and the "
+                            "InferenceService's maxReplicas; docs/publishing-and-kubernetes.md)")
+    if args.image is not None and (why := image_problem(args.image)) is not None:
+        raise PipelineError(f"--image {args.image!r}: {why}; valid: [registry[:port]/]name[:tag][@sha256:digest], "
+                            "the name in lower case (e.g. nvcr.io/nvidia/tritonserver:24.10-py3)")
     group = getattr(args, "local_model_cache", None)
     if group is not None and not (len(group) <= 253 and _K8S_NAME.match(group)):
         raise PipelineError(f"--local-model-cache {group!r}: not a Kubernetes object name; valid: lower-case "
                             "letters, digits, '-' and '.', starting and ending with a letter or digit")
     out = Path(args.out) if args.out else run_dir / "deploy"
+    if (inside := out_problem(recipe, out)) is not None:
+        raise PipelineError(f"--out {out}: {inside}")
     problem = folder_problem(out)
     if problem is not None:
         raise PipelineError(f"--out {out}: cannot be written ({problem}); valid: a folder this user can create files in")
-    target = resolve_target(recipe, published if not args.storage_uri else None, args.target)
+    known = repository_target(recipe, published, args.storage_uri)
+    target = resolve_target(recipe, {"target": known[0]} if known else None, args.target)
+    if args.target and known and known[0] != args.target:
+        what = {"tensorrt": "a TensorRT engine (tensorrt_plan), on a GPU",
+                "onnxruntime": "an ONNX graph with ONNX Runtime (onnxruntime_onnx; no engine)",
+                "python-onnxruntime": "an ONNX graph with ONNX Runtime inside the python backend"}
+        raise PipelineError(f"--target {args.target}: the repository at {uri} serves its compute model as "
+                            f"{what.get(known[0], known[0])}, target {known[0]!r} ({known[1]}); valid: {known[0]} "
+                            "(or leave --target out); a tensorrt deployment needs a recipe built with an engine")
     size = repository_bytes(recipe, published if not args.storage_uri else None) if group else None
     files = write_manifests(recipe, out, storage_uri=uri, target=target, image=args.image, max_replicas=args.max_replicas,
                             node_group=group, size_bytes=size)

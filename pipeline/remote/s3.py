@@ -80,6 +80,12 @@ The manifest of the run gets a ``published`` entry (where, which version, which
 models, from which folder): ``python -m pipeline deploy k8s`` points at it.
 Two publishes of one prefix from different machines must not overlap (S3 has
 no multi-object transaction).
+
+**Ownership.** A model name under a prefix belongs to the recipe whose version of it is live
+(the ``recipe`` of its live version's record). Publishing or rolling back a model that another
+recipe published, or one whose live config has no record (``pipeline publish`` did not write it),
+is refused before anything is uploaded (exit 2), as a local ``build`` refuses another recipe's
+model folder: two recipes sharing a prefix need different ``triton.model_name`` values.
 """
 from __future__ import annotations
 
@@ -166,9 +172,12 @@ class S3Location:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
 
-def s3_client(loc: S3Location) -> Any:
+def s3_client(loc: S3Location, *, connect_timeout_s: float = 60.0, read_timeout_s: float = 60.0,
+              attempts: int = 6) -> Any:
     """A boto3 S3 client with the standard AWS configuration (``loc.endpoint`` wins
-    over ``AWS_ENDPOINT_URL``).
+    over ``AWS_ENDPOINT_URL``). ``attempts``: per call, the first included; the defaults are
+    botocore's timeouts with 5 retries (``publish``, which must get through); the shared stage
+    cache asks for less (:mod:`pipeline.remote.cache`).
 
     Raises:
         EnvironmentFault: boto3 cannot build a client (bad profile, bad region).
@@ -179,7 +188,9 @@ def s3_client(loc: S3Location) -> Any:
 
     try:
         return boto3.session.Session().client(
-            "s3", endpoint_url=loc.endpoint, config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+            "s3", endpoint_url=loc.endpoint,
+            config=Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                          retries={"total_max_attempts": attempts, "mode": "standard"}))
     except BotoCoreError as e:
         raise EnvironmentFault(f"{loc.url}: cannot configure an S3 client ({e}); check AWS_PROFILE, "
                                "AWS_DEFAULT_REGION and AWS_ENDPOINT_URL") from e
@@ -282,6 +293,53 @@ def version_record(client: Any, loc: S3Location, model: str, version: int) -> di
     return None if data is None else json.loads(data)
 
 
+def remote_owners(client: Any, loc: S3Location, live: dict[str, int | None]) -> dict[str, str | None]:
+    """model -> the recipe that published what ``loc`` serves of it, for each model of ``live``
+    (model -> its live version) that has a live config: the ``recipe`` of its live version's
+    record; None when that version has no record (a config ``pipeline publish`` did not write).
+    A record without a recipe name (``publish_version`` called without one) is left out."""
+    owners: dict[str, str | None] = {}
+    for model, version in live.items():
+        if version is None:
+            continue
+        record = version_record(client, loc, model, version)
+        if record is None:
+            owners[model] = None
+        elif isinstance(record, dict) and record.get("recipe"):
+            owners[model] = str(record["recipe"])
+    return owners
+
+
+def check_remote_ownership(client: Any, loc: S3Location, recipe_name: str, live: dict[str, int | None],
+                           fields: dict[str, str] | None = None) -> None:
+    """Refuse to publish (or roll back) a model name whose live version under ``loc`` another
+    recipe published, as the local repository refuses another recipe's model folder
+    (:func:`pipeline.triton.publish.check_ownership`); reads only, writes nothing.
+
+    Raises:
+        ModelOwnedElsewhere: exit 2; one line per taken name (the model, its owner, the
+            recipe field that names it), then the ways on.
+    """
+    from pipeline.triton.publish import ModelOwnedElsewhere
+
+    if not recipe_name:
+        return
+    taken = {m: o for m, o in remote_owners(client, loc, live).items() if o != recipe_name}
+    if not taken:
+        return
+    fields = fields or {}
+    lines = [f"model {m!r} ({loc.url}/{m}) " + (f"is live at version {live[m]} published by recipe {o!r}" if o else
+                                                 f"has a live {CONFIG} (version {live[m]}) with no {RECORD}: "
+                                                 "`pipeline publish` did not write it")
+             + (f"; it is this recipe's {fields[m]}" if m in fields else "") for m, o in taken.items()]
+    raise ModelOwnedElsewhere(
+        f"{loc.url}: recipe {recipe_name!r} would replace live models that are not its own; nothing was "
+        "uploaded:\n  " + "\n  ".join(lines) + "\n"
+        "Publish to another prefix (--to), give this recipe's model another name (triton.model_name, or "
+        "triton.generate_model_name for the generation model), or, if that model should go, delete "
+        f"{loc.url}/<model>/ first (no pipeline command removes models another recipe published)")
+
+
 # --- local models ------------------------------------------------------------------------------------
 
 
@@ -338,7 +396,7 @@ def commit_order(models: Sequence[str], front: Sequence[str]) -> list[str]:
 
 
 def publish_version(repo: Path, models: Sequence[str], loc: S3Location, *, front: Sequence[str] = (),
-                    client: Any = None, recipe_name: str = "") -> dict:
+                    client: Any = None, recipe_name: str = "", fields: dict[str, str] | None = None) -> dict:
     """Upload ``models`` of the verified local ``repo`` as version N+1 under ``loc``,
     re-hash every object, then make N+1 live (see the module docstring).
 
@@ -347,6 +405,8 @@ def publish_version(repo: Path, models: Sequence[str], loc: S3Location, *, front
 
     Raises:
         PipelineError: a local model folder is not publishable (see :func:`local_model`).
+        ModelOwnedElsewhere: another recipe's version of a model is live under ``loc``
+            (:func:`check_remote_ownership`; ``fields``: model -> the recipe field naming it).
         EnvironmentFault: a storage or network error, or an uploaded object that
             does not hash back to its file; the live version is unchanged unless
             the failure came while making the new version live (then the message says so).
@@ -355,6 +415,7 @@ def publish_version(repo: Path, models: Sequence[str], loc: S3Location, *, front
     client = client or s3_client(loc)
     with storage_errors(loc, "listing versions"):
         live = {m.name: live_version(client, loc, m.name) for m in local}
+        check_remote_ownership(client, loc, recipe_name, live, fields)
         highest = max([0, *(v for m in local for v in remote_versions(client, loc, m.name)),
                        *(v for v in live.values() if v)])
     version = highest + 1
@@ -382,7 +443,8 @@ def publish_version(repo: Path, models: Sequence[str], loc: S3Location, *, front
     return {"version": version, "previous": previous, "models": list(models), "objects": count, "bytes": size}
 
 
-def rollback_version(loc: S3Location, models: Sequence[str], *, front: Sequence[str] = (), client: Any = None) -> dict:
+def rollback_version(loc: S3Location, models: Sequence[str], *, front: Sequence[str] = (), client: Any = None,
+                     recipe_name: str = "", fields: dict[str, str] | None = None) -> dict:
     """Make the highest complete version below the live one live again, after
     re-hashing its objects against its records.
 
@@ -391,6 +453,7 @@ def rollback_version(loc: S3Location, models: Sequence[str], *, front: Sequence[
 
     Raises:
         PipelineError: nothing is live under ``loc``, or no complete earlier version exists.
+        ModelOwnedElsewhere: another recipe's version of a model is live (:func:`check_remote_ownership`).
         RepositoryCorrupt: an object of the target version differs from its record.
         EnvironmentFault: a storage or network error (the live version is unchanged).
     """
@@ -400,6 +463,7 @@ def rollback_version(loc: S3Location, models: Sequence[str], *, front: Sequence[
         if not all(live.values()):
             raise PipelineError(f"{loc.url}: nothing to roll back: no live config.pbtxt for "
                                 f"{[m for m, v in live.items() if not v]}")
+        check_remote_ownership(client, loc, recipe_name, live, fields)
         current = max(v for v in live.values() if v)
         earlier = set.intersection(*({v for v in remote_versions(client, loc, m) if v < current} for m in models))
         records: dict[str, dict] = {}
@@ -476,11 +540,13 @@ def publish_recipe(recipe, loc: S3Location, *, serve_copy: bool = False, rollbac
         RepositoryCorrupt: the local folder fails verification.
         PipelineError: the folder holds none of the recipe's models, or the recipe (with its
             ``--set`` overrides) is not the one the last passing run built (exit 2).
+        ModelOwnedElsewhere: ``loc`` serves another recipe's version of one of its model names (exit 2).
         LockHeld: a build of the recipe is running.
         EnvironmentFault: storage or network errors.
     """
     from pipeline.fsutil import write_json_atomic
     from pipeline.run.runner import run_lock
+    from pipeline.stages.triton import model_names
     from pipeline.triton.publish import published_models, read_index, verify_repository
 
     run_dir = Path(recipe.work_dir) / recipe.name
@@ -500,11 +566,13 @@ def publish_recipe(recipe, loc: S3Location, *, serve_copy: bool = False, rollbac
         if problems:
             raise RepositoryCorrupt(f"{repo}: fails verification, nothing published:\n  " + "\n  ".join(problems))
         models = commit_order(sorted(models), front_models(recipe))
+        fields = model_names(recipe)
         if rollback:
-            result = rollback_version(loc, models, front=front_models(recipe), client=client)
+            result = rollback_version(loc, models, front=front_models(recipe), client=client,
+                                      recipe_name=recipe.name, fields=fields)
         else:
             result = publish_version(repo, models, loc, front=front_models(recipe), client=client,
-                                     recipe_name=recipe.name)
+                                     recipe_name=recipe.name, fields=fields)
         entry = {"action": "rollback" if rollback else "publish", "to": loc.url, "triton_url": loc.triton_url,
                  "endpoint": loc.effective_endpoint(), "source": str(repo),
                  "target": read_index(repo)[models[0]].get("target"),

@@ -133,7 +133,7 @@ class SharedCache(Protocol):
         """Place the stage's files for ``key``; its ``{"artifact", "record"}``, or None (a miss)."""
 
     def push(self, ctx: StageContext, key: str, stage_json: dict) -> str:
-        """Share a stage that ran (``stage.json``'s content); "pushed", "present" or "failed"."""
+        """Share a stage that ran (``stage.json``'s content); "pushed", "present", "failed" or "off"."""
 
     def summary(self) -> dict:
         """The manifest's ``remote_cache`` entry."""

@@ -36,6 +36,10 @@ def render(result: dict) -> str:
     if "encoder" in result:
         lines += encoder_tables(result["encoder"], result["serve"])
     lines += batching_tables(result.get("batching"))
+    if gate := result.get("slo_gate"):
+        lines += ["", f"SLO gate (serve.slo.gate, min_met {_n(100 * gate['min_met'], 0)} % at every level of "
+                      f"{gate['levels']}): {'passed' if gate['passed'] else 'FAILED'}",
+                  *(f"- {f}" for f in gate["failures"])]
     return "\n".join(lines) + "\n"
 
 

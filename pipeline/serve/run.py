@@ -203,9 +203,43 @@ def bench(served: Served, *, log: Log = print, aiperf: bool = True, greedy: bool
                               else {"skipped": "max_batch_size is 0: Triton cannot batch this model"})
     if "llm" in result:
         result["llm"]["plot"] = write_plot(result["llm"], served.run_dir / "bench" / PLOT_FILE)
+    gate = slo_gate(result, served.recipe)
+    if gate is not None:
+        result["slo_gate"] = gate
     result["markdown"] = render(result)
     _write(served.run_dir / "bench", result)
     return result
+
+
+def slo_gate(result: dict, recipe) -> dict | None:
+    """With ``serve.slo.gate``: the verdict on the served configuration's concurrency levels
+    (an LLM's ``levels``, or ``levels_static`` when the recipe serves with
+    ``triton.continuous_batching: false``; an encoder's ``levels``): ``{"min_met", "levels",
+    "passed", "failures"}``, one failure line per level whose fraction of requests meeting
+    ``serve.slo`` (``slo_met``) is below ``serve.slo.min_met``. None when the gate is off."""
+    slo = recipe.serve.slo
+    if not slo.gate:
+        return None
+    llm = result.get("llm") or {}
+    if llm:
+        static = getattr(recipe.triton, "continuous_batching", True) is False and "levels_static" in llm
+        which = "llm.levels_static" if static else "llm.levels"
+        levels = llm["levels_static" if static else "levels"]
+        bounds = f"TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms"
+    else:
+        which, levels = "encoder.levels", (result.get("encoder") or {}).get("levels", [])
+        bounds = f"latency <= {slo.latency_ms:g} ms"
+    failed = [f"concurrency {lv['concurrency']}: {100 * lv['slo_met']:.0f} % of requests met the SLO ({bounds}), "
+              f"below serve.slo.min_met {100 * slo.min_met:g} % (goodput {lv['goodput_rps']:.2f} req/s)"
+              for lv in levels if lv.get("slo_met") is None or lv["slo_met"] < slo.min_met]
+    if not levels:
+        failed = [f"no concurrency level was measured ({which}): the SLO gate has nothing to pass on"]
+    return {"min_met": slo.min_met, "levels": which, "passed": not failed, "failures": failed}
+
+
+def slo_failures(result: dict) -> list[str]:
+    """The SLO gate's failure lines of a bench result (:func:`slo_gate`); empty when it passed or was off."""
+    return list((result.get("slo_gate") or {}).get("failures") or [])
 
 
 def failures(result: dict) -> list[str]:

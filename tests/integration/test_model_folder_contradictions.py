@@ -95,7 +95,8 @@ def test_learned_positions_past_their_table_are_refused_by_check(tmp_path, tiny_
                                           "past_sequence": {"min": 0, "opt": 16, "max": 64},
                                           "total_sequence": {"min": 1, "opt": 32, "max": 128}}}
     _, code, err = check(tmp_path, folder, capsys, **{"build.profiles": [profile], "quantize.calibration.seq_len": 32,
-                                                     "validate.seq_len": 64})
+                                                     "validate.seq_len": 64, "serve.tpot_positions": [8, 40],
+                                                     "serve.long_max_tokens": 44})  # a 65-token context reaches 46
     assert code == 0 and "warning" not in err, err
 
 

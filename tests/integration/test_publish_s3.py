@@ -213,6 +213,37 @@ def test_a_killed_upload_leaves_the_live_version(built, client, tmp_path):
     assert publish_recipe(recipe, loc, serve_copy=True)["version"] == 3
 
 
+def test_two_recipes_sharing_a_prefix_cannot_replace_each_others_models(built, client, tmp_path):
+    """Issue 36 C94: a second recipe with the same model names published over the first one's live
+    models with exit 0. Refused before any upload, exit 2, naming the model, its owner and the field."""
+    from pipeline.triton.publish import ModelOwnedElsewhere
+
+    recipe, artifacts, _ = built
+    loc = loc_for(tmp_path)
+    first = publish_recipe(recipe, loc, serve_copy=True)
+    before = keys(client, loc)
+    other = llm_recipe(tmp_path / "b").model_copy(update={"name": "other-llm"})
+    prepare(other, llm_artifacts(tmp_path / "b"), backends=["python"])
+    write_manifest(other)
+    for rollback in (False, True):
+        with pytest.raises(ModelOwnedElsewhere, match=r"recipe 'other-llm' would replace live models that are not its "
+                                                      r"own; nothing was uploaded:\n  model 'tiny' .* is live at version 1 "
+                                                      r"published by recipe 'tiny-llm'; it is this recipe's "
+                                                      r"triton.model_name\n") as e:
+            publish_recipe(other, loc, serve_copy=True, rollback=rollback)
+        assert e.value.exit_code == 2 and "'tiny_generate'" in str(e.value)
+    assert keys(client, loc) == before
+    assert [list(live_config(client, loc, m).version_policy.specific.versions) for m in first["models"]] == [[1], [1]]
+    assert publish_recipe(recipe, loc, serve_copy=True)["version"] == 2  # the owner still publishes
+    # a live config that `pipeline publish` did not write (no record) is nobody's: refused as well
+    client.delete_object(Bucket=BUCKET, Key=loc.key("tiny", "2", RECORD))
+    with pytest.raises(ModelOwnedElsewhere, match=r"model 'tiny' .* has a live config.pbtxt \(version 2\) with no "
+                                                  "trt-pipeline-version.json"):
+        publish_recipe(recipe, loc, serve_copy=True)
+    other_loc = S3Location.parse(loc.url + "-other")
+    assert publish_recipe(other, other_loc, serve_copy=True)["version"] == 1  # another prefix is free
+
+
 def test_a_missing_bucket_is_an_environment_fault(built, moto_s3):
     recipe, _, _ = built
     with pytest.raises(EnvironmentFault, match=r"s3://no-such-bucket/x: listing versions failed: NoSuchBucket; "

@@ -53,17 +53,74 @@ def check_disjoint(uses: dict[str, DataSource]) -> None:
     overlap; so do two different files with the same content hash (a copy
     cannot be proved disjoint). The same file read as two different record
     units (``text`` and ``jsonl``) cannot be compared and is refused too.
+    Then the records themselves: two uses whose texts (documents, a JSONL
+    field, sentence pairs) share a record after :func:`normalized` (NFKC,
+    case-folded, whitespace collapsed) overlap, whatever files and source types
+    they come through (a text file and a JSONL file of the same documents, a
+    lower-cased copy, one document in two ranges of a corpus). Images and npz
+    feeds are compared by their files' bytes (above).
 
     Args:
         uses: recipe key of each use (``quantize.calibration.data``) -> its source.
 
     Raises:
-        DataError: (exit 2) naming both uses, the file and both ranges.
+        DataError: (exit 2) naming both uses, the file and both ranges; or both uses,
+            both sources and how many records they share, with the first one.
     """
     claims = {name: src.claims() for name, src in uses.items()}
     for (a, ca), (b, cb) in combinations(claims.items(), 2):
         _same_files(a, ca, b, cb)
         _same_content(a, uses[a], ca, b, uses[b], cb)
+    records = {name: found for name, src in uses.items() if (found := _record_hashes(src)) is not None}
+    for (a, (fa, ra)), (b, (fb, rb)) in combinations(records.items(), 2):
+        if fa != fb:
+            continue
+        shared = ra.keys() & rb.keys()
+        if shared:
+            first = min(shared, key=lambda h: ra[h][0])
+            (i, text), (j, _) = ra[first], rb[first]
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            raise DataError(
+                f"{a} and {b} share {len(shared)} record{'s' if len(shared) > 1 else ''}: {uses[a].describe()} and "
+                f"{uses[b].describe()} hold the same {fb} (compared case-folded, whitespace collapsed), e.g. record "
+                f"{i} of {a} and record {j} of {b}: {shown!r}; valid: data with no record in common (validate must "
+                "measure on records that calibration and tuning never saw)")
+
+
+def normalized(text: str) -> str:
+    """``text`` as records are compared: NFKC, case-folded, runs of whitespace as one space, stripped."""
+    import unicodedata
+
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def _record_hashes(src: DataSource) -> tuple[str, dict[str, tuple[int, str]]] | None:
+    """(record family, normalized-record sha256 -> (first index in the split, the record as text))
+    of a text source; None for images and npz feeds (their files are compared by content). A JSONL
+    field that holds JSON other than a string (a generic model's feeds) is its canonical JSON.
+
+    Raises:
+        DataError: the source's records cannot be read (as :meth:`items`).
+    """
+    import hashlib
+    import json
+
+    kind = src.record_kind
+    if kind not in ("documents", "labeled_documents", "pairs"):
+        return None
+    records = src._reader().values(src) if isinstance(src, JsonlSource) else src.items()
+    out: dict[str, tuple[int, str]] = {}
+    for i, rec in enumerate(records):
+        if kind == "pairs":
+            text = "\t".join(sorted((normalized(rec.text_a), normalized(rec.text_b))))
+        elif isinstance(rec, str):
+            text = normalized(rec)
+        else:
+            text = json.dumps(rec, sort_keys=True, separators=(",", ":"))
+        if not text:  # an empty JSONL field holds no data to share
+            continue
+        out.setdefault(hashlib.sha256(text.encode()).hexdigest(), (src.split.start + i, text))
+    return ("sentence pairs" if kind == "pairs" else "texts"), out
 
 
 def _same_files(a: str, ca: list[Claim], b: str, cb: list[Claim]) -> None:

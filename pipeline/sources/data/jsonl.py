@@ -40,6 +40,18 @@ def items(src) -> list:
             empty or reaches past the file.
     """
     path = files(src)[0]
+    out = []
+    for lineno, obj in _objects(src, path):
+        text = _value(src, path, lineno, obj, src.field, "field", text=True)
+        if src.label_field is None:
+            out.append(text)
+        else:
+            out.append(Labeled(text, _value(src, path, lineno, obj, src.label_field, "label_field", text=False)))
+    return out
+
+
+def _objects(src, path: Path) -> list[tuple[int, dict]]:
+    """(line number, JSON object) of the records ``src.split``."""
     lines = [(n, line) for n, line in enumerate(read_text(src, path).split("\n"), 1) if line.strip()]
     start, stop = select(src, len(lines), UNIT, str(path))
     out = []
@@ -51,11 +63,23 @@ def items(src) -> list:
         if not isinstance(obj, dict):
             raise DataError(f"{src._where}.path: {path} line {lineno}: a JSON {type(obj).__name__}; "
                             f"valid: one JSON object per line")
-        text = _value(src, path, lineno, obj, src.field, "field", text=True)
-        if src.label_field is None:
-            out.append(text)
-        else:
-            out.append(Labeled(text, _value(src, path, lineno, obj, src.label_field, "label_field", text=False)))
+        out.append((lineno, obj))
+    return out
+
+
+def values(src) -> list:
+    """The ``field`` value of each record ``src.split``, of any JSON type (a generic model's
+    records hold objects of numeric rows there), for the shared-record check.
+
+    Raises:
+        DataError: as :func:`items`, but for a value that is not a string.
+    """
+    path = files(src)[0]
+    out = []
+    for lineno, obj in _objects(src, path):
+        if src.field not in obj:
+            _value(src, path, lineno, obj, src.field, "field", text=False)  # raises, naming the line
+        out.append(obj[src.field])
     return out
 
 

@@ -364,3 +364,73 @@ def test_a_generic_recipe_with_a_hugging_face_folder_names_file_line_and_the_kin
             "(returning (nn.Module, example inputs)) or onnx: ./model.onnx; got path ./hf-folder; a Hugging Face "
             "folder is kind: text-generation") in str(err.value)
     assert "kind: sentence-embedding" in str(err.value)
+
+
+# --- rules check applies that the build or bench found only at the end (issue 36 C85/C96) ----------
+
+def _gate(metric: str, **bound) -> dict:
+    return {"metric": metric, "statistic": "evidence_of_regression", **bound}
+
+
+@pytest.mark.parametrize("mutate, expect", [
+    (lambda d: (d["validate"].update(max_windows=1),
+                d["validate"]["gates"].append(_gate("kld_mean", max=0.03, name="kld_test"))),
+     "validate.gates.2.statistic: evidence_of_regression needs the standard error of kld_mean, which resamples eval "
+     "windows, and validate.max_windows is 1: one eval window has none, so the gate could only fail at the end of the "
+     "build; valid: validate.max_windows >= 2"),
+    (lambda d: (d["validate"].update(generation={"prompts": 1, "new_tokens": 32}),
+                d["validate"]["gates"].append(_gate("token_agreement", min=0.5))),
+     "validate.gates.2.statistic: evidence_of_regression needs the standard error of token_agreement, which resamples "
+     "greedy prompts, and validate.generation.prompts is 1"),
+    (lambda d: d["serve"].update(tpot_positions=[16, 500], long_max_tokens=504),
+     "serve.tpot_positions.1: 500: TPOT there needs 504 generated tokens after a prompt of at least 16 tokens, a "
+     "context of 519, and the generation stops at 513 (build.profiles 'default'); the largest position it reaches is "
+     "494: valid: tpot_positions[1] <= 494"),
+    (lambda d: d["build"]["profiles"][0]["dims"].update(past_sequence={"min": 0, "opt": 32, "max": 64},
+                                                        total_sequence={"min": 1, "opt": 64, "max": 128}),
+     "serve.tpot_positions.1: 256: TPOT there needs 260 generated tokens after a prompt of at least 16 tokens, a "
+     "context of 275, and the generation stops at 65 (build.profiles 'default'); the largest position it reaches "
+     "is 46: valid: tpot_positions[1] <= 46"),
+], ids=["one-window", "one-prompt", "tpot-past-context", "short-profile"])
+def test_check_refuses_what_the_build_or_bench_found_only_at_the_end(tmp_path, mutate, expect):
+    path = _variant(tmp_path, mutate)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert expect in str(err.value)
+
+
+def test_the_limits_themselves_pass(tmp_path):
+    """Two windows / prompts, a point gate on one window, and the largest reachable position are valid."""
+    load_recipe(_variant(tmp_path, lambda d: (d["validate"].update(max_windows=2, generation={"prompts": 2, "new_tokens": 8}),
+                                              d["validate"]["gates"].append(_gate("kld_mean", max=0.03, name="k")),
+                                              d["validate"]["gates"].append(_gate("token_agreement", min=0.5)))))
+    load_recipe(_variant(tmp_path, lambda d: d["validate"].update(max_windows=1)))
+    load_recipe(_variant(tmp_path, lambda d: d["serve"].update(tpot_positions=[16, 494], long_max_tokens=498)))
+
+
+def test_a_one_sentence_encoder_gate_and_a_one_image_split_are_refused(tmp_path):
+    enc = yaml.safe_load((ROOT / "recipes" / "int8-encoder.yaml").read_text())
+    enc["validate"]["max_windows"] = 1
+    enc["validate"]["gates"].append(_gate("mean_cosine", min=0.99))
+    enc["validate"]["gates"].append(_gate("spearman_drop_max", max=5.0))  # word pairs: the data decides
+    (tmp_path / "enc.yaml").write_text(yaml.safe_dump(enc))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(tmp_path / "enc.yaml")
+    assert "resamples held-out sentences, and validate.max_windows is 1" in str(err.value)
+    assert "spearman_drop_max" not in str(err.value)
+    img = yaml.safe_load((ROOT / "recipes" / "int8-textline-orientation.yaml").read_text())
+    img["validate"]["data"]["split"] = {"start": 3, "stop": 4}
+    img["validate"]["gates"] = [_gate("top1_agreement", min=0.9)]
+    (tmp_path / "img.yaml").write_text(yaml.safe_dump(img))
+    with pytest.raises(RecipeError, match=r"resamples eval images, and validate.data.split is 1"):
+        load_recipe(tmp_path / "img.yaml")
+
+
+def test_the_slo_gate_fields_at_their_defaults_keep_the_digest(tmp_path):
+    """serve is no part of the digest: a recipe with the gate on hashes as the shipped one."""
+    shipped = load_recipe(RECIPE)
+    gated = load_recipe(RECIPE, {"serve.slo.gate": True, "serve.slo.min_met": 0.5})
+    assert gated.serve.slo.gate and gated.serve.slo.min_met == 0.5 and gated.digest == shipped.digest
+    assert not shipped.serve.slo.gate and "gate" not in yaml.safe_load(RECIPE.read_text())["serve"]["slo"]
+    with pytest.raises(RecipeError, match=r"min_met applies to the SLO gate only; add gate: true, or drop min_met"):
+        load_recipe(RECIPE, {"serve.slo.min_met": 0.5})

@@ -358,3 +358,43 @@ def test_deploy_out_with_a_tilde_writes_into_the_home_folder(tmp_path, monkeypat
                      f"output_dir={tmp_path / 'repo'}", "--out", "~/deploy"]) == 0, capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "home" / "deploy").iterdir()) == ["kserve", "plain"]
     assert not (tmp_path / "~").exists()
+
+
+def test_deploy_refuses_an_out_in_the_repository_a_wrong_target_a_bad_image_and_huge_replicas(tmp_path, capsys):
+    """Issue 36 §4: each was written with exit 0 (manifests inside the model repository, a GPU and
+    target tensorrt for an ONNX-only repository, an image no runtime pulls, 2**31 replicas)."""
+    recipe = str(ROOT / "recipes" / "int8-encoder.yaml")
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    (repo / "minilm_int8" / "1").mkdir(parents=True)
+    (repo / "repository.json").write_text(json.dumps({"models": {"minilm_int8": {
+        "recipe": "int8-encoder", "files": {}, "target": "onnxruntime"}}}))
+    base = ["deploy", "k8s", recipe, "--set", f"output_dir={repo}", "--set", f"work_dir={work}"]
+    uri = ["--storage-uri", "s3://models/p"]
+    refused = {
+        ("--out", str(repo / "deploy")): f"--out {repo / 'deploy'}: it is inside the model repository {repo}",
+        ("--out", str(repo)): f"--out {repo}: it is inside the model repository {repo}",
+        ("--out", str(work / "int8-encoder" / "serve_repository" / "x")): "it is inside the model repository",
+        ("--target", "tensorrt"): "--target tensorrt: the repository at s3://models/p serves its compute model as an "
+                                  "ONNX graph with ONNX Runtime (onnxruntime_onnx; no engine), target 'onnxruntime' "
+                                  f"({repo / 'repository.json'}); valid: onnxruntime",
+        ("--image", "bad image"): "--image 'bad image': not an image reference; valid: [registry[:port]/]name[:tag]",
+        ("--image", "Triton:24.10"): "--image 'Triton:24.10': not an image reference",
+        ("--max-replicas", "2147483648"): f"--max-replicas 2147483648: valid: 1 to {k8s.MAX_REPLICAS}",
+        ("--max-replicas", "1000000"): f"--max-replicas 1000000: valid: 1 to {k8s.MAX_REPLICAS}",
+        ("--max-replicas", "0"): "--max-replicas 0: valid: 1 to",
+    }
+    for flag, message in refused.items():
+        capsys.readouterr()
+        assert cli.main([*base, *uri, *flag]) == 2, flag
+        assert message in capsys.readouterr().err, flag
+    assert not (repo / "deploy").exists() and not (work / "int8-encoder" / "deploy").exists()
+    ok = ["--image", "registry.local:5000/team/triton-tok:24.10@sha256:" + "a" * 64, "--max-replicas", str(k8s.MAX_REPLICAS)]
+    assert cli.main([*base, *uri, *ok]) == 0
+    assert "target onnxruntime (CPU)" in (work / "int8-encoder" / "deploy" / "plain" / "deployment.yaml").read_text()
+    # the published entry's target rules where deploy reads it
+    (work / "int8-encoder" / "manifest.json").write_text(json.dumps({"verdict": "pass", "published": [
+        {"to": "s3://models/q", "triton_url": "s3://models/q", "target": "tensorrt"}]}))
+    assert cli.main([*base, "--target", "onnxruntime"]) == 2
+    assert "--target onnxruntime: the repository at s3://models/q serves its compute model as a TensorRT engine" in (
+        capsys.readouterr().err)
+    assert cli.main([*base, "--target", "tensorrt"]) == 0

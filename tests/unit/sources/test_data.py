@@ -370,3 +370,87 @@ def test_an_empty_data_file_says_so_not_start_below_zero(tmp_path):
     src = load({"type": "text", "path": "e.txt"}, tmp_path, "validate.data")
     with pytest.raises(DataError, match=r"is empty \(0 documents\); valid: a .*e.txt with at least one document$"):
         src.items()
+
+
+# ---- shared records, whatever file or source type they come through (issue 36 C84) --------------
+
+DOCS = ["The first document is about cats.", "The second one is about dogs.", "A third about birds.",
+        "A fourth about fish.", "A fifth about horses.", "A sixth about cows."]
+
+
+def write_jsonl(path, texts) -> None:
+    import json
+
+    path.write_text("".join(json.dumps({"text": t, "stars": 3}) + "\n" for t in texts))
+
+
+def test_the_same_documents_through_another_file_type_or_a_case_changed_copy_are_refused(tmp_path):
+    """Before, only ranges of one file and byte-identical copies were compared: these passed `check`."""
+    (tmp_path / "cal.txt").write_text("\n".join(DOCS) + "\n")
+    write_jsonl(tmp_path / "eval.jsonl", DOCS[4:] + DOCS[:2])  # 2 of the calibration documents, as JSONL
+    (tmp_path / "lower.txt").write_text("\n".join("  " + d.lower().replace(" ", "   ") for d in DOCS[3:]) + "\n")
+    cal = src(tmp_path, type="text", path="cal.txt", split={"stop": 4})
+    cases = {
+        "jsonl": (src(tmp_path, type="jsonl", path="eval.jsonl", field="text"), 2, "record 0 of "
+                  "quantize.calibration.data and record 2 of validate.data: 'the first document is about cats.'"),
+        "labeled jsonl": (src(tmp_path, type="jsonl", path="eval.jsonl", field="text", label_field="stars"), 2, None),
+        "lower-cased copy": (src(tmp_path, type="text", path="lower.txt"), 1, "'a fourth about fish.'"),
+    }
+    for name, (val, count, example) in cases.items():
+        with pytest.raises(DataError, match=rf"quantize.calibration.data and validate.data share {count} records?: "
+                                            r"text file cal.txt, documents \[0, 4\) and .* hold the same texts "
+                                            r"\(compared case-folded, whitespace collapsed\)") as e:
+            check_disjoint({"quantize.calibration.data": cal, "validate.data": val})
+        assert e.value.exit_code == EXIT_BAD_INPUT, name
+        assert example is None or example in str(e.value), (name, str(e.value))
+    # the records a use does not read are not shared
+    check_disjoint({"quantize.calibration.data": src(tmp_path, type="text", path="cal.txt", split={"start": 2, "stop": 3}),
+                    "validate.data": src(tmp_path, type="jsonl", path="eval.jsonl", field="text")})
+    # one document in two ranges of one file: disjoint ranges, shared text
+    (tmp_path / "dup.txt").write_text("\n".join([*DOCS, DOCS[0].upper()]) + "\n")
+    with pytest.raises(DataError, match=r"tuning and eval share 1 record: .*record 0 of tuning and record 6 of eval"):
+        check_disjoint({"tuning": src(tmp_path, type="text", path="dup.txt", split={"stop": 3}),
+                        "eval": src(tmp_path, type="text", path="dup.txt", split={"start": 3})})
+
+
+def test_sentence_pairs_are_compared_as_pairs_in_either_order(tmp_path):
+    (tmp_path / "a.csv").write_text("a,b,score\nA cat sat.,A dog ran.,4\nRain fell.,Sun shone.,1\n")
+    (tmp_path / "b.tsv").write_text("x\ty\ts\na dog ran.\ta cat sat.\t3\n")
+    with pytest.raises(DataError, match=r"cal and eval share 1 record: .* hold the same sentence pairs"):
+        check_disjoint({"cal": src(tmp_path, type="pairs", path="a.csv"), "eval": src(tmp_path, type="pairs", path="b.tsv")})
+
+
+def test_check_refuses_calibration_documents_reached_through_a_jsonl_file(tmp_path, capsys):
+    from pipeline.cli.app import main
+
+    (tmp_path / "cal.txt").write_text("\n".join(DOCS) + "\n")
+    write_jsonl(tmp_path / "eval.jsonl", [d.upper() for d in DOCS[3:]])
+    recipe = str(ROOT / "recipes" / "fp8-encoder.yaml")
+    sets = ["--set", f"quantize.calibration.data={{type: text, path: {tmp_path / 'cal.txt'}}}",
+            "--set", f"validate.data={{type: jsonl, path: {tmp_path / 'eval.jsonl'}, field: text}}"]
+    assert main(["check", recipe, *sets]) == 2
+    err = capsys.readouterr().err
+    assert "quantize.calibration.data and validate.data share 3 records: text file" in err and "eval.jsonl" in err
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")
+                                        if "images" not in p.read_text()))
+def test_the_shipped_recipes_data_uses_share_no_record(name):
+    """lee_background holds 7 documents twice (104 and 112, ...): each pair within one split."""
+    from pipeline.run.report import data_uses
+
+    check_disjoint(data_uses(load_recipe(ROOT / "recipes" / f"{name}.yaml"), ROOT / "recipes"))
+
+
+def test_jsonl_fields_of_feeds_are_compared_as_canonical_json(tmp_path):
+    """A generic model's JSONL records hold objects of numeric rows, not texts: compared exactly."""
+    import json
+
+    rows = [{"x": [1, 2], "y": [3]}, {"x": [4, 5], "y": [6]}, {"x": [7, 8], "y": [9]}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"inputs": r}) + "\n" for r in rows))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"inputs": {"y": [9], "x": [7, 8]}}) + "\n")
+    a = src(tmp_path, type="jsonl", path="a.jsonl", field="inputs", split={"stop": 2})
+    with pytest.raises(DataError, match=r"cal and eval share 1 record: .*record 2 of cal and record 0 of eval"):
+        check_disjoint({"cal": src(tmp_path, type="jsonl", path="a.jsonl", field="inputs"),
+                        "eval": src(tmp_path, type="jsonl", path="b.jsonl", field="inputs")})
+    check_disjoint({"cal": a, "eval": src(tmp_path, type="jsonl", path="b.jsonl", field="inputs")})
