@@ -20,6 +20,7 @@ from pipeline.artifacts import (
 )
 from pipeline.recipe.schema import Recipe, ServeConfig
 from pipeline.onnx_io import graph_specs
+import conftest  # noqa: F401,E402  (a subprocess that imports this module gets every test folder on its path)
 from test_repository import (
     HEAD_DIM,
     HEADS,

@@ -1,4 +1,4 @@
-"""Issue 37 end to end: recipes/int4-llm.yaml on the real SmolLM2-135M (its Q4_1 GGUF blocks as INT4).
+"""End to end: recipes/int4-llm.yaml on the real SmolLM2-135M (its Q4_1 GGUF blocks as INT4).
 
 Its export is fp8-llm's (the same model and export section, so the same stage key): the run starts
 from the session's cache record of that stage (conftest.smollm2_export). Validate runs on 8 windows

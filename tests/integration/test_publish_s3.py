@@ -214,7 +214,7 @@ def test_a_killed_upload_leaves_the_live_version(built, client, tmp_path):
 
 
 def test_two_recipes_sharing_a_prefix_cannot_replace_each_others_models(built, client, tmp_path):
-    """Issue 36 C94: a second recipe with the same model names published over the first one's live
+    """A second recipe with the same model names published over the first one's live
     models with exit 0. Refused before any upload, exit 2, naming the model, its owner and the field."""
     from pipeline.triton.publish import ModelOwnedElsewhere
 

@@ -167,7 +167,7 @@ def test_full_disk_during_export_exits_4(tmp_path, capsys, monkeypatch):
 def test_full_disk_with_no_file_named_names_the_stages_folder(tmp_path, capsys, monkeypatch):
     """torch's exporter raises ENOSPC naming no file (seen on a 150 KiB tmpfs: "export: torch.onnx.export
     failed: OSError: [Errno 28]"), and the message said "a write: no space left": it names the stage and
-    its folder now (issue 36). The injected error names no file either."""
+    its folder now. The injected error names no file either."""
     path = onnx_workspace(tmp_path, byte_graph())
     monkeypatch.setenv("PIPELINE_FAULT_ERRNO", "ENOSPC")
     monkeypatch.setenv("PIPELINE_FAULT", "stage:export:start")

@@ -546,7 +546,7 @@ def test_unsupported_and_out_of_range_fields_are_400s_naming_them(body, param):
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options: allowed only with stream true"),
     ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options", "stream_options: allowed only")])
 def test_five_stops_and_stream_options_without_stream_are_400s_saying_why(body, param, says):
-    """Five stops got "Input should be a valid string"; stream_options without stream was accepted (issue 36)."""
+    """Five stops got "Input should be a valid string"; stream_options without stream was accepted."""
     from pipeline.serve.openai.requests import ChatRequest
 
     for cls, base in ((CompletionRequest, {"prompt": "a"}), (ChatRequest, {"messages": [{"role": "user", "content": "a"}]})):

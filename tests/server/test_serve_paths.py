@@ -1,5 +1,5 @@
 """Serving from a folder whose path a python-backend stub cannot take, and a repository served in
-place (issue 36 C92, C88): the tiny LM on a real tritonserver.
+place: the tiny LM on a real tritonserver.
 
 The python backend starts each stub with ``bash -c`` and the paths unquoted, and the stub's Python
 reads file names as ASCII: before, a space in the path left the stub unstarted and ``serve`` waited

@@ -136,7 +136,7 @@ def test_verify_repo(capsys, tmp_path):
 
 def test_verify_repo_skips_the_bytecode_caches_a_server_writes_and_checks_other_pyc(capsys, tmp_path):
     """The python backend's stub writes <version>/__pycache__/model.cpython-3XY.pyc into a repository
-    served in place, and verify-repo (so publish) exited 4 on it (issue 36 C88)."""
+    served in place, and verify-repo (so publish) exited 4 on it."""
     repo = tmp_path / "repo"
     (repo / "m" / "1").mkdir(parents=True)
     files = {"config.pbtxt": b'name: "m"\n', "1/model.py": b"x = 1\n"}

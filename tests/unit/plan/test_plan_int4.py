@@ -1,4 +1,4 @@
-"""The capacity plan's GPU weight bytes for weight-only INT4 (issue 37): half a byte per INT4 weight,
+"""The capacity plan's GPU weight bytes for weight-only INT4: half a byte per INT4 weight,
 and a tied lm_head (MatMul on Transpose(table)) counted beside the FP32 table its Gather still reads."""
 from __future__ import annotations
 

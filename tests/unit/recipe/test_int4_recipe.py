@@ -1,4 +1,4 @@
-"""Issue 37: the ``int4`` precision row, ``quantize.weights`` and what ``check`` refuses (exit 2, named),
+"""The ``int4`` precision row, ``quantize.weights`` and what ``check`` refuses (exit 2, named),
 and that the new field at its default changes no shipped recipe's digest, stage key or pin."""
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def test_override_by_dotted_path():
 
 
 def test_a_tilde_in_work_dir_and_output_dir_is_the_home_folder(tmp_path, monkeypatch):
-    """As for model and data paths: ``~/x`` was a literal ``./~/x`` folder (issue 36 C90)."""
+    """As for model and data paths: ``~/x`` was a literal ``./~/x`` folder."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     path = _variant(tmp_path, lambda d: d.update(work_dir="~/work"))
@@ -131,7 +131,7 @@ def test_duplicate_key_is_refused_naming_path_and_both_lines(tmp_path, old, new,
 
 
 def test_every_duplicate_key_is_named_in_one_error(tmp_path):
-    """All of them at once, not the first one per run (issue 36 C39)."""
+    """All of them at once, not the first one per run."""
     text = RECIPE.read_text()
     lines = text.splitlines()
     path = tmp_path / "dups.yaml"
@@ -341,7 +341,7 @@ def test_unquoted_container_tag_read_as_a_float_says_to_quote_it(tmp_path):
 
 
 def test_a_number_set_where_a_string_is_wanted_quotes_the_set_value_not_the_files(capsys):
-    """``--set name=123`` said to quote 'fp8-llm', the file's value there (issue 36)."""
+    """``--set name=123`` said to quote 'fp8-llm', the file's value there."""
     from pipeline.cli import app as cli
 
     assert cli.main(["check", str(RECIPE), "--set", "name=123"]) == 2
@@ -366,7 +366,7 @@ def test_a_generic_recipe_with_a_hugging_face_folder_names_file_line_and_the_kin
     assert "kind: sentence-embedding" in str(err.value)
 
 
-# --- rules check applies that the build or bench found only at the end (issue 36 C85/C96) ----------
+# --- rules check applies that the build or bench found only at the end ----------
 
 def _gate(metric: str, **bound) -> dict:
     return {"metric": metric, "statistic": "evidence_of_regression", **bound}

@@ -1,4 +1,4 @@
-"""The shared stage cache against an endpoint that never answers (issue 36 C86): short limits,
+"""The shared stage cache against an endpoint that never answers: short limits,
 few attempts, and off for the rest of the run after the first timeout or refused connection.
 
 The endpoint is a listening socket on 127.0.0.1 whose connections are accepted (drained from

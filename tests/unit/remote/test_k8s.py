@@ -350,7 +350,7 @@ def test_deploy_flags_are_checked_and_an_old_cache_variant_goes(tmp_path, capsys
 
 
 def test_deploy_out_with_a_tilde_writes_into_the_home_folder(tmp_path, monkeypatch, capsys):
-    """``--out ~/deploy`` made a literal ``./~/deploy`` folder (issue 36 C90)."""
+    """``--out ~/deploy`` made a literal ``./~/deploy`` folder."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     recipe = str(ROOT / "recipes" / "int8-encoder.yaml")
@@ -361,7 +361,7 @@ def test_deploy_out_with_a_tilde_writes_into_the_home_folder(tmp_path, monkeypat
 
 
 def test_deploy_refuses_an_out_in_the_repository_a_wrong_target_a_bad_image_and_huge_replicas(tmp_path, capsys):
-    """Issue 36 §4: each was written with exit 0 (manifests inside the model repository, a GPU and
+    """Each was written with exit 0 (manifests inside the model repository, a GPU and
     target tensorrt for an ONNX-only repository, an image no runtime pulls, 2**31 replicas)."""
     recipe = str(ROOT / "recipes" / "int8-encoder.yaml")
     repo, work = tmp_path / "repo", tmp_path / "work"

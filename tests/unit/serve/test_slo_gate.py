@@ -1,4 +1,4 @@
-"""The opt-in SLO gate of ``bench`` (issue 36 C96): ``serve.slo.gate: true`` makes a bench whose
+"""The opt-in SLO gate of ``bench``: ``serve.slo.gate: true`` makes a bench whose
 goodput misses the SLO exit 1, so CI can fail on it. The server is replaced by its measured
 levels (bench's own code runs: the gate verdict, bench.json, bench.md and the CLI's exit code)."""
 from __future__ import annotations

@@ -372,7 +372,7 @@ def test_an_empty_data_file_says_so_not_start_below_zero(tmp_path):
         src.items()
 
 
-# ---- shared records, whatever file or source type they come through (issue 36 C84) --------------
+# ---- shared records, whatever file or source type they come through --------------
 
 DOCS = ["The first document is about cats.", "The second one is about dogs.", "A third about birds.",
         "A fourth about fish.", "A fifth about horses.", "A sixth about cows."]

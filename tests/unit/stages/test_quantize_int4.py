@@ -1,4 +1,4 @@
-"""Issue 37: the quantize stage's weight-only INT4 path (``quantize.weights.method: source``) on a tiny
+"""The quantize stage's weight-only INT4 path (``quantize.weights.method: source``) on a tiny
 GGUF file, and what later stages do with its graph: ONNX Runtime runs every rewritten GEMM as a
 MatMulNBits at accuracy level 1 (validate and the served python-onnxruntime model alike, same
 options, same outputs), and TensorRT-RTX's network report counts them as weight-only GEMMs rather
