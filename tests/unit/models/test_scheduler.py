@@ -640,9 +640,16 @@ def test_scoring_in_a_batch_equals_scoring_alone(tmp_path, monkeypatch, graph):
             else masked_llm(tmp_path / "work" / "masked.onnx"))
     repo = repository(tmp_path, onnx_path=path)
     fake_backend(monkeypatch, ort_session(path))
-    model = load_template(repo / "tiny_generate")
-    prompts = [[(7 * i + 3) % 10 + 1 for i in range(20)], [4, 2, 3, 5, 7, 9, 10], [6, 1, 8]]
+    batched_and_alone(load_template(repo / "tiny_generate"),
+                      [[(7 * i + 3) % 10 + 1 for i in range(20)], [4, 2, 3, 5, 7, 9, 10], [6, 1, 8]])
 
+
+def batched_and_alone(model, prompts: list[list[int]], atol: float = 1e-4) -> None:
+    """Score ``prompts`` (20, 7 and 3 tokens; 3 generated tokens each, EOS ignored) one at a time,
+    then batched: the first two queued together (the 20-token prompt cut at 7 tokens), the third
+    arriving after that first step (prefilled beside the first's left-padded 7-token past).
+    Asserts the steps were shared and every number equals its alone value within ``atol``;
+    finalizes ``model``."""
     def request(prompt):
         return ids_request(prompt, 3, ignore_eos=np.array([True]), prompt_logprobs=np.array([2], np.int32),
                            logprobs=np.array([2], np.int32))
@@ -665,8 +672,8 @@ def test_scoring_in_a_batch_equals_scoring_alone(tmp_path, monkeypatch, graph):
     assert (3, [7, 0], [True, True]) in steps  # a prefill beside a left-padded past (7 positions masked)
     for (lp, toks, gen), (lp_b, toks_b, gen_b) in zip(alone, batched):
         assert toks_b == toks
-        np.testing.assert_allclose(lp_b, lp, rtol=0, atol=1e-4)
-        np.testing.assert_allclose(gen_b, gen, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(lp_b, lp, rtol=0, atol=atol)
+        np.testing.assert_allclose(gen_b, gen, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("target", ["onnxruntime", "python-onnxruntime"])
