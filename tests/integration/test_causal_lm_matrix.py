@@ -68,6 +68,44 @@ def test_left_padding_and_a_past_give_the_unpadded_logits(arch, tiny_lms):
     np.testing.assert_allclose(after_pad[0][0].numpy(), after_alone[0][0].numpy(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", SERVED)
+def test_exported_graph_scores_batched_prompts_as_alone(arch, tiny_lms, tmp_path, monkeypatch):
+    """Issue 36 section 4 on a real export: the generation template (stand-in pb_utils, CPU
+    onnxruntime) scores a 20-token prompt cut into other chunks and a prompt prefilled beside a
+    left-padded past as it scores each alone (prompt logprobs, greedy tokens, token logprobs)."""
+    import onnx
+
+    from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, ResolvedProfile
+    from pipeline.models.text_generation.adapter import TextGenerationAdapter
+    from pipeline.onnx_io import graph_specs
+    from pipeline.stages.triton import write_repository
+    from test_repository import load_template, make_recipe, ort_session
+    from test_scheduler import batched_and_alone
+    from test_serve_generation import fake_backend
+
+    source = ModelSource.model_validate({"kind": "text-generation", "source": {"path": str(tiny_lms(arch))}})
+    model, tok = load_causal_lm(source)
+    adapter = TextGenerationAdapter(source)
+    adapter.layout = layout = kv_layout(model)
+    module = KVCacheLM(model, layout).eval()
+    recipe, onnx_path, tok_dir = make_recipe(), tmp_path / "model.onnx", tmp_path / "tokenizer"
+    adapter.export(module, recipe.export, onnx_path)
+    adapter.save_processor(type("Loaded", (), {"processor": tok, "module": module})(), tok_dir)
+    inputs, outputs = graph_specs(onnx.load(str(onnx_path), load_external_data=False))
+    kv = {"min": [1, layout.kv_heads, 0, layout.head_dim], "opt": [2, layout.kv_heads, 8, layout.head_dim],
+          "max": [4, layout.kv_heads, 63, layout.head_dim]}
+    shapes = {"input_ids": {"min": [1, 1], "opt": [2, 8], "max": [4, 16]},
+              "attention_mask": {"min": [1, 1], "opt": [2, 16], "max": [4, 64]},
+              **{n: kv for n in layout.past_names()}}
+    write_repository(recipe, export=ExportArtifact(str(onnx_path), inputs, outputs, str(tok_dir)),
+                     quantized=QuantizedArtifact(str(onnx_path), "fp32", [], []),
+                     build=BuildArtifact("skipped", "not built", None, None, "trtexec.sh",
+                                         [ResolvedProfile("default", shapes)]), out_dir=tmp_path / "repo")
+    fake_backend(monkeypatch, ort_session(onnx_path))
+    served = load_template(tmp_path / "repo" / "tiny_generate")
+    batched_and_alone(served, [[(37 * i + 11) % 4000 + 5 for i in range(20)], [4, 2, 3, 5, 7, 9, 10], [6, 1, 8]])
+
+
 @pytest.fixture(scope="module")
 def matrix_builds(tiny_lms, tmp_path_factory):
     """``arch -> {precision: (recipe, RunResult)}``: each architecture built once per precision

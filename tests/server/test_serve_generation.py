@@ -605,11 +605,11 @@ def test_template_stop_string_that_is_a_special_token_matches(tmp_path, monkeypa
 
 
 def _small_tokenizer(folder: Path, words: int) -> Path:
-    """test_triton_repository's WordLevel tokenizer over its first ``words`` words (ids 0..words-1;
+    """test_repository's WordLevel tokenizer over its first ``words`` words (ids 0..words-1;
     '<eos>' is 0), for the tiny LM whose logits cover 11 ids: a padded vocabulary."""
     from tokenizers import models, pre_tokenizers
 
-    from test_triton_repository import WORDS
+    from test_repository import WORDS
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS[:words])}, unk_token="a"))

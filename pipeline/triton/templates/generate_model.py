@@ -840,12 +840,8 @@ class TritonPythonModel:
 
     def _run(self, seqs, n):
         """One step: a compute call feeding ``n`` tokens of each sequence, then each samples and streams.
-        A sequence whose prompt is being scored runs its step alone: its log-probabilities are then
-        those of a batch-1 prefill (a batched prefill moved one of them by 0.5 nats on the tiny test LM)."""
-        if len(seqs) > 1 and any(s.scoring for s in seqs):
-            for seq in seqs:
-                self._run([seq], self._chunk([seq]))
-            return
+        A sequence whose prompt is scored shares steps like any other: a causal LM's logits at a
+        position do not depend on the chunk it was prefilled in, nor on the masked left padding."""
         try:
             last = self._forward(seqs, n)
         except Exception as e:

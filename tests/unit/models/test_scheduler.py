@@ -625,6 +625,57 @@ def test_in_process_compute_with_batching_off_keeps_each_thread_s_buffers(tmp_pa
     model.finalize()
 
 
+def scored(request) -> tuple[list[float], list[int], list[float]]:
+    """(prompt logprobs after the first token, generated tokens, their logprobs) of a finished request."""
+    scores = [json.loads(r.outputs["scores"][0]) for r, _ in request.sent]
+    return scores[0]["prompt"]["logprobs"][1:], tokens(request), [s["token"]["logprob"] for s in scores]
+
+
+@pytest.mark.parametrize("graph", ["tiny", "masked"])
+def test_scoring_in_a_batch_equals_scoring_alone(tmp_path, monkeypatch, graph):
+    """Issue 36 section 4: prompts of different lengths that score their prompt share prefill
+    steps (one prompt cut into other chunks than alone, one prefilled beside a left-padded past)
+    and get the log-likelihoods, greedy tokens and token logprobs they get alone."""
+    path = (tiny_llm(tmp_path / "work" / "tiny.onnx") if graph == "tiny"
+            else masked_llm(tmp_path / "work" / "masked.onnx"))
+    repo = repository(tmp_path, onnx_path=path)
+    fake_backend(monkeypatch, ort_session(path))
+    batched_and_alone(load_template(repo / "tiny_generate"),
+                      [[(7 * i + 3) % 10 + 1 for i in range(20)], [4, 2, 3, 5, 7, 9, 10], [6, 1, 8]])
+
+
+def batched_and_alone(model, prompts: list[list[int]], atol: float = 1e-4) -> None:
+    """Score ``prompts`` (20, 7 and 3 tokens; 3 generated tokens each, EOS ignored) one at a time,
+    then batched: the first two queued together (the 20-token prompt cut at 7 tokens), the third
+    arriving after that first step (prefilled beside the first's left-padded 7-token past).
+    Asserts the steps were shared and every number equals its alone value within ``atol``;
+    finalizes ``model``."""
+    def request(prompt):
+        return ids_request(prompt, 3, ignore_eos=np.array([True]), prompt_logprobs=np.array([2], np.int32),
+                           logprobs=np.array([2], np.int32))
+
+    alone = [scored(run(model, request(p))[0]) for p in prompts]
+    steps, forward, late = [], model._forward, request(prompts[2])
+
+    def spy(seqs, n):  # after the first step the third prompt arrives, while the first is mid-prefill
+        steps.append((n, [s.length for s in seqs], [s.scoring for s in seqs]))
+        if len(steps) == 1:
+            model.execute([late])
+        return forward(seqs, n)
+
+    model._forward = spy
+    first, second = run(model, request(prompts[0]), request(prompts[1]), all_queued=True)
+    model.drain(timeout=120)
+    batched = [scored(first), scored(second), scored(late)]
+    model.finalize()
+    assert steps[0] == (7, [0, 0], [True, True])  # the 20-token prompt cut at 7 tokens, beside the 7-token one
+    assert (3, [7, 0], [True, True]) in steps  # a prefill beside a left-padded past (7 positions masked)
+    for (lp, toks, gen), (lp_b, toks_b, gen_b) in zip(alone, batched):
+        assert toks_b == toks
+        np.testing.assert_allclose(lp_b, lp, rtol=0, atol=atol)
+        np.testing.assert_allclose(gen_b, gen, rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("target", ["onnxruntime", "python-onnxruntime"])
 def test_prompt_logprobs_over_prefill_chunks_of_a_last_logits_graph(tmp_path, monkeypatch, target):
     """A 20-token prompt in 16-token chunks, batched with a request that does not score: every

@@ -37,8 +37,10 @@ WORDS = ["<eos>", *"abcdefghij"]
 
 def tiny_llm(path: Path, *, external: bool = False, qdq: bool = False, seed: int = 3) -> Path:
     """A KV-cache 'LM' with the export's I/O: embed, append to every past, logits from
-    the embedding plus the summed last-layer cache, masked by max(attention_mask).
-    ``qdq``: FP8 E4M3 Q/DQ on both lm_head MatMul inputs, as the quantize stage writes."""
+    the embedding plus the last-layer cache summed up to each position (causal: a position's
+    logits never see a later token, so a prompt prefilled in chunks scores as in one pass),
+    masked by max(attention_mask). ``qdq``: FP8 E4M3 Q/DQ on both lm_head MatMul inputs, as the
+    quantize stage writes."""
     rng = np.random.default_rng(seed)
     past = [f"past_key_values.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
     present = [f"present.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
@@ -49,12 +51,19 @@ def tiny_llm(path: Path, *, external: bool = False, qdq: bool = False, seed: int
         numpy_helper.from_array(np.array([1], np.int64), "one"),
         numpy_helper.from_array(np.array([2], np.int64), "two"),
         numpy_helper.from_array(np.array(0.3, np.float32), "mix"),
+        numpy_helper.from_array(np.array(2, np.int64), "two_s"),
+        numpy_helper.from_array(np.array([2**31], np.int64), "end"),
     ]
     nodes = [
         helper.make_node("Gather", ["embed", "input_ids"], ["x"]),
         helper.make_node("Unsqueeze", ["x", "one"], ["x4"]),
         *[helper.make_node("Concat", [p, "x4"], [q], axis=2) for p, q in zip(past, present)],
-        helper.make_node("ReduceSum", [present[-1], "two"], ["ctx"], keepdims=0),
+        helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+        helper.make_node("Gather", ["ids_shape", "one"], ["n"]),
+        helper.make_node("Neg", ["n"], ["minus_n"]),
+        helper.make_node("CumSum", [present[-1], "two_s"], ["ctx_cum"]),  # [B, H, P + n, D]
+        helper.make_node("Slice", ["ctx_cum", "minus_n", "end", "two"], ["ctx_n"]),  # the new positions'
+        helper.make_node("ReduceSum", ["ctx_n", "one"], ["ctx"], keepdims=0),  # over heads: [B, n, D]
         helper.make_node("Mul", ["ctx", "mix"], ["ctx_scaled"]),
         helper.make_node("Add", ["x", "ctx_scaled"], ["h"]),
         helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=f32),
