@@ -70,7 +70,7 @@ def test_left_padding_and_a_past_give_the_unpadded_logits(arch, tiny_lms):
 
 @pytest.mark.parametrize("arch", SERVED)
 def test_exported_graph_scores_batched_prompts_as_alone(arch, tiny_lms, tmp_path, monkeypatch):
-    """Issue 36 section 4 on a real export: the generation template (stand-in pb_utils, CPU
+    """On a real export: the generation template (stand-in pb_utils, CPU
     onnxruntime) scores a 20-token prompt cut into other chunks and a prompt prefilled beside a
     left-padded past as it scores each alone (prompt logprobs, greedy tokens, token logprobs)."""
     import onnx

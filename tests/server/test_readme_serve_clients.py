@@ -45,7 +45,7 @@ def served_here(tmp_path_factory):
     pytest.importorskip("pytriton")
     from pipeline.serve.prepare import prepare
     from pipeline.serve.run import launch, start_endpoint
-    from test_triton_repository import tiny_tokenizer
+    from test_repository import tiny_tokenizer
 
     ws = tmp_path_factory.mktemp("readme_clients")
     tok = tiny_tokenizer(ws / "work" / "tokenizer")

@@ -633,7 +633,7 @@ def scored(request) -> tuple[list[float], list[int], list[float]]:
 
 @pytest.mark.parametrize("graph", ["tiny", "masked"])
 def test_scoring_in_a_batch_equals_scoring_alone(tmp_path, monkeypatch, graph):
-    """Issue 36 section 4: prompts of different lengths that score their prompt share prefill
+    """Prompts of different lengths that score their prompt share prefill
     steps (one prompt cut into other chunks than alone, one prefilled beside a left-padded past)
     and get the log-likelihoods, greedy tokens and token logprobs they get alone."""
     path = (tiny_llm(tmp_path / "work" / "tiny.onnx") if graph == "tiny"
