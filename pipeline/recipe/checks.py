@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from pipeline.recipe.kinds import PAST_DIM, PROMPT_TOKENS, facts, source_problem
+from pipeline.recipe.kinds import PAST_DIM, PROMPT_TOKENS, eval_units, facts, source_problem
 from pipeline.recipe.problems import Loc, Problem
 from pipeline.recipe.precisions import capability_problem
 
@@ -258,29 +258,6 @@ def _gate_problems(r: Recipe) -> list[Problem]:
                         f"only fail at the end of the build; valid: {field} >= 2 (a useful test needs many more), "
                         "or statistic: point"))
     return out
-
-
-def eval_units(r: Recipe, metric: str) -> tuple[str, int, str] | None:
-    """The recipe field that caps the eval units ``metric``'s standard error resamples, its value
-    and the unit (:mod:`pipeline.metrics.uncertainty`; each kind's ``stderr_basis``), or None where
-    the data alone decides (word-pair sets, perplexity windows cut from the documents)."""
-    v, kind = r.validate_, r.model.kind
-    if kind == "text-generation":
-        if metric == "token_agreement":
-            return None if v.generation is None else ("validate.generation.prompts", v.generation.prompts,
-                                                      "greedy prompts")
-        return "validate.max_windows", v.max_windows, "eval windows"
-    if kind == "sentence-embedding":
-        return ("validate.max_windows", v.max_windows, "held-out sentences") if metric == "mean_cosine" else None
-    split = v.data.split
-    size = None if split.stop is None else split.stop - split.start
-    if kind == "generic":
-        if size is not None and size < v.max_windows:
-            return "validate.data.split", size, "eval samples"
-        return "validate.max_windows", v.max_windows, "eval samples"
-    if kind == "image-classification" and size is not None:
-        return "validate.data.split", size, "eval images"
-    return None
 
 
 def served_context(r: Recipe) -> tuple[int, str] | None:

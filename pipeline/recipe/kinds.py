@@ -142,3 +142,27 @@ def facts(kind: str) -> KindFacts:
         return KINDS[kind]
     except KeyError:
         raise KeyError(f"model kind {kind!r} has no row in pipeline.recipe.kinds.KINDS; rows: {sorted(KINDS)}") from None
+
+
+def eval_units(r, metric: str) -> tuple[str, int, str] | None:
+    """The recipe field that caps the eval units ``metric``'s standard error resamples, its value
+    and the unit (:mod:`pipeline.metrics.uncertainty`; each kind's ``stderr_basis``), or None where
+    the data alone decides (word-pair sets, perplexity windows cut from the documents). ``r``: a
+    :class:`pipeline.recipe.schema.Recipe`."""
+    v, kind = r.validate_, r.model.kind
+    if kind == "text-generation":
+        if metric == "token_agreement":
+            return None if v.generation is None else ("validate.generation.prompts", v.generation.prompts,
+                                                      "greedy prompts")
+        return "validate.max_windows", v.max_windows, "eval windows"
+    if kind == "sentence-embedding":
+        return ("validate.max_windows", v.max_windows, "held-out sentences") if metric == "mean_cosine" else None
+    split = v.data.split
+    size = None if split.stop is None else split.stop - split.start
+    if kind == "generic":
+        if size is not None and size < v.max_windows:
+            return "validate.data.split", size, "eval samples"
+        return "validate.max_windows", v.max_windows, "eval samples"
+    if kind == "image-classification" and size is not None:
+        return "validate.data.split", size, "eval images"
+    return None

@@ -39,15 +39,15 @@ def hf_location(recipe) -> Path:
     from pipeline.sources.model import package_file
 
     source = recipe.model.source
+    if not source.hf_loadable:
+        raise PipelineError(f"build --test: model.source is {source.describe()}; a randomly initialised 2-layer "
+                            "copy can only be made of a Hugging Face folder or GGUF file (package: or path: "
+                            "sources), so no copy can be made of it. Run `build` without --test")
     weights = recipe.quantize.weights
     if weights is not None and weights.method == "source":
         raise PipelineError("build --test: quantize.weights.method: source takes the weights' blocks from the GGUF "
                             f"file, and the randomly initialised copy of {source.describe()} has none; run `build` "
                             "without --test")
-    if not source.hf_loadable:
-        raise PipelineError(f"build --test: model.source is {source.describe()}; a randomly initialised 2-layer "
-                            "copy can only be made of a Hugging Face folder or GGUF file (package: or path: "
-                            "sources), so no copy can be made of it. Run `build` without --test")
     return package_file(recipe.model)
 
 
