@@ -60,7 +60,7 @@ def calibrated(ctx, exp) -> tuple:
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     fmt = qdq.FORMATS[q.precision]
     batches, _ = quantize.calibration_data(ctx, exp)
-    model, kept, cal_src, *_ = smoothquant.prepare(ctx, src, model, kept, batches)
+    model, kept, cal_src, *_ = smoothquant.prepare(q.smoothquant, ctx.stage_dir, ctx.progress, src, model, kept, batches)
     amax = calibrate.collect_amax(cal_src, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
                                   q.calibration.percentile, scratch_dir=ctx.stage_dir)
     return model, kept, excluded, amax, fmt, str(Path(cal_src).parent)  # the last: where on-disk weights live
@@ -68,7 +68,7 @@ def calibrated(ctx, exp) -> tuple:
 
 def main() -> int:
     from pipeline.context import Progress, StageContext
-    from pipeline.models import registry
+    from pipeline.stages import quantize
     from pipeline.quant import budget
     from pipeline.recipe.load import load_recipe
     from pipeline.stages import export
@@ -116,9 +116,10 @@ def main() -> int:
     t = time.perf_counter()
     status, result = "met", None
     try:
-        chosen, result, sens = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
-                                           calibration_feeds=registry.adapter(recipe.model).calibration_feeds,
-                                           weights_dir=weights_dir)
+        chosen, result, sens = budget.tune(q, quantize.tuning_feeds(ctx, exp), quantize.score_logits,
+                                           budget.reference_session(exp.onnx_path), model, kept, len(excluded),
+                                           amax, fmt, weights_dir=weights_dir, out_dir=ctx.stage_dir,
+                                           progress=ctx.progress)
     except Exception as e:  # GateFailed: report the numbers anyway
         status = f"{type(e).__name__}: {e}"
     times["sensitivity_and_search_s"] = time.perf_counter() - t

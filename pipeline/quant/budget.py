@@ -42,7 +42,7 @@ import yaml
 
 from pipeline import onnx_io
 from pipeline.recipe import gates as gate_eval
-from pipeline.errors import GateFailed, QuantizationError
+from pipeline.errors import GateFailed
 from pipeline.quant import qdq, sensitivity as S
 
 
@@ -317,82 +317,76 @@ def reference_session(onnx_path: str):
     return ort_session(onnx_path, prepack=False, arena=False)
 
 
-def tune(ctx, exp, model: onnx.ModelProto, targets: list[qdq.Target], forced: int, amax: dict[str, float],
-         fmt: qdq.QFormat, *, calibration_feeds, weights_dir: str) -> tuple[list[qdq.Target], BudgetResult | None,
-                                                                           S.Sensitivity]:
-    """Sensitivity and (with ``quantize.accuracy_budget``) the budget search for the quantize stage.
+def tune(q, feeds: list[dict], score, reference, model: onnx.ModelProto, targets: list[qdq.Target], forced: int,
+         amax: dict[str, float], fmt: qdq.QFormat, *, weights_dir: str, out_dir: Path,
+         progress) -> tuple[list[qdq.Target], BudgetResult | None, S.Sensitivity]:
+    """Sensitivity and (with ``quantize.accuracy_budget``) the budget search. It never sees the stage:
+    the caller hands it the tuning feeds and the scoring function (as NNCF's ``validation_fn``).
 
     Args:
-        ctx: the quantize stage context (``recipe.quantize.tuning``, ``sensitivity``, ``accuracy_budget``).
-        exp: the export artifact (tokenizer, FP32 reference graph).
+        q: the recipe's ``quantize`` section (``tuning``, ``sensitivity``, ``accuracy_budget``).
+        feeds: the tuning split's feed dicts (numpy arrays by graph input name), one per batch.
+        score: ``(session, feeds) -> float32 [batch, seq, vocab]`` logits of one batch (the model kind's).
+        reference: an ONNX Runtime session of the FP32 reference graph (:func:`reference_session`).
         model: the FP32 graph to quantize (smoothed if SmoothQuant is on); weights loaded or on disk.
+        out_dir: where the reports go (the quantize stage's folder); ``progress``: its console.
         weights_dir: the folder ``model``'s on-disk weights refer to (the export's, or the
             quantize stage's once SmoothQuant saved the smoothed graph with external data).
         targets: GEMMs the recipe leaves quantizable; ``forced``: GEMMs it excludes itself.
         amax: per-tensor amax of every target's input.
-        calibration_feeds: ``(exp, data source, calibration config) -> list of feed dicts``, the
-            model kind's :meth:`pipeline.models.base.ModelAdapter.calibration_feeds` (the stage passes it).
 
     Returns:
         ``(targets to quantize, budget result or None, sensitivity)``; writes
         ``sensitivity.md``/``.png`` and ``budget.json``/``budget_snippet.yaml`` to the stage folder.
 
     Raises:
-        DataError: tuning data overlaps calibration or validate data, or gives no window.
         GateFailed: the budget is unreachable within the floor and limits, or the search stopped
             at a limit (the message then says whether what it reached meets the budget).
     """
-    q = ctx.recipe.quantize
-    check_data(ctx.recipe)
     tun = q.tuning
-    cal = q.calibration.model_copy(update={"samples": tun.max_windows, "min_samples": 1})
-    feeds = calibration_feeds(exp, tun.data, cal)
-    if not feeds:
-        raise QuantizationError(f"quantize.tuning.data: {tun.data.describe()} gives no window of {cal.seq_len} tokens")
     grouping = q.sensitivity.groups if q.sensitivity else "per_block"
     runner = S.TrialRunner(model, targets, S.groups(targets, grouping), amax, fmt, q.per_channel_weights, feeds,
-                           lambda sess, f: sess.run(["logits"], f)[0], reference_session(exp.onnx_path),
-                           weights_dir=weights_dir)
+                           score, reference, weights_dir=weights_dir)
     metric = q.accuracy_budget.metric if q.accuracy_budget else "kld_mean"
     half = max(1, len(feeds) // 2)  # the ranking pass: half the windows (~40 % of the search's time saved)
-    with ctx.progress.step(f"sensitivity: {len(runner.group_nodes)} groups ({grouping}) on {tun.data.describe()}"):
+    with progress.step(f"sensitivity: {len(runner.group_nodes)} groups ({grouping}) on {tun.data.describe()}"):
         sens = S.measure_sensitivity(runner, metric, half)
-    S.write_report(sens, ctx.stage_dir)
+    S.write_report(sens, out_dir)
     if q.accuracy_budget is None:
         return targets, None, sens
     bounds = dict(total_gemms=len(targets) + forced, min_fraction=tun.min_quantized_fraction,
-                  max_trials=tun.max_trials, time_limit_s=tun.time_limit_s, say=ctx.progress.print)
-    with ctx.progress.step("float-kernel noise: the all-quantized trial at another thread count"):
+                  max_trials=tun.max_trials, time_limit_s=tun.time_limit_s, say=progress.print)
+    with progress.step("float-kernel noise: the all-quantized trial at another thread count"):
         tol = Tolerance.of(q.accuracy_budget, S.thread_noise(runner, metric))
     if q.sensitivity and q.sensitivity.refine:
-        with ctx.progress.step(f"proxy: one trial per block ({half} of {len(feeds)} tuning batches)"):
+        with progress.step(f"proxy: one trial per block ({half} of {len(feeds)} tuning batches)"):
             gains = _fine_gains(runner, sens, half)
-        with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric}, GEMM by GEMM"):
+        with progress.step(f"accuracy budget: {q.accuracy_budget.metric}, GEMM by GEMM"):
             res = search_fine(runner, gains, q.accuracy_budget, tol=tol, **bounds)
     else:
-        with ctx.progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
+        with progress.step(f"accuracy budget: {q.accuracy_budget.metric} on the tuning split"):
             res = search(runner, sens, q.accuracy_budget, tol=tol, **bounds)
     res.tolerance = {"value": tol.value, "tie": tol.tie, "noise": tol.noise}
-    ctx.progress.print(f"  accuracy budget {res.status}: {res.outcome()}")
-    _write(ctx.stage_dir, res, list(q.exclude.nodes))
+    progress.print(f"  accuracy budget {res.status}: {res.outcome()}")
+    _write(out_dir, res, list(q.exclude.nodes))
     if res.status != "met":
         weights = runner.weights_dir  # tensors not loaded into ``model`` are read from there
         best = qdq.insert_qdq(model, [t for t in targets if t.node not in _nodes(runner, res)], amax, fmt,
                               q.per_channel_weights, base_dir=weights)
-        onnx_io.save_model_atomic(best, ctx.stage_dir / "budget_best.onnx", base_dir=weights)
+        onnx_io.save_model_atomic(best, out_dir / "budget_best.onnx", base_dir=weights)
         if res.status == "limit reached" and passes(q.accuracy_budget, res.metrics):
             raise GateFailed(
                 f"quantize.accuracy_budget: the search stopped at tuning.max_trials ({tun.max_trials}) or "
                 f"tuning.time_limit_s ({tun.time_limit_s:g} s) before it finished. The configuration it had reached "
                 f"meets {res.bound} on {tun.data.describe()} ({res.metric} = {res.metrics[res.metric]:.6g}, "
                 f"{len(res.excluded_scopes)} GEMMs in high precision) but depends on where the limit fell, so it is "
-                f"not used: raise the limit, or pin it with {ctx.stage_dir / 'budget_snippet.yaml'} (graph "
-                f"{ctx.stage_dir / 'budget_best.onnx'}; trials in {ctx.stage_dir / 'budget.md'})")
+                f"not used: raise the limit, or pin it with {out_dir / 'budget_snippet.yaml'} (graph "
+                f"{out_dir / 'budget_best.onnx'}; trials in {out_dir / 'budget.md'})")
         raise GateFailed(
             f"quantize.accuracy_budget: {res.bound} not met on {tun.data.describe()} ({res.status}); best found: "
             f"{res.metric} = {res.metrics[res.metric]:.6g} with {len(res.excluded_scopes)} GEMMs in high precision "
             f"({res.quantized_fraction:.1%} quantized, floor {tun.min_quantized_fraction:.0%}), graph "
-            f"{ctx.stage_dir / 'budget_best.onnx'}; see {ctx.stage_dir / 'budget.json'}")
+            f"{out_dir / 'budget_best.onnx'}; see {out_dir / 'budget.json'}")
     skip = _nodes(runner, res)
     return [t for t in targets if t.node not in skip], res, sens
 

@@ -181,16 +181,17 @@ def _op(node: onnx.NodeProto | None) -> str:
     return "a graph input" if node is None else f"{node.op_type} node {node.name!r}"
 
 
-def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target], batches: list[dict[str, np.ndarray]],
-            channel_amax: dict[str, np.ndarray] | None = None
+def prepare(sq, out_dir, progress, src, model: onnx.ModelProto, kept: list[Target],
+            batches: list[dict[str, np.ndarray]], channel_amax: dict[str, np.ndarray] | None = None
             ) -> tuple[onnx.ModelProto, list[Target], str, dict, dict[str, np.ndarray]]:
-    """The quantize stage's SmoothQuant step (``quantize.smoothquant``).
+    """The SmoothQuant step of quantization (``sq``: the recipe's ``quantize.smoothquant``; ``out_dir``:
+    where the smoothed graph goes; ``progress``: the console). It never sees the stage.
 
-    Without ``quantize.smoothquant``, returns ``model`` as given (weights not loaded). With it,
+    Without ``sq``, returns ``model`` as given (weights not loaded). With it,
     loads ``model``'s weights from beside ``src``,
     collects per-channel input amax over ``batches``, smooths the inputs of the
     MatMul targets in ``kept`` and writes the smoothed FP32 graph to
-    ``<stage>/smoothed_fp32.onnx`` (per-tensor calibration then runs on it).
+    ``<out_dir>/smoothed_fp32.onnx`` (per-tensor calibration then runs on it).
 
     Args:
         channel_amax: a pinned per-channel amax (:mod:`pipeline.quant.pin`): used instead of
@@ -210,16 +211,15 @@ def prepare(ctx, src, model: onnx.ModelProto, kept: list[Target], batches: list[
     from pipeline import onnx_io
     from pipeline.quant import calibrate, qdq
 
-    sq = ctx.recipe.quantize.smoothquant
     if sq is None:
         return model, kept, str(src), {}, {}
     load_external_data_for_model(model, str(Path(src).parent))
     mm = [t for t in kept if t.weight_axis == 1 and t.node in {n.name for n in model.graph.node if n.op_type == "MatMul"}]
     acts = sorted({t.act for t in mm})
-    with ctx.progress.step(f"smoothquant: per-channel amax of {len(acts)} GEMM inputs, alpha {sq.alpha}"):
+    with progress.step(f"smoothquant: per-channel amax of {len(acts)} GEMM inputs, alpha {sq.alpha}"):
         chan = channel_amax if channel_amax is not None else calibrate.collect_channel_amax(model, acts, batches)
         report = smooth(model, mm, chan, sq.alpha)
-    path = ctx.stage_dir / "smoothed_fp32.onnx"
+    path = Path(out_dir) / "smoothed_fp32.onnx"
     onnx_io.save_model_atomic(model, path)
     names = {t.node for t in kept}
     kept = [t for t in qdq.find_targets(model, [n for n in ("MatMul", "Gemm", "Conv")]) if t.node in names]

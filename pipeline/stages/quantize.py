@@ -88,7 +88,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     if q.smoothquant is not None:  # weights loaded, FP32 graph smoothed
         try:
             model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
-                ctx, src, model, kept, batches, pin.channel_amax(pinned) if pinned else None)
+                q.smoothquant, ctx.stage_dir, ctx.progress, src, model, kept, batches,
+                pin.channel_amax(pinned) if pinned else None)
         except QuantizationError as e:
             if pinned is None:
                 raise
@@ -116,9 +117,9 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     found = None
     weights = str(Path(cal_src).parent)  # where on-disk weights live: the export's, or the smoothed graph's
     if q.tuning is not None and pinned is None:  # sensitivity, and the accuracy-budget search (GateFailed when unreachable)
-        kept, found, _ = budget.tune(ctx, exp, model, kept, len(excluded), amax, fmt,
-                                     calibration_feeds=registry.adapter(ctx.recipe.model).calibration_feeds,
-                                     weights_dir=weights)
+        kept, found, _ = budget.tune(q, tuning_feeds(ctx, exp), score_logits, budget.reference_session(exp.onnx_path),
+                                     model, kept, len(excluded), amax, fmt, weights_dir=weights,
+                                     out_dir=ctx.stage_dir, progress=ctx.progress)
         if found is not None:
             extra["accuracy_budget"] = {**found.to_json(), "snippet": found.snippet(list(q.exclude.nodes))}
     if pinned is None:
@@ -340,3 +341,25 @@ def calibration_data(ctx: StageContext, exp: ExportArtifact) -> tuple[list[dict[
 def _rows(batch: dict[str, np.ndarray]) -> int:
     """Samples in one feed batch: axis 0 of its first input."""
     return int(next(iter(batch.values())).shape[0]) if batch else 0
+
+
+def score_logits(session, feeds: dict):
+    """The causal LM's scoring function for the tuning search: float32 logits ``[batch, seq, vocab]``."""
+    return session.run(["logits"], feeds)[0]
+
+
+def tuning_feeds(ctx: StageContext, exp) -> list[dict]:
+    """The tuning split as feed dicts (the model kind's calibration feeds, ``quantize.tuning.max_windows``
+    windows), after checking it is disjoint from the calibration and validate data.
+
+    Raises:
+        DataError: the tuning data overlaps calibration or validate data (names both).
+        QuantizationError: it gives no window of ``calibration.seq_len`` tokens.
+    """
+    q = ctx.recipe.quantize
+    budget.check_data(ctx.recipe)
+    cal = q.calibration.model_copy(update={"samples": q.tuning.max_windows, "min_samples": 1})
+    feeds = registry.adapter(ctx.recipe.model).calibration_feeds(exp, q.tuning.data, cal)
+    if not feeds:
+        raise QuantizationError(f"quantize.tuning.data: {q.tuning.data.describe()} gives no window of {cal.seq_len} tokens")
+    return feeds

@@ -165,7 +165,7 @@ def _args(recipe: Path, *sets: str) -> argparse.Namespace:
 def test_tune_refuses_a_set_of_a_field_the_pin_matches():
     """C79: ``tune --set quantize.accuracy_budget.max=0.9`` overwrote the committed pin with one
     that matched that command line only; ``build --locked`` then exited 2 "stale"."""
-    from pipeline.cli.app import _refuse_matched_sets
+    from pipeline.run.preflight import refuse_matched_sets as _refuse_matched_sets
     from pipeline.recipe.load import load_recipe, parse_set
 
     path = ROOT / "recipes" / "fp8-llm.yaml"
