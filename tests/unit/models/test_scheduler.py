@@ -656,6 +656,7 @@ def batched_and_alone(model, prompts: list[list[int]], atol: float = 1e-4) -> No
 
     alone = [scored(run(model, request(p))[0]) for p in prompts]
     steps, forward, late = [], model._forward, request(prompts[2])
+    model.score_alone = False  # what is checked: batched steps give the numbers of steps alone
 
     def spy(seqs, n):  # after the first step the third prompt arrives, while the first is mid-prefill
         steps.append((n, [s.length for s in seqs], [s.scoring for s in seqs]))
