@@ -1,6 +1,6 @@
 """The generation model's scheduler on a real exported LLM, without tritonserver (not a test).
 
-Loads pipeline/triton/templates/generate_model.py with a minimal stand-in for
+Loads the served generation model (pipeline/models/text_generation/served/) with a minimal stand-in for
 triton_python_backend_utils and the compute graph run in process (as for target
 python-onnxruntime), then reports:
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.onnx_io import graph_specs  # noqa: E402
 from pipeline.triton.config import generate_config  # noqa: E402
-from pipeline.models.text_generation.triton import kv_layout  # noqa: E402
+from pipeline.models.text_generation.triton import kv_layout, write_served  # noqa: E402
 from pipeline.triton.repository import eos_token_ids  # noqa: E402
 
 TEMPLATES = ROOT / "pipeline" / "triton" / "templates"
@@ -98,7 +98,7 @@ def load_model(onnx_path: Path, tokenizer: Path, root: Path, max_batch: int, deq
     gen.mkdir(parents=True)
     for f in tokenizer.iterdir():
         os.symlink(f.resolve(), gen / f.name)
-    (gen / "model.py").write_text((TEMPLATES / "generate_model.py").read_text())
+    write_served(gen)
     inputs, _ = graph_specs(onnx.load(str(onnx_path), load_external_data=False))
     kv = kv_layout(inputs)
     params = {"compute_onnx": f"llm/1/{onnx_path.name}", "graph_optimization_level": "basic" if dequantize else "all"}

@@ -17,8 +17,9 @@ from typing import NamedTuple
 PACKAGE = Path(__file__).resolve().parent
 ROOT = PACKAGE.parent
 
-#: Files that are not modules of the package (none: Triton's Python models under triton/templates/ run
-#: inside tritonserver and import nothing of the pipeline, and the pipeline imports their weight helpers).
+#: Files that are not modules of the package (none: Triton's Python models under triton/templates/ and
+#: models/text_generation/served/ run inside tritonserver and import nothing of the pipeline, and the
+#: pipeline imports their weight helpers).
 NOT_MODULES: tuple[str, ...] = ()
 
 _REFERENCE = re.compile(r"^pipeline(\.\w+)*(:\w+)?$")

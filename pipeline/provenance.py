@@ -80,11 +80,17 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
+#: (folder a closure reaches, folder of Python files copied into model repositories that it then
+#: hashes too), relative to the package: the Triton templates, and the served generation model.
+SHIPPED = (("triton", "triton/templates"), ("models/text_generation/served", "models/text_generation/served"))
+
+
 @functools.lru_cache(maxsize=None)
 def code_hash(module: str | None = None) -> str:
     """sha256 of Python sources: with ``module`` (e.g. ``pipeline.stages.export``), of the files of
     its static import closure inside this package (:func:`pipeline.imports.closure`), plus the
-    Triton templates where the closure reaches ``pipeline.triton``; without, of the whole package.
+    code shipped into model repositories (:data:`SHIPPED`) where the closure reaches it; without, of
+    the whole package.
     A stage's cache key holds its own, so an edit elsewhere (a server, a report) re-runs nothing."""
     from pipeline import imports
 
@@ -95,9 +101,9 @@ def code_hash(module: str | None = None) -> str:
         mods = imports.package_modules()
         names = imports.closure(module)
         files = sorted({mods[m] for m in names if m in mods})
-        triton = root / "triton"
-        if any(f.is_relative_to(triton) for f in files):  # the templates it copies into repositories
-            files = sorted({*files, *(triton / "templates").rglob("*.py")})
+        for reached, shipped in SHIPPED:  # the code it copies into repositories, which no module imports
+            if any(f.is_relative_to(root / reached) for f in files):
+                files = sorted({*files, *(root / shipped).rglob("*.py")})
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())

@@ -2,7 +2,6 @@
 tritonserver on the tiny LM with a SentencePiece-style (Metaspace) tokenizer."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import queue
 import time
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-import pipeline.triton
+from pipeline.models.text_generation.served import chat, decoding
 from pipeline.errors import PipelineError
 from pipeline.serve.client import ServeClientError, StreamClient, generation_inputs
 from pipeline.stages.triton import write_repository
@@ -20,7 +19,6 @@ from serve_tiny import context_build, llm_artifacts, llm_recipe, stop_when_idle,
 from tiny import continuation
 from test_repository import FakeRequest, fake_pb_utils, load_template, ort_session, reference_generate
 
-TEMPLATE = Path(pipeline.triton.__file__).parent / "templates" / "generate_model.py"
 EOS_IDS = (0, 8)  # '<eos>' and '.': the tiny LM greedily says [10, 2, 8] = "t the." after [4]
 CONTEXT = 20
 
@@ -57,15 +55,6 @@ def fake_backend(monkeypatch, session=None) -> list[str]:
     return logged
 
 
-def template_module(monkeypatch):
-    """The generation template imported from its path, as the python backend does."""
-    fake_backend(monkeypatch)
-    spec = importlib.util.spec_from_file_location("generate_template", TEMPLATE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def metaspace(folder: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_metaspace(folder, EOS_IDS) / "tokenizer.json"))
 
@@ -89,40 +78,37 @@ def test_decoding_ids_one_by_one_drops_metaspace_spaces(tmp_path):
 @pytest.mark.parametrize("text", ["the cat sat on the mat.", "the \u20acuro cat", "\u00e9 at.", "tt  at the",
                                   "the\u00e9t \u20ac"])
 def test_incremental_decoder_joins_to_the_whole_decode(tmp_path, monkeypatch, text):
-    module = template_module(monkeypatch)
     tok = metaspace(tmp_path)
     ids = tok.encode(text).ids
-    pieces = stream_text(module.IncrementalDecoder, tok, ids)
+    pieces = stream_text(decoding.IncrementalDecoder, tok, ids)
     assert "".join(pieces) == tok.decode(ids)
     assert not [p for p in pieces if "\ufffd" in p]  # a character appears whole, once its last byte is in
 
 
 def test_incremental_decoder_pieces(tmp_path, monkeypatch):
-    module = template_module(monkeypatch)
     tok = metaspace(tmp_path)
-    pieces = stream_text(module.IncrementalDecoder, tok, tok.encode("the cat sat").ids)
+    pieces = stream_text(decoding.IncrementalDecoder, tok, tok.encode("the cat sat").ids)
     assert pieces == ["the", " c", "at", " s", "at", ""]
     euro = tok.encode("the \u20acuro").ids  # the, \u2581, 3 byte tokens, u, r, o
     assert len(euro) == 8
-    assert stream_text(module.IncrementalDecoder, tok, euro) == ["the", " ", "", "", "\u20ac", "u", "r", "o", ""]
+    assert stream_text(decoding.IncrementalDecoder, tok, euro) == ["the", " ", "", "", "\u20ac", "u", "r", "o", ""]
     cut = tok.encode("the \u20ac").ids[:-1]  # a stream that ends inside a character: flush gives what is there
-    assert "".join(stream_text(module.IncrementalDecoder, tok, cut)) == tok.decode(cut)
-    assert "".join(stream_text(module.IncrementalDecoder, tok, [2, 0, 5, 3])) == "the sat"  # special skipped
+    assert "".join(stream_text(decoding.IncrementalDecoder, tok, cut)) == tok.decode(cut)
+    assert "".join(stream_text(decoding.IncrementalDecoder, tok, [2, 0, 5, 3])) == "the sat"  # special skipped
 
 
 def test_the_first_generated_token_keeps_its_space_after_the_prompt(tmp_path, monkeypatch):
     """A Metaspace word-initial token decoded alone loses its space; seeded with the prompt's
     last ids the decoder gives what the token adds to the prompt's text."""
-    module = template_module(monkeypatch)
     tok = metaspace(tmp_path)
     prompt, reply = tok.encode("the cat").ids, tok.encode("the cat sat on").ids[len(tok.encode("the cat").ids):]
     assert not tok.decode(reply[:1]).startswith(" ")  # "\u2581s" alone: no space
-    decoder = module.IncrementalDecoder(tok, context=prompt)
+    decoder = decoding.IncrementalDecoder(tok, context=prompt)
     pieces = [decoder.add(i) for i in reply] + [decoder.flush()]
     whole = tok.decode(prompt + reply)
     assert "".join(pieces) == whole[len(tok.decode(prompt)):] == " sat on"
     long_prompt = tok.encode("the cat sat on the mat the cat").ids
-    assert len(module.IncrementalDecoder(tok, context=long_prompt).ids) == module.IncrementalDecoder.CONTEXT
+    assert len(decoding.IncrementalDecoder(tok, context=long_prompt).ids) == decoding.IncrementalDecoder.CONTEXT
 
 
 # --- the template with a stand-in backend ----------------------------------------------------------------
@@ -544,12 +530,11 @@ GENERATION_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] 
 def test_template_renders_generation_blocks_as_transformers_does(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    module = template_module(monkeypatch)
     folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
     (folder / "chat_template.jinja").write_text(GENERATION_TEMPLATE)
     messages = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"},
                 {"role": "user", "content": "the mat"}]
-    ours = module.render_chat(module.load_chat_template(str(folder)), messages, module.special_tokens(str(folder)))
+    ours = chat.render_chat(chat.load_chat_template(str(folder)), messages, chat.special_tokens(str(folder)))
     theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tokenize=False,
                                                                              add_generation_prompt=True)
     assert ours == theirs == "<user>the cat<assistant>sat on<user>the mat<assistant>"  # trim_blocks

@@ -93,7 +93,7 @@ def token_id_range(tok) -> int:
 def _check_vocab(path: Path, tok) -> None:
     """The tokenizer's ids must index the model's embedding: ``config.json`` ``vocab_size`` rows.
     More rows than ids (a vocabulary padded to a multiple of 64) is fine: the generation model
-    never samples the ids past the tokenizer's (``generate_model.py``).
+    never samples the ids past the tokenizer's (:mod:`pipeline.models.text_generation.served`).
 
     Raises:
         ModelFileError: the tokenizer has ids past the last embedding row, naming both numbers.

@@ -1,5 +1,5 @@
 """Triton models of the text-generation kind: the decoupled generation model
-(``templates/generate_model.py``: tokenizer, prefill and decode with the KV cache
+(:mod:`pipeline.models.text_generation.served`: tokenizer, prefill and decode with the KV cache
 through the compute model) and the deploy notes that size its shared memory.
 Written into the staging folder of :func:`pipeline.stages.triton.write_repository`,
 which checks and publishes them."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from pipeline.artifacts import BuildArtifact, ExportArtifact, ResolvedProfile, TensorSpec
@@ -22,7 +23,6 @@ from pipeline.triton.repository import (
     copy_tokenizer,
     eos_token_ids,
     write_config,
-    write_template,
 )
 
 DEFAULT_MAX_TOKENS = 32  # generation default when the recipe has no validate.generation
@@ -129,7 +129,7 @@ def stage_generate(
     version_dir = staging / name / str(recipe.triton.version)
     copy_tokenizer(Path(export.tokenizer_dir), version_dir)
     check_chat_template(version_dir)
-    write_template("generate_model.py", version_dir / "model.py")
+    write_served(version_dir)
     generation = recipe.validate_.generation
     cfg = generate_config(
         name,
@@ -149,6 +149,22 @@ def stage_generate(
     write_config(staging / name, cfg)
     return StagedModel(cfg, list(GENERATE_INPUTS), list(GENERATE_OUTPUTS), "python", None,
                        required_files=("tokenizer.json",))
+
+
+#: The package shipped as the generation model (Triton's python backend runs it; it imports nothing of this one).
+SERVED_PACKAGE = "pipeline.models.text_generation.served"
+
+
+def write_served(version_dir: Path) -> None:
+    """Write the generation model into ``version_dir``: its entry (``served/entry.py``) as ``model.py``,
+    the python backend's file, and the other modules of :mod:`pipeline.models.text_generation.served`
+    into ``served/``, which the entry loads as a package."""
+    source = resources.files(SERVED_PACKAGE)
+    (version_dir / "model.py").write_text(source.joinpath("entry.py").read_text())
+    (version_dir / "served").mkdir(parents=True, exist_ok=True)
+    for module in sorted(source.iterdir(), key=lambda f: f.name):
+        if module.name.endswith(".py") and module.name != "entry.py":
+            (version_dir / "served" / module.name).write_text(module.read_text())
 
 
 def served_limits(recipe: Recipe, profiles: Sequence[ResolvedProfile]) -> dict[str, int]:

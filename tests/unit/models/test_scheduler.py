@@ -4,8 +4,8 @@ here honours the attention mask: a causal masked mean over the cache, with posit
 mask's cumulative sum (as the exported LLM derives them), so wrong padding changes the logits."""
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer
 
-import pipeline.triton
+from pipeline.models.text_generation.served import chat, decoding
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
 from pipeline.onnx_io import graph_specs
 from pipeline.triton.config import parse_config
@@ -27,7 +27,6 @@ from test_repository import (
     reference_generate, tiny_llm, tiny_tokenizer,
 )
 
-TEMPLATE = Path(pipeline.triton.__file__).parent / "templates" / "generate_model.py"
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] + ': ' + message['content'] + ' <eos> ' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ 'j' }}{% endif %}")
 
@@ -221,7 +220,8 @@ def reference_generate_all(onnx_path: Path, prompt: list[int], count: int) -> li
 
 def test_padding_is_on_the_left_of_the_past_with_a_zero_mask(masked):
     model, _ = masked
-    seq_cls = type(model).initialize.__globals__["Sequence"]
+    package = type(model).__module__.rpartition(".")[0]  # the served/ package as the entry loaded it
+    seq_cls = sys.modules[f"{package}.sequence"].Sequence
     seqs = []
     for length, pending in ((2, [7]), (5, [3]), (0, [4])):
         seq = seq_cls(None, None, [1] * max(length, 1), 4, set(), None, [], None)
@@ -416,32 +416,13 @@ def test_a_fixed_seed_reproduces_the_tokens_and_top_k_1_is_greedy(masked):
 
 
 def test_sampling_keeps_to_top_k_and_top_p():
-    module = template_module()
     logits = np.log(np.array([0.05, 0.5, 0.3, 0.15], np.float32))
-    top2 = module.Sampling(1.0, top_k=2, seed=0)
+    top2 = decoding.Sampling(1.0, top_k=2, seed=0)
     assert {top2.pick(logits) for _ in range(300)} == {1, 2}
-    nucleus = module.Sampling(1.0, top_p=0.85, seed=0)  # 0.5 + 0.3 < 0.85 <= 0.5 + 0.3 + 0.15
+    nucleus = decoding.Sampling(1.0, top_p=0.85, seed=0)  # 0.5 + 0.3 < 0.85 <= 0.5 + 0.3 + 0.15
     assert {nucleus.pick(logits) for _ in range(300)} == {1, 2, 3}
-    draws = [module.Sampling(1.0, seed=5).pick(logits) for _ in range(3)]
+    draws = [decoding.Sampling(1.0, seed=5).pick(logits) for _ in range(3)]
     assert len(set(draws)) == 1
-
-
-def template_module():
-    import sys
-    from types import SimpleNamespace
-
-    saved = sys.modules.get("triton_python_backend_utils")
-    sys.modules["triton_python_backend_utils"] = SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1)
-    try:
-        spec = importlib.util.spec_from_file_location("generate_template_sampling", TEMPLATE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        if saved is None:
-            del sys.modules["triton_python_backend_utils"]
-        else:
-            sys.modules["triton_python_backend_utils"] = saved
 
 
 @pytest.mark.parametrize("name,value,message", [
@@ -462,14 +443,13 @@ def test_bad_sampling_values_are_refused_naming_the_input(masked, name, value, m
 
 
 def test_stop_strings_hold_back_a_possible_start_and_cut_at_the_stop():
-    module = template_module()
-    stopper = module.StopStrings(["cd", "xyz"])
+    stopper = decoding.StopStrings(["cd", "xyz"])
     assert stopper.add("ab") == ("ab", None)
     assert stopper.add("c") == ("", None)  # may begin "cd"
     assert stopper.add("e x") == ("ce ", None)  # "x" may begin "xyz"
     assert stopper.add("y") == ("", None)
     assert stopper.add("zq") == ("", "xyz")  # "xy" was held back: nothing of the stop string was sent
-    assert module.StopStrings([]).add("abc") == ("abc", None)
+    assert decoding.StopStrings([]).add("abc") == ("abc", None)
 
 
 def test_a_stop_string_ends_the_stream_with_the_text_before_it(masked):
@@ -528,15 +508,14 @@ def test_chat_rendering_matches_transformers_apply_chat_template(tmp_path):
     gguf = package_file(load_recipe(Path(__file__).resolve().parents[3] / "recipes" / "fp8-llm.yaml").model)
     folder = tmp_path / "smollm2_tokenizer"  # as the export stage saves it
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(folder)
-    module = template_module()
-    template = module.load_chat_template(str(folder))
+    template = chat.load_chat_template(str(folder))
     assert template is not None
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
     for messages in ([{"role": "user", "content": "What is 2+2? Say ünïcode."}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                       {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]):
-        text = module.render_chat(template, messages, module.special_tokens(str(folder)))
+        text = chat.render_chat(template, messages, chat.special_tokens(str(folder)))
         assert text == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         expected = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected

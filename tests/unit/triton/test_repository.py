@@ -27,6 +27,7 @@ from pipeline.triton.config import parse_config
 from pipeline.triton import publish as publish_mod
 from pipeline.models.text_generation.kv import KVLayout
 from pipeline.models.text_generation.triton import kv_layout
+from pipeline.models.text_generation import served as served_pkg
 from pipeline.stages.triton import write_repository
 from pipeline.triton.repository import eos_token_ids, repository_runtime
 from tiny import continuation
@@ -181,11 +182,13 @@ def test_auto_without_engine_writes_onnxruntime_repository(stage):
     art = write_repository(make_recipe(), **stage)
     repo = stage["out_dir"]
     assert art.models == ["tiny", "tiny_generate"] and art.compute_backend == "onnxruntime_onnx"
-    assert sorted(snapshot(repo)) == [  # .publish.lock: the repository lock (pipeline.triton.publish)
+    served = sorted(f"tiny_generate/1/served/{f.name}" for f in Path(served_pkg.__file__).parent.glob("*.py")
+                    if f.name != "entry.py")  # the generation model's package beside its model.py
+    assert sorted(snapshot(repo)) == sorted([  # .publish.lock: the repository lock (pipeline.triton.publish)
         ".publish.lock", "repository.json", "tiny/1/model.onnx", "tiny/config.pbtxt", "tiny_generate/1/model.py",
-        "tiny_generate/1/special_tokens_map.json", "tiny_generate/1/tokenizer.json",
+        *served, "tiny_generate/1/special_tokens_map.json", "tiny_generate/1/tokenizer.json",
         "tiny_generate/1/tokenizer_config.json", "tiny_generate/config.pbtxt",
-    ]
+    ])
     cfg = parse_config((repo / "tiny" / "config.pbtxt").read_text())
     assert cfg.platform == "onnxruntime_onnx" and cfg.max_batch_size == 4
     assert cfg.optimization.graph.level == -1  # Q/DQ graph: ORT_ENABLE_BASIC in Triton's ORT backend
@@ -212,8 +215,11 @@ def test_generation_model_is_decoupled_with_numbers_in_parameters(stage):
                       "max_context": "33", "max_prompt_tokens": "16",  # min(40, 32 + 1), input_ids max
                       "max_concurrent_generations": "4",  # max_batch_size
                       "continuous_batching": "1", "kv_cache_budget_mib": "0.0", "compute_runtime": "bls"}
-    template = (Path(repo_mod.__file__).parent / "templates" / "generate_model.py").read_text()
-    assert (gen / "1" / "model.py").read_text() == template
+    served = Path(served_pkg.__file__).parent  # shipped as it is: the entry as model.py, the rest in served/
+    assert (gen / "1" / "model.py").read_text() == (served / "entry.py").read_text()
+    shipped = {f.name: f.read_text() for f in (gen / "1" / "served").iterdir()}
+    assert shipped == {f.name: f.read_text() for f in served.glob("*.py") if f.name != "entry.py"}
+    assert {"__init__.py", "model.py", "scheduler.py", "kv.py"} <= set(shipped)
 
 
 def test_generation_model_runs_python_onnxruntime_compute_in_process(stage):
