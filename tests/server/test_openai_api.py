@@ -598,20 +598,19 @@ def test_a_message_name_reaches_the_chat_template_as_transformers_passes_it(tmp_
     the template as it is (a template that reads ``name`` shows it, one that does not drops it)."""
     from transformers import AutoTokenizer
 
+    from pipeline.models.text_generation.served import chat
     from pipeline.serve.openai.requests import ChatRequest
-    from test_serve_generation import template_module
 
     aiperf = {"model": MODEL, "messages": [{"role": "user", "name": "text", "content": "the cat"},
                                            {"role": "assistant", "content": "sat"}], "stream": True}
     req = parse_request(ChatRequest, aiperf)
     messages = [m.for_template() for m in req.messages]
     assert messages == [{"role": "user", "content": "the cat", "name": "text"}, {"role": "assistant", "content": "sat"}]
-    module = template_module(monkeypatch)  # the generation model: parse_messages, then render_chat
-    sent = module.parse_messages(json.dumps(messages))
+    sent = chat.parse_messages(json.dumps(messages))  # the generation model: parse_messages, then render_chat
     folder = tiny_metaspace(tmp_path / "tok", EOS_IDS)
     for template, expected in ((NAMED_TEMPLATE, "text: the cat\nsat\n"), (CHAT_TEMPLATE, "the catsat")):
         (folder / "chat_template.jinja").write_text(template)
-        ours = module.render_chat(module.load_chat_template(str(folder)), sent, module.special_tokens(str(folder)))
+        ours = chat.render_chat(chat.load_chat_template(str(folder)), sent, chat.special_tokens(str(folder)))
         theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tokenize=False,
                                                                                  add_generation_prompt=True)
         assert ours == theirs == expected
