@@ -40,7 +40,7 @@ from typing import Any
 
 import anyio
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -169,141 +169,183 @@ class EndpointConfig:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+class Endpoint:
+    """One app's state: its config, the served tokenizer and what is read from it once
+    (context, ``/tokenizer_info``, vocabulary size, the model card), and the Triton client
+    (:class:`~pipeline.serve.openai.bridge.TritonGenerator`, opened by :func:`lifespan`).
+    The routes reach it as ``request.app.state.endpoint``."""
+
+    def __init__(self, cfg: EndpointConfig):
+        self.cfg = cfg
+        self.counter = TokenCounter(cfg.model_folder)
+        self.context = served_context(cfg.model_folder)
+        self.info = tokenizer_info(cfg.model_folder, self.context)
+        self.vocab = self.counter.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.card = {"id": cfg.model, "object": "model", "created": cfg.created, "owned_by": "trt-pipeline",
+                     "max_model_len": self.context}
+        self.gen: TritonGenerator | None = None
+
+
+def _endpoint(request: Request) -> Endpoint:
+    return request.app.state.endpoint
+
+
 def create_app(cfg: EndpointConfig):
-    """The FastAPI application (see the module docstring for routes and errors)."""
-    counter = TokenCounter(cfg.model_folder)
-    context = served_context(cfg.model_folder)
-    info = tokenizer_info(cfg.model_folder, context)
-    vocab = counter.tokenizer.get_vocab_size(with_added_tokens=True)
-    card = {"id": cfg.model, "object": "model", "created": cfg.created, "owned_by": "trt-pipeline",
-            "max_model_len": context}
-    state: dict[str, TritonGenerator] = {}
-
-    @asynccontextmanager
-    async def lifespan(app):
-        state["gen"] = TritonGenerator(cfg.grpc_url, cfg.model)
-        app.state.shutdown = Shutdown(asyncio.get_running_loop())
-        yield
-        await state["gen"].close()
-
+    """The FastAPI application (see the module docstring for routes and errors): :data:`router`'s
+    routes, the error handlers and the API-key check, on an :class:`Endpoint` for ``cfg``."""
     app = FastAPI(title="trt-pipeline OpenAI-compatible endpoint", lifespan=lifespan)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route / method: OpenAI's shape
-        what = {404: f"no route {request.url.path}; routes: {', '.join(ROUTES)}",
-                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        headers = getattr(exc, "headers", None)
-        return JSONResponse(ApiError(exc.status_code, what).body(), status_code=exc.status_code, headers=headers)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):  # a bug: still OpenAI's error shape
-        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
-        return JSONResponse(error.body(), status_code=500)
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if cfg.api_key is not None and not _key_ok(request.headers.get("authorization", ""), cfg.api_key):
-            error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != cfg.model:
-            raise ApiError(404, f"model: '{model_id}' is not served here; GET /v1/models lists '{cfg.model}'",
-                           param="model", code="model_not_found")
-        return card
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info_route():
-        return info
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        req = parse_request(TokenizeRequest, await _json(request))
-        _check_model(req, cfg.model)
-        ids = counter.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
-        return {"tokens": ids, "count": len(ids), "max_model_len": context}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = parse_request(DetokenizeRequest, await _json(request))
-        _check_model(req, cfg.model)
-        if any(t >= vocab for t in req.tokens):
-            raise ApiError(400, f"tokens: token ids must be in [0, {vocab}) (the served tokenizer's vocabulary); "
-                                f"got {max(req.tokens)}", param="tokens")
-        return {"prompt": counter.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
-    @app.get("/health")
-    async def health():
-        gen = state["gen"]
-        try:
-            ready = await gen.client.is_model_ready(cfg.model)
-        except Exception as e:  # InferenceServerException: Triton unreachable
-            raise unavailable(cfg.grpc_url, e) from e
-        if not ready:
-            raise ApiError(503, f"model {cfg.model} is not ready on the Triton server at {cfg.grpc_url}",
-                           type_="service_unavailable", code="model_not_ready")
-        return {"status": "ok", "model": cfg.model}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = parse_request(CompletionRequest, await _json(request))
-        _check_model(req, cfg.model)
-        gen = state["gen"]
-        supported = await gen.inputs()
-        runs = []
-        for prompt in req.prompts():
-            if isinstance(prompt, str):
-                inputs = {"text_input": _strings([prompt])}
-                prompt_ids: list[int] | None = counter.text(prompt)
-            else:
-                inputs = {"input_ids": np.asarray(prompt, np.int64)}
-                prompt_ids = list(prompt)
-            inputs.update(triton_inputs(req, supported, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS))
-            inputs.update(score_inputs(req, supported))
-            runs.append(Run(gen, inputs, req, prompt_ids, kind="text_completion", model=cfg.model))
-        if req.stream:  # one prompt (parse_request refuses a streamed batch)
-            return await runs[0].respond(request, JSONResponse, ClosingStreamingResponse)
-        texts = await _all(request, runs)
-        choices = [completion_choice(counter.tokenizer, req, prompt, run, text, i)
-                   for i, (prompt, run, text) in enumerate(zip(req.prompts(), runs, texts))]
-        usage = {k: sum(r.usage()[k] for r in runs) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        return JSONResponse({"id": runs[0].id, "object": "text_completion", "created": runs[0].created,
-                             "model": cfg.model, "choices": choices, "usage": usage})
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = parse_request(ChatRequest, await _json(request))
-        _check_model(req, cfg.model)
-        gen = state["gen"]
-        supported = await gen.inputs()
-        if "messages" not in supported:
-            raise ApiError(400, f"messages: the served generation model {cfg.model} has no 'messages' input "
-                                f"(inputs: {', '.join(sorted(supported))}); use /v1/completions", param="messages")
-        messages = [m.for_template() for m in req.messages]
-        inputs = {"messages": _strings([json.dumps(messages)])}
-        inputs.update(triton_inputs(req, supported, default_max_tokens=None))
-        if req.logprobs:
-            _need(supported, "logprobs", "logprobs")
-            inputs["logprobs"] = np.array([req.top_logprobs or 0], np.int32)
-        run = Run(gen, inputs, req, counter.chat(messages), kind="chat.completion", model=cfg.model)
-        if req.stream:
-            return await run.respond(request, JSONResponse, ClosingStreamingResponse)
-        text = await run.text(request)
-        logprobs = chat_logprobs(counter.tokenizer, run) if req.logprobs else None
-        return JSONResponse(run._whole(text, logprobs))
-
+    app.state.endpoint = Endpoint(cfg)
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.middleware("http")(check_key)
+    app.include_router(router)
     return app
+
+
+@asynccontextmanager
+async def lifespan(app):
+    """The Triton client for the app's life, and the :class:`Shutdown` its streams watch."""
+    endpoint = app.state.endpoint
+    endpoint.gen = TritonGenerator(endpoint.cfg.grpc_url, endpoint.cfg.model)
+    app.state.shutdown = Shutdown(asyncio.get_running_loop())
+    yield
+    await endpoint.gen.close()
+
+
+async def api_error(request: Request, exc: ApiError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route / method: OpenAI's shape
+    what = {404: f"no route {request.url.path}; routes: {', '.join(ROUTES)}",
+            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    headers = getattr(exc, "headers", None)
+    return JSONResponse(ApiError(exc.status_code, what).body(), status_code=exc.status_code, headers=headers)
+
+
+async def internal_error(request: Request, exc: Exception):  # a bug: still OpenAI's error shape
+    error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+    return JSONResponse(error.body(), status_code=500)
+
+
+async def check_key(request: Request, call_next):
+    """401 unless the request carries the app's API key (when it has one)."""
+    key = _endpoint(request).cfg.api_key
+    if key is not None and not _key_ok(request.headers.get("authorization", ""), key):
+        error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                         code="invalid_api_key")
+        return JSONResponse(error.body(), status_code=401)
+    return await call_next(request)
+
+
+#: The endpoint's routes (:data:`ROUTES`); each reads its app's :class:`Endpoint`.
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [_endpoint(request).card]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    endpoint = _endpoint(request)
+    if model_id != endpoint.cfg.model:
+        raise ApiError(404, f"model: '{model_id}' is not served here; GET /v1/models lists '{endpoint.cfg.model}'",
+                       param="model", code="model_not_found")
+    return endpoint.card
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info_route(request: Request):
+    return _endpoint(request).info
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    endpoint = _endpoint(request)
+    req = parse_request(TokenizeRequest, await _json(request))
+    _check_model(req, endpoint.cfg.model)
+    ids = endpoint.counter.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
+    return {"tokens": ids, "count": len(ids), "max_model_len": endpoint.context}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    endpoint = _endpoint(request)
+    req = parse_request(DetokenizeRequest, await _json(request))
+    _check_model(req, endpoint.cfg.model)
+    if any(t >= endpoint.vocab for t in req.tokens):
+        raise ApiError(400, f"tokens: token ids must be in [0, {endpoint.vocab}) (the served tokenizer's vocabulary); "
+                            f"got {max(req.tokens)}", param="tokens")
+    return {"prompt": endpoint.counter.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+@router.get("/health")
+async def health(request: Request):
+    endpoint = _endpoint(request)
+    cfg = endpoint.cfg
+    try:
+        ready = await endpoint.gen.client.is_model_ready(cfg.model)
+    except Exception as e:  # InferenceServerException: Triton unreachable
+        raise unavailable(cfg.grpc_url, e) from e
+    if not ready:
+        raise ApiError(503, f"model {cfg.model} is not ready on the Triton server at {cfg.grpc_url}",
+                       type_="service_unavailable", code="model_not_ready")
+    return {"status": "ok", "model": cfg.model}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    endpoint = _endpoint(request)
+    cfg, counter, gen = endpoint.cfg, endpoint.counter, endpoint.gen
+    req = parse_request(CompletionRequest, await _json(request))
+    _check_model(req, cfg.model)
+    supported = await gen.inputs()
+    runs = []
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            inputs = {"text_input": _strings([prompt])}
+            prompt_ids: list[int] | None = counter.text(prompt)
+        else:
+            inputs = {"input_ids": np.asarray(prompt, np.int64)}
+            prompt_ids = list(prompt)
+        inputs.update(triton_inputs(req, supported, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS))
+        inputs.update(score_inputs(req, supported))
+        runs.append(Run(gen, inputs, req, prompt_ids, kind="text_completion", model=cfg.model))
+    if req.stream:  # one prompt (parse_request refuses a streamed batch)
+        return await runs[0].respond(request, JSONResponse, ClosingStreamingResponse)
+    texts = await _all(request, runs)
+    choices = [completion_choice(counter.tokenizer, req, prompt, run, text, i)
+               for i, (prompt, run, text) in enumerate(zip(req.prompts(), runs, texts))]
+    usage = {k: sum(r.usage()[k] for r in runs) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return JSONResponse({"id": runs[0].id, "object": "text_completion", "created": runs[0].created,
+                         "model": cfg.model, "choices": choices, "usage": usage})
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request):
+    endpoint = _endpoint(request)
+    cfg, counter, gen = endpoint.cfg, endpoint.counter, endpoint.gen
+    req = parse_request(ChatRequest, await _json(request))
+    _check_model(req, cfg.model)
+    supported = await gen.inputs()
+    if "messages" not in supported:
+        raise ApiError(400, f"messages: the served generation model {cfg.model} has no 'messages' input "
+                            f"(inputs: {', '.join(sorted(supported))}); use /v1/completions", param="messages")
+    messages = [m.for_template() for m in req.messages]
+    inputs = {"messages": _strings([json.dumps(messages)])}
+    inputs.update(triton_inputs(req, supported, default_max_tokens=None))
+    if req.logprobs:
+        _need(supported, "logprobs", "logprobs")
+        inputs["logprobs"] = np.array([req.top_logprobs or 0], np.int32)
+    run = Run(gen, inputs, req, counter.chat(messages), kind="chat.completion", model=cfg.model)
+    if req.stream:
+        return await run.respond(request, JSONResponse, ClosingStreamingResponse)
+    text = await run.text(request)
+    logprobs = chat_logprobs(counter.tokenizer, run) if req.logprobs else None
+    return JSONResponse(run._whole(text, logprobs))
 
 
 async def _all(request, runs: list[Run]) -> list[str]:
