@@ -107,9 +107,14 @@ class Scheduler:
     def _run(self, seqs, n):
         """One step: a compute call feeding ``n`` tokens of each sequence, then each samples and streams.
         A sequence whose prompt is being scored runs its step alone: its log-probabilities are then those
-        of the prefill it gets alone. Batched, the causal test graphs and tiny Llama / GPT-2 exports give
-        identical numbers, but on the served FP8 SmolLM2 one of 40 lm-eval continuations moved by 0.15
-        nats (the other 39 bit-identical); the cause is not found yet (docs/serving.md)."""
+        of the prefill it gets alone. Batched, a row's past is left-padded to the batch's longest, which
+        shifts its keys within ONNX Runtime's vectorized Softmax sum: when the shift is not a multiple of
+        the kernel's vector width (8 floats on
+        the AVX-512 machine measured; ONNX Runtime picks the kernel by CPU) about 30 % of the probabilities move
+        by one float32 ulp, and an FP8 Q/DQ downstream can round such a value to the neighbouring FP8
+        step. On the served FP8 SmolLM2 one of 40 lm-eval continuations moved by 0.15 nats that way (39
+        bit-identical); the size of the effect depends on the CPU, so scores are computed alone
+        (docs/serving.md, benchmarks/softmax_padding.py)."""
         if self.score_alone and len(seqs) > 1 and any(s.scoring for s in seqs):
             for seq in seqs:
                 self._run([seq], self._chunk([seq]))
