@@ -209,7 +209,7 @@ def _fp16_engine(plan: engine_backends.BuildPlan, source_onnx: str | None, recip
     from pipeline.errors import PipelineError
     from pipeline.quant import autocast
 
-    if plan.check_only or not source_onnx:
+    if plan.check_only or not source_onnx or plan.backend is None:
         why = "a parse-and-build check is not a deployable engine" if plan.check_only else "no exported graph"
         return {"fp16_engine_note": f"not compared with FP16: {why}"}
     folder = out_dir / FP16_COMPARE_DIR
