@@ -40,8 +40,8 @@ def speed_note(precision: str, level: str, providers: list[str] | None = None,
     base = f"ONNX Runtime {where}, candidate at graph optimization level '{level}'"
     gate = (f" A speedup_vs_fp32 gate with min m passes at >= m - {SPEEDUP_MARGIN:g} (timing noise margin).")
     if PRECISIONS[precision].cpu_simulated:
-        return (f"{base}: FP8 Q/DQ is only simulated on CPU (quantize, dequantize, FP32 GEMM), so these CPU "
-                "numbers say nothing about FP8 speed on a GPU (TensorRT); they apply to CPU targets only." + gate)
+        return (f"{base}: {PRECISIONS[precision].cpu_simulation}, so these CPU numbers say nothing about "
+                f"{precision.upper()} speed on a GPU (TensorRT); they apply to CPU targets only." + gate)
     int8 = int8_note(level, flags) if PRECISIONS[precision].integer else ""
     return (f"{base}: CPU timing, it applies to CPU targets; GPU speed is measured only through a TensorRT "
             f"engine.{int8}" + gate)

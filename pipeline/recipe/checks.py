@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.recipe.kinds import PAST_DIM, PROMPT_TOKENS, eval_units, facts, source_problem
 from pipeline.recipe.problems import Loc, Problem
-from pipeline.recipe.precisions import capability_problem
+from pipeline.recipe.precisions import capability_problem, facts as facts_of
 
 if TYPE_CHECKING:
     from pipeline.sources.data import DataSource
@@ -376,10 +376,14 @@ def _weights_problems(r: Recipe) -> list[Problem]:
         return []
     at: Loc = ("quantize", "weights")
     out: list[Problem] = []
-    if w.method not in WEIGHT_METHODS_DONE:
+    own = facts_of(r.quantize.precision)
+    if own.weight_methods and w.method not in own.weight_methods:  # a format with its own quantizer (nvfp4)
+        out.append(((*at, "method"), f"{w.method!r} is not a {r.quantize.precision} method; valid: "
+                    f"{', '.join(own.weight_methods)} (from the FP32 export; a GGUF source is dequantized first)"))
+    elif not own.weight_methods and w.method not in WEIGHT_METHODS_DONE:
         out.append(((*at, "method"), f"{w.method!r} is not implemented yet; valid now: "
                     f"{', '.join(WEIGHT_METHODS_DONE)} (a GGUF model source's own blocks)"))
-    if w.method == "source":
+    if w.method == "source" and not own.weight_methods:
         src = r.model.source
         name = getattr(src, "file", None) or getattr(src, "path", None) or ""
         if src.tag not in ("package", "path") or not str(name).endswith(".gguf"):
@@ -391,14 +395,14 @@ def _weights_problems(r: Recipe) -> list[Problem]:
                         f"{GGUF_INT4_BLOCK} weights wide for every 4-bit type (Q4_0, Q4_1, Q4_K); set block_size: "
                         f"{GGUF_INT4_BLOCK}"))
     q = r.quantize
-    if q.exclude.nodes or q.exclude.op_types:
+    if (q.exclude.nodes or q.exclude.op_types) and not own.weight_methods:
         out.append(((*at[:1], "exclude"), f"not implemented yet for {q.precision}: every GEMM whose weight is a tensor "
                     "of the GGUF file gets its blocks; drop quantize.exclude"))
     if q.rest_precision != REFERENCE:
         out.append(((*at[:1], "rest_precision"), f"{q.rest_precision!r}: {q.precision} keeps the activations and "
                     f"everything but the GEMM weights in {REFERENCE} (MatMulNBits computes in FP32); use "
                     f"rest_precision: {REFERENCE}"))
-    if r.triton.target in ("onnxruntime", "auto"):
+    if r.triton.target in ("onnxruntime", "auto") and not own.cpu_decoded:  # a decoded twin is plain FP32
         why = ("" if r.triton.target == "onnxruntime" else
                " (auto serves onnxruntime_onnx wherever no datacenter TensorRT engine is built)")
         out.append((("triton", "target"), f"{r.triton.target!r}{why}: Triton's stock onnxruntime backend cannot set "

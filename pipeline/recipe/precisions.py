@@ -18,6 +18,10 @@ Sources of the numbers:
 * INT4 (weight-only): ONNX's blocked ``DequantizeLinear`` (``block_size``) and the INT4 type came
   with opset 21; TensorRT-RTX 1.7 builds INT4 blocks for sm86, sm89 and sm120 and refuses sm75
   ("HW-specific datatypes: int4", measured: tests/unit/quant/test_gguf_blocks.py).
+* NVFP4 (weight-only): FLOAT4E2M1 came with opset 23 (IR 11); FP4 tensor cores start at sm100
+  (Blackwell). TensorRT-RTX 1.7.1 builds it for sm120 and refuses sm89 ("HW-specific datatypes:
+  fp4_e2m1"), sm86 and sm75 (measured: tests/unit/quant/test_nvfp4.py); sm100 / sm103 need datacenter
+  TensorRT on such a GPU. Weight bytes: 4 bits + one FP8 scale per 16 (4.5 bits).
 """
 from __future__ import annotations
 
@@ -55,6 +59,14 @@ class PrecisionFacts:
             ``quantize.weights`` (:mod:`pipeline.quant.int4`); ONNX Runtime fuses each into a
             ``MatMulNBits`` run at accuracy level 1 (:data:`pipeline.ort_sessions.MATMULNBITS_FP32`),
             which Triton's stock onnxruntime backend cannot set.
+        cpu_decoded: ONNX Runtime's CPU provider has no kernel for its DequantizeLinear (FP4 in ONNX
+            Runtime 1.31): validate and the Triton repository run a twin graph with the weights decoded
+            exactly to FP32 (``QuantizedArtifact.cpu_onnx_path``), the TensorRT build the real one.
+        cpu_simulation: how ONNX Runtime on a CPU runs it where ``cpu_simulated`` (a sentence for reports).
+        weight_methods: ``quantize.weights.method`` values its quantizer implements (empty: the INT4
+            list, :data:`pipeline.recipe.schema.WEIGHT_METHODS_DONE`).
+        weight_block: the format's own block size (``quantize.weights.block_size`` must be it); None:
+            chosen in the recipe.
     """
 
     name: str
@@ -72,12 +84,17 @@ class PrecisionFacts:
     ort_cpu: bool = True
     fp8_tensor_cores: bool = False
     weight_only: bool = False
+    cpu_decoded: bool = False
+    cpu_simulation: str = ""
+    weight_methods: tuple[str, ...] = ()
+    weight_block: int | None = None
 
 
 PRECISIONS: dict[str, PrecisionFacts] = {p.name: p for p in (
     PrecisionFacts("fp8", quantize=True, rest=False, calibrated=True, qdq=True, cast=False, min_opset=19,
                    min_compute_capability=(8, 9), export_tolerance=(1.5e-1, 1e-1), weight_bytes=1.0,
-                   cpu_simulated=True, fp8_tensor_cores=True),
+                   cpu_simulated=True, fp8_tensor_cores=True,
+                   cpu_simulation="FP8 Q/DQ is only simulated on CPU (quantize, dequantize, FP32 GEMM)"),
     PrecisionFacts("int8", quantize=True, rest=False, calibrated=True, qdq=True, cast=False, min_opset=10,
                    min_compute_capability=None, export_tolerance=(1e-1, 1e-1), weight_bytes=1.0, integer=True),
     PrecisionFacts("fp16", quantize=True, rest=True, calibrated=False, qdq=False, cast=True, min_opset=1,
@@ -90,6 +107,11 @@ PRECISIONS: dict[str, PrecisionFacts] = {p.name: p for p in (
     PrecisionFacts("int4", quantize=True, rest=False, calibrated=False, qdq=True, cast=False, min_opset=21,
                    min_compute_capability=(8, 6), export_tolerance=(1e-2, 1e-2), weight_bytes=0.5, integer=False,
                    weight_only=True),
+    PrecisionFacts("nvfp4", quantize=True, rest=False, calibrated=False, qdq=True, cast=False, min_opset=23,
+                   min_compute_capability=(10, 0), export_tolerance=(2.5e-1, 1.5e-1), weight_bytes=0.5625,
+                   weight_only=True, cpu_simulated=True, cpu_decoded=True,
+                   cpu_simulation="FP4 simulated: decoded to FP32 on this CPU", weight_methods=("rtn",),
+                   weight_block=16),
 )}
 
 #: the reference every candidate is compared with, and the precision of an unquantized graph
@@ -117,7 +139,7 @@ QUANTIZE = names(quantize=True)
 REST = (REFERENCE, *(n for n in names(rest=True) if n != REFERENCE))
 CALIBRATED = names(calibrated=True)
 CAST = names(cast=True)
-#: weight-only precisions (``quantize.weights``): int4
+#: weight-only precisions (``quantize.weights``): int4, nvfp4
 WEIGHT_ONLY = names(weight_only=True)
 
 

@@ -139,13 +139,15 @@ class WeightsConfig(Strict):
     method: WeightMethod = Field(description="source: the model file's own GGUF blocks (Q4_0, Q4_1, Q4_K as INT4; "
                                  "Q8_0, Q6_K as INT8), carried without re-rounding (pipeline.quant.int4); rtn, awq: "
                                  "not implemented yet (check refuses them)")
-    block_size: Literal[32, 64, 128] = Field(32, description="weights per scale along the GEMM's input dimension; "
-                                             "source: the file's (32 for every GGUF 4-bit type)")
+    block_size: Literal[16, 32, 64, 128] = Field(32, description="weights per scale along the GEMM's input dimension; "
+                                                 "source: the file's (32 for every GGUF 4-bit type); nvfp4: 16, the "
+                                                 "format's own (its default there), and only there")
 
 
 class QuantizeConfig(Strict):
     precision: Precision = Field(description="fp8 / int8: Q/DQ on the weight GEMMs (needs calibration); "
-                                 "int4: weight-only INT4 blocks (needs weights, no calibration); fp16 / fp32: no Q/DQ")
+                                 "int4: weight-only INT4 blocks (needs weights, no calibration); nvfp4: weight-only FP4 E2M1 blocks of 16 with "
+                                 "FP8 scales (weights: {method: rtn}; TensorRT for sm100+ only); fp16 / fp32: no Q/DQ")
     calibration: CalibrationConfig | None = Field(None, description="activation ranges; required for fp8 and int8")
     exclude: ExcludeConfig = Field(ExcludeConfig(), description="nodes kept in high precision by hand")
     per_channel_weights: bool = Field(
@@ -176,6 +178,31 @@ class QuantizeConfig(Strict):
     def _needs_calibration(self) -> "QuantizeConfig":
         if self.precision in precisions.CALIBRATED and self.calibration is None:
             raise ValueError(f"precision {self.precision!r} needs a calibration section")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format_block(cls, data):
+        """A weight-only format with its own block size (the precision table's ``weight_block``: nvfp4's
+        16) gets it where ``weights`` names none."""
+        if isinstance(data, dict) and isinstance(data.get("weights"), dict) and "block_size" not in data["weights"]:
+            row = precisions.PRECISIONS.get(data.get("precision"))  # type: ignore[arg-type]
+            if row is not None and row.weight_block is not None:
+                data = {**data, "weights": {**data["weights"], "block_size": row.weight_block}}
+        return data
+
+    @model_validator(mode="after")
+    def _format_block_fits(self) -> "QuantizeConfig":
+        if self.weights is None:
+            return self
+        own = precisions.facts(self.precision).weight_block
+        if own is not None and self.weights.block_size != own:
+            raise ValueError(f"weights.block_size: {self.weights.block_size}, but {self.precision} blocks are {own} "
+                             f"values per scale (the format's own); set block_size: {own} or leave it out")
+        fixed = {p.weight_block: p.name for p in precisions.PRECISIONS.values() if p.weight_block is not None}
+        if own is None and self.weights.block_size in fixed:
+            raise ValueError(f"weights.block_size: {self.weights.block_size} is {fixed[self.weights.block_size]}'s "
+                             f"block, not {self.precision}'s; {self.precision} takes 32, 64 or 128")
         return self
 
     @model_validator(mode="after")
@@ -294,7 +321,7 @@ class Profile(Strict):
 #: where it and a GPU are present, else TensorRT-RTX for ``build.targets``.
 BuildBackend = Literal["auto", "tensorrt", "tensorrt-rtx", "none"]
 #: A GPU architecture as ``sm<major><minor>`` (compute capability 8.9 -> ``sm89``).
-ComputeTarget = Literal["sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121"]
+ComputeTarget = Literal["sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121"]
 
 
 class BuildConfig(Strict):
@@ -305,12 +332,25 @@ class BuildConfig(Strict):
         "sm89); tensorrt: datacenter TensorRT only; tensorrt-rtx: TensorRT-RTX only; none: trtexec.sh only")
     targets: list[ComputeTarget] = Field(
         default_factory=list, description="compute capabilities the engine is for, e.g. [sm89] (L4, L40S, RTX 40xx); "
-        "that of triton.serving.gpu is added. TensorRT-RTX builds sm75/80/86/89/120/121, not sm90/sm100")
+        "that of triton.serving.gpu is added. TensorRT-RTX builds sm75/80/86/89/120/121, not sm90/sm100/sm103")
     timing_cache: str = Field(".cache/trt/timing.cache", description="datacenter TensorRT's timing cache file "
                               "(TensorRT-RTX ignores timing caches: its calls are deprecated no-ops)")
     workspace_mib: int = Field(4096, ge=64, description="TensorRT workspace memory pool limit, MiB")
     builder_optimization_level: int = Field(3, ge=0, le=5, description="TensorRT builder optimization level "
                                             "(higher: longer build, maybe faster engine)")
+    compare_fp16: bool = Field(
+        False, description="also build an FP16 engine of the same exported graph (weights and activations cast to "
+        "FP16, strongly typed) with the same backend, targets and profiles, and report the engine's bytes against it "
+        "(engine_stamp.json fp16_engine_bytes, engine_bytes_vs_fp16); about doubles the build time, so off by default")
+
+    @model_serializer(mode="wrap")
+    def _added_fields_as_before(self, handler):
+        """``compare_fp16`` off dumps as absent, so recipe digests and stage keys of recipes without it
+        are what they were before it existed."""
+        data = handler(self)
+        if not self.compare_fp16 and isinstance(data, dict):
+            data.pop("compare_fp16", None)
+        return data
 
 
 class GenerationCheck(Strict):

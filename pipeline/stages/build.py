@@ -176,10 +176,14 @@ def build_from_onnx(
     write_bytes_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
     stamp["onnx_qdq_nodes"] = sum(n.op_type in INSERTED_OPS for n in model.graph.node)
-    formats = engine_report.block_weight_formats(model)  # weight-only (int4) GEMMs: bits per weight by form
+    formats = engine_report.block_weight_formats(model)  # weight-only (int4, nvfp4) GEMMs: bits per weight by form
     if formats:
         stamp["weight_formats"] = formats
         stamp["weight_bits_per_weight"] = engine_report.bits_per_weight(formats)
+    if recipe.build.compare_fp16:
+        stamp.update(_fp16_engine(plan, source_onnx, recipe, cache_path, context, out_dir))
+        if stamp.get("fp16_engine_bytes"):
+            stamp["engine_bytes_vs_fp16"] = stamp["engine_bytes"] / stamp["fp16_engine_bytes"]
     notes = _gemm_warnings(built.network, quantized_nodes) + notes
     stamp_path = _write_records(out_dir, stamp, quantized_nodes, notes)
     for note in notes:
@@ -187,6 +191,44 @@ def build_from_onnx(
     headline = {k: stamp[k] for k in HEADLINE}
     return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved,
                          backend=plan.backend.name, engine=headline)
+
+
+#: the scratch folder of build.compare_fp16's FP16 graph and engine (removed after the build)
+FP16_COMPARE_DIR = ".fp16-compare"
+
+
+def _fp16_engine(plan: engine_backends.BuildPlan, source_onnx: str | None, recipe: Recipe, cache_path: Path,
+                 context: FailureContext, out_dir: Path) -> dict[str, Any]:
+    """``build.compare_fp16``: build the exported FP32 graph cast to FP16 (:func:`pipeline.quant.autocast.
+    cast_rest` to fp16: weights and activations FP16 but the I/O and the ops kept FP32 for range,
+    strongly typed as every graph here) with the same backend, targets and profiles, and return
+    ``{"fp16_engine_bytes": n}`` (the caller adds ``engine_bytes_vs_fp16``); the graph and engine are not kept.
+    A check build (``check_only``), no exported graph, or a failed FP16 build gives
+    ``{"fp16_engine_note": why}`` instead: the comparison never fails the stage."""
+    from pipeline import onnx_io
+    from pipeline.errors import PipelineError
+    from pipeline.quant import autocast
+
+    if plan.check_only or not source_onnx or plan.backend is None:
+        why = "a parse-and-build check is not a deployable engine" if plan.check_only else "no exported graph"
+        return {"fp16_engine_note": f"not compared with FP16: {why}"}
+    folder = out_dir / FP16_COMPARE_DIR
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        src = Path(source_onnx)
+        half = autocast.cast_rest(onnx.load(str(src), load_external_data=False), "fp16", base_dir=str(src.parent))
+        onnx_io.save_model_atomic(half, folder / "model.fp16.onnx")
+        del half
+        probe = FailureContext(context.resolved, context.dynamic, frozenset(), {})
+        built = build_engine(plan.backend, plan.targets, folder / "model.fp16.onnx", recipe.build,
+                             folder / "timing.cache", [], probe)
+        size = len(built.plan)
+    except PipelineError as e:
+        return {"fp16_engine_note": f"not compared with FP16: its build failed: {str(e).splitlines()[0]}"}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"fp16_engine_bytes": size}
 
 
 def _bisected(crash: BuilderCrash, plan: engine_backends.BuildPlan, onnx_path: Path, recipe: Recipe,

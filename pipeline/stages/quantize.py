@@ -71,7 +71,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     if facts(q.precision).cast:
         return _fp16(model, src, out, q.precision)
     if facts(q.precision).weight_only:
-        return _weight_only(ctx, model, src, out)
+        return (_decoded_weight_only if facts(q.precision).cpu_decoded else _weight_only)(ctx, model, src, out)
     _check_opset(model, q.precision)
     targets = qdq.find_targets(model, list(q.quantize_op_types))
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
@@ -272,6 +272,66 @@ def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path
                        + ", ".join(f"{n} {k}" for k, n in formats.items())
                        + f"), {len(excluded)} left FP32; max |weight - GGML's| {info['max_weight_error']:g}")
     art = QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info)
+    return _save(art, model, src)
+
+
+#: the twin of a weight-only graph ONNX Runtime's CPU provider cannot run (NVFP4), weights decoded to
+#: FP32 (QuantizedArtifact.cpu_onnx_path): what validate and the Triton repository run
+DECODED_GRAPH = "model.decoded.onnx"
+
+
+def _decoded_weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path) -> QuantizedArtifact:
+    """``quantize.precision: nvfp4`` (``weights.method: rtn``): every weight GEMM's FP32 weight is
+    rounded to NVFP4 (:func:`pipeline.quant.nvfp4.quantize`) and written as two DequantizeLinear +
+    MatMul in ``model.onnx`` (opset raised to 23, IR 11: TensorRT builds this), and, decoded exactly
+    to FP32, in :data:`DECODED_GRAPH` at the export's opset (what ONNX Runtime validates and serves:
+    "FP4 simulated: decoded to FP32 on this CPU"). A GGUF model source is re-quantized from its
+    FP32 dequantization (the export), and ``calibration`` says so. ``quantize.exclude`` keeps GEMMs
+    FP32 (nodes by name or module scope, op types).
+
+    Raises:
+        QuantizationError: (exit 2) a GEMM's K is not a multiple of 16 (names the MatMul, its
+            initializer and K), a weight is not finite, no GEMM is left, or an op means something
+            else at opset 21 than at the export's opset. Nothing is written then.
+    """
+    from collections import Counter
+
+    from pipeline.quant import nvfp4
+    from pipeline.sources.model import package_file
+
+    q = ctx.recipe.quantize
+    targets = qdq.find_targets(model, list(q.quantize_op_types))
+    kept, _ = qdq.apply_exclusions(model, targets, q.exclude)
+    skip = frozenset(t.node for t in targets if t.node not in {k.node for k in kept})
+    decoded = onnx.ModelProto()
+    decoded.CopyFrom(model)
+    with ctx.progress.step(f"quantize: NVFP4 weights (rtn, blocks of {nvfp4.BLOCK}) of {len(kept)} GEMMs"):
+        done = nvfp4.rewrite_matmuls(model, decoded, base_dir=str(src.parent), skip=skip)
+    if not done:
+        raise QuantizationError("quantize: no weight GEMM (a MatMul on a 2-D FP32 initializer) to write in NVFP4 "
+                                "is left after quantize.exclude")
+    rewritten = {t.node for t in done}
+    excluded = [t.node for t in targets if t.node not in rewritten]
+    source = getattr(ctx.recipe.model.source, "file", None) or getattr(ctx.recipe.model.source, "path", None) or ""
+    gguf = str(source).endswith(".gguf")
+    simulated = facts(q.precision).cpu_simulation
+    weights = sum(t.k * t.n for t in done)
+    info = {"method": q.weights.method, "block_size": nvfp4.BLOCK,
+            "gemm_formats": dict(Counter(f"FP32 -> {nvfp4.FORM}" for _ in done)),
+            "weights_from": (f"the GGUF file {package_file(ctx.recipe.model).name} dequantized to FP32 (the export), "
+                             "then re-quantized to NVFP4 (rtn): a second rounding" if gguf else
+                             "the FP32 export, rounded to NVFP4 (rtn)"),
+            "max_weight_error": max(t.max_abs_error for t in done),
+            "rel_rms_weight_error": sum(t.rel_rms_error * t.k * t.n for t in done) / weights,
+            "cpu_graph": f"{simulated} ({DECODED_GRAPH}, opset of the export; TensorRT builds model.onnx)",
+            "quantized_fraction": len(done) / (len(done) + len(excluded))}
+    ctx.progress.print(f"  quantize: {len(done)} GEMMs NVFP4 weight-only, {len(excluded)} left FP32; "
+                       f"weight rel. RMS error {info['rel_rms_weight_error']:.3g}; {simulated}")
+    onnx_io.save_model_atomic(decoded, out.with_name(DECODED_GRAPH), base_dir=src.parent)
+    del decoded
+    onnx_io.require_loadable(str(out.with_name(DECODED_GRAPH)), "quantize")
+    art = QuantizedArtifact(str(out), q.precision, [t.node for t in done], excluded, info,
+                            cpu_onnx_path=str(out.with_name(DECODED_GRAPH)))
     return _save(art, model, src)
 
 

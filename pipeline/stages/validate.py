@@ -84,6 +84,10 @@ def engine_path(b: BuildArtifact | None) -> str | None:
 def onnx_validated_note(q: QuantizedArtifact, b: BuildArtifact | None) -> str:
     """``validated_artifact`` when ONNX Runtime measured the graph (no engine run)."""
     why = unrun_engine_note(b) or ": no TensorRT engine was built, so this graph is what gets served"
+    row = facts(q.precision)
+    if row.cpu_decoded:  # NVFP4: ONNX Runtime ran the decoded twin, TensorRT builds the FP4 graph
+        return (f"ONNX graph {q.ort_path} in ONNX Runtime ({row.cpu_simulation}; the {q.precision.upper()} graph "
+                f"TensorRT builds is {q.onnx_path}){why}")
     return f"ONNX graph {q.onnx_path} in ONNX Runtime{why}"
 
 

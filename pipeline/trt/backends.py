@@ -141,6 +141,17 @@ def choose(recipe: Recipe, datacenter_problem: str | None) -> BuildPlan:
     return _rtx_plan(recipe, choice, datacenter_problem)
 
 
+def check_target(precision: str) -> str:
+    """The TensorRT-RTX target of a parse-and-build check: :data:`pipeline.targets.RTX_CHECK_TARGET`
+    (sm89) where the precision's kernels exist there, else the first TensorRT-RTX target that has
+    them (NVFP4: sm120)."""
+    from pipeline.recipe.precisions import capability_problem
+
+    order = [serving_targets.RTX_CHECK_TARGET, *serving_targets.RTX_TARGETS]
+    return next((t for t in order if capability_problem(precision, serving_targets.sm_capability(t), t) is None),
+                serving_targets.RTX_CHECK_TARGET)
+
+
 def _rtx_plan(recipe: Recipe, choice: str, datacenter_problem: str | None) -> BuildPlan:
     targets = declared_targets(recipe)
     if not targets:
@@ -162,7 +173,7 @@ def _rtx_plan(recipe: Recipe, choice: str, datacenter_problem: str | None) -> Bu
     if choice == "tensorrt-rtx":
         raise BackendChoiceError(f"build.backend: tensorrt-rtx cannot build for {targets} (it builds "
                                  f"{', '.join(serving_targets.RTX_TARGETS)}); use backend auto for a check build")
-    check = serving_targets.RTX_CHECK_TARGET
+    check = check_target(recipe.quantize.precision)
     return BuildPlan(TENSORRT_RTX, [check], check_only=True, notes=notes + [
         f"TensorRT-RTX parse-and-build CHECK for {check} (the parser and builder accept the graph and profiles), "
         f"not a deployable engine for {', '.join(left)}"])

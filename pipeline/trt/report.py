@@ -7,7 +7,7 @@ operands both come from a DequantizeLayer of INT8/FP8 data (through
 shuffles: transposes and reshapes). Those are the GEMMs TensorRT may run in
 INT8/FP8; a GEMM the quantize stage quantized that is not among them would
 run in higher precision than validate measured. A weight-only GEMM (``quantize.precision:
-int4``) has its weight dequantized from INT4/INT8 blocks and an FP32 activation by design:
+int4``, ``nvfp4``) has its weight dequantized from INT4/INT8/FP4 blocks and an FP32 activation by design:
 those are counted apart (``weight_only_gemms``), not as left in high precision.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 GEMM_TYPES = ("MATRIX_MULTIPLY", "CONVOLUTION", "DECONVOLUTION")
 _LOW_PRECISION = ("INT8", "FP8")
 #: weight types of weight-only GEMMs (blocked DequantizeLinear on the weight alone)
-_WEIGHT_ONLY = ("INT4", "INT8")
+_WEIGHT_ONLY = ("INT4", "INT8", "FP4")
 _PASS_THROUGH = ("SHUFFLE",)
 SECTION_FILE = "engine.md"
 
@@ -95,15 +95,23 @@ def mismatch_warning(missing: list[str], quantized: int) -> str:
 def block_weight_formats(model: Any) -> dict[str, dict[str, Any]]:
     """Weight-only GEMMs of an ONNX graph (loaded without its external data: reads dims and types
     only) by ONNX form: ``{"INT4 block 32 + offsets": {"gemms": 210, "weights": n, "bits_per_weight":
-    6.0}, ...}``. A weight-only GEMM is a MatMul whose ``B`` is a blocked DequantizeLinear
-    (``block_size``) of an INT4/INT8 initializer; the bits per weight count the integer, its float
-    scale and, where :mod:`pipeline.quant.int4` added one, the block's float offset (``<prefix>.offsets``
-    beside ``<prefix>.values``), as the graph stores them."""
+    6.0, "floor_bits": 6.0}, ...}``.
+
+    A weight-only GEMM is a MatMul whose ``B`` is a blocked DequantizeLinear (``block_size``) of an
+    INT4/INT8 or FLOAT4E2M1 initializer. ``bits_per_weight`` counts what the graph stores: the value,
+    its block scale (an FP8 block scale of NVFP4, itself a DequantizeLinear of an FP8 initializer by
+    an FP32 tensor scale, counts 8 bits plus the tensor scale's 32 over the tensor's weights) and,
+    where :mod:`pipeline.quant.int4` added one, the block's float offset (``<prefix>.offsets``
+    beside ``<prefix>.values``). ``floor_bits`` is the format's own size with FP32 scales
+    (:func:`floor_bits`): the two differ only if a scale or offset is stored wider than the format needs.
+    """
     from onnx import TensorProto, helper
 
     inits = {t.name: t for t in model.graph.initializer}
     dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
-    bits = {TensorProto.INT4: 4, TensorProto.INT8: 8, TensorProto.UINT4: 4, TensorProto.UINT8: 8}
+    bits = {TensorProto.INT4: 4, TensorProto.INT8: 8, TensorProto.UINT4: 4, TensorProto.UINT8: 8,
+            TensorProto.FLOAT4E2M1: 4}
+    width = lambda t: 8 * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize  # noqa: E731
     out: dict[str, dict[str, Any]] = {}
     for n in model.graph.node:
         d = dq.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) > 1 else None
@@ -113,16 +121,48 @@ def block_weight_formats(model: Any) -> dict[str, dict[str, Any]]:
         values = inits.get(d.input[0])
         if not block or values is None or values.data_type not in bits:
             continue
+        count = int(np.prod(values.dims, dtype=np.int64))
         scale = inits.get(d.input[1])
-        scale_bits = 8 * helper.tensor_dtype_to_np_dtype(scale.data_type).itemsize if scale is not None else 32
-        offsets = inits.get(values.name.removesuffix(".values") + ".offsets") if values.name.endswith(".values") else None
-        label = f"INT{bits[values.data_type]} block {block}" + (" + offsets" if offsets is not None else "")
-        per = bits[values.data_type] + scale_bits / block + (
-            8 * helper.tensor_dtype_to_np_dtype(offsets.data_type).itemsize / block if offsets is not None else 0)
-        row = out.setdefault(label, {"gemms": 0, "weights": 0, "bits_per_weight": per})
+        if values.data_type == TensorProto.FLOAT4E2M1:  # NVFP4: scales = DQ(FP8 block scales, FP32 tensor scale)
+            sdq = dq.get(d.input[1])
+            fp8, tensor = (inits.get(sdq.input[0]), inits.get(sdq.input[1])) if sdq is not None else (None, None)
+            label = f"NVFP4 block {block}"
+            per = 4 + (width(fp8) if fp8 is not None else 32) / block + (
+                width(tensor) * max(1, int(np.prod(tensor.dims, dtype=np.int64))) / count if tensor is not None else 0)
+            floor = floor_bits(label, count)
+        else:
+            scale_bits = width(scale) if scale is not None else 32
+            offsets = (inits.get(values.name.removesuffix(".values") + ".offsets")
+                       if values.name.endswith(".values") else None)
+            label = f"INT{bits[values.data_type]} block {block}" + (" + offsets" if offsets is not None else "")
+            per = bits[values.data_type] + scale_bits / block + (width(offsets) / block if offsets is not None else 0)
+            floor = floor_bits(label)
+        row = out.setdefault(label, {"gemms": 0, "weights": 0, "bits_per_weight": 0.0, "floor_bits": 0.0})
+        row["bits_per_weight"] = (row["bits_per_weight"] * row["weights"] + per * count) / (row["weights"] + count)
+        row["floor_bits"] = (row["floor_bits"] * row["weights"] + floor * count) / (row["weights"] + count)
         row["gemms"] += 1
-        row["weights"] += int(np.prod(values.dims, dtype=np.int64))
+        row["weights"] += count
     return out
+
+
+def floor_bits(label: str, weights: int | None = None) -> float:
+    """The bits per weight of a block form with FP32 scales, from its definition:
+    ``INT{b} block {s}``: ``b + 32/s`` (GGUF Q4_0: 5.0, Q8_0: 9.0 at s = 32), ``+ offsets``:
+    another ``32/s`` (Q4_1 / Q4_K: 6.0); ``NVFP4 block 16``: ``4 + 8/16`` (the FP8 E4M3 block
+    scales) ``+ 32/weights`` (one FP32 tensor scale; 4.5 when ``weights`` is None).
+
+    Raises:
+        ValueError: ``label`` is none of these forms.
+    """
+    parts = label.split()
+    if len(parts) < 3 or parts[1] != "block" or not parts[2].isdigit():
+        raise ValueError(f"{label!r} is not a block form ('INT4 block 32', 'NVFP4 block 16')")
+    block = int(parts[2])
+    if parts[0] == "NVFP4":
+        return 4 + 8 / block + (32 / weights if weights else 0.0)
+    if not parts[0].startswith("INT") or not parts[0][3:].isdigit():
+        raise ValueError(f"{label!r}: unknown value type {parts[0]!r}")
+    return int(parts[0][3:]) + 32 / block + (32 / block if label.endswith("+ offsets") else 0.0)
 
 
 def bits_per_weight(formats: dict[str, dict[str, Any]]) -> float | None:
@@ -149,6 +189,7 @@ def section_markdown(stamp: dict[str, Any], quantized_count: int | None, warning
                                          "engine matrix multiplies, attention's included (quantize stage: "
                                          f"{'?' if quantized_count is None else quantized_count} weight GEMMs)"),
         *_weight_only_rows(stamp),
+        *_fp16_rows(stamp),
         ("timing cache", stamp["timing_cache"]),
         ("where it runs", stamp["runs_on"]),
     ]
@@ -170,9 +211,19 @@ def _weight_only_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
     by_type = Counter((net.get("weight_only_gemms") or {}).values())
     engine = ", ".join(f"{t} {n}" for t, n in sorted(by_type.items())) or "none"
     forms = "; ".join(f"{label}: {r['gemms']} GEMM{'s' * (r['gemms'] != 1)}, {r['bits_per_weight']:.2f} bits/weight"
+                      + (f" (floor with FP32 scales {r['floor_bits']:.2f})" if "floor_bits" in r else "")
                       for label, r in formats.items())
     mean = bits_per_weight(formats)
     return [("weight-only GEMMs (block weights, FP32 activations)", f"{sum(by_type.values())} in the network "
              f"({engine})"),
-            ("weight formats (ONNX graph)", f"{forms}; mean {mean:.2f} bits per weight (integer + float scale "
-             "+ float offset per block)")]
+            ("weight formats (ONNX graph)", f"{forms}; mean {mean:.2f} bits per weight (value + scale "
+             "+ offset per block, as stored)")]
+
+
+def _fp16_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
+    """The engine's bytes against an FP16 engine of the same exported graph (``build.compare_fp16``)."""
+    fp16 = stamp.get("fp16_engine_bytes")
+    if not fp16:
+        return [("engine vs FP16", stamp["fp16_engine_note"])] if stamp.get("fp16_engine_note") else []
+    return [("engine vs FP16", f"{stamp['engine_bytes']:,} bytes against {fp16:,} for an FP16 engine of the same "
+             f"exported graph, same targets and profiles: {stamp['engine_bytes'] / fp16:.3f}x (build.compare_fp16)")]

@@ -43,7 +43,7 @@ def test_walk_reaches_nested_sections_and_union_members():
 
 def test_rows_give_type_default_and_description():
     text = docs_reference.section(QuantizeConfig, ["quantize"])
-    assert '| `precision` | "fp8" \\| "int8" \\| "fp16" \\| "fp32" \\| "int4" | *required* |' in text
+    assert '| `precision` | "fp8" \\| "int8" \\| "fp16" \\| "fp32" \\| "int4" \\| "nvfp4" | *required* |' in text
     assert '| `quantize_op_types` | list["MatMul" \\| "Gemm" \\| "Conv"] | `["MatMul", "Gemm"]` |' in text
     assert "| `accuracy_budget` | [Gate](#gate) \\| null | `null` |" in text
     assert "| `exclude` | [ExcludeConfig](#excludeconfig) | defaults |" in text

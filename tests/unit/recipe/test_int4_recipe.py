@@ -26,8 +26,8 @@ def test_the_int4_row():
     row = precisions.facts("int4")
     assert (row.quantize, row.rest, row.calibrated, row.qdq, row.cast) == (True, False, False, True, False)
     assert (row.min_opset, row.min_compute_capability, row.weight_bytes, row.weight_only) == (21, (8, 6), 0.5, True)
-    assert precisions.WEIGHT_ONLY == ("int4",) and "int4" in precisions.QUANTIZE and "int4" not in precisions.REST
-    assert not any(precisions.facts(n).weight_only for n in precisions.PRECISIONS if n != "int4")  # a default
+    assert precisions.WEIGHT_ONLY == ("int4", "nvfp4") and "int4" in precisions.QUANTIZE and "int4" not in precisions.REST
+    assert not any(precisions.facts(n).weight_only for n in precisions.PRECISIONS if n not in ("int4", "nvfp4"))
     assert precisions.runs_on((7, 5)) == ("int8", "fp16", "fp32")
     assert precisions.runs_on((8, 6)) == ("int8", "fp16", "fp32", "int4")
 
@@ -77,7 +77,7 @@ def test_check_refuses_naming_the_field(overrides, message):
 
 
 def test_weights_on_another_precision_and_fp8_below_sm89_name_the_precision():
-    assert "weights (weight-only blocks) need precision int4, not 'fp8'" in refusal(
+    assert "weights (weight-only blocks) need precision int4 or nvfp4, not 'fp8'" in refusal(
         ROOT / "recipes" / "fp8-llm.yaml", {"quantize.weights": {"method": "source"}})
     assert ("build.targets.0: sm86: FP8 needs compute capability >= 8.9; sm86 has compute capability 8.6; drop it, "
             "or quantize to a precision sm86 runs (int8, fp16, fp32, int4)") in refusal(
