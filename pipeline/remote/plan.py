@@ -628,7 +628,8 @@ def step_recipe(plan: Plan, step: str, workdir: Path, sku: serving_targets.Sku |
     if step == "gpu":
         assert sku is not None
         over["triton.serving"] = {"container": plan.container, "tensorrt": plan.tensorrt, "gpu": sku.name}
-        over["build.backend"], over["build.targets"] = ("tensorrt-rtx", [sku.sm]) if simulate else ("tensorrt", [])
+        # simulated: auto without datacenter TensorRT = TensorRT-RTX for sku.sm, or its sm89 check build (sm90)
+        over["build.backend"], over["build.targets"] = ("auto", [sku.sm]) if simulate else ("tensorrt", [])
     else:
         over["build.backend"], over["build.targets"] = ("tensorrt-rtx", list(plan.rtx)) if plan.rtx else ("none", [])
     return load_recipe(path, over), path
@@ -910,7 +911,7 @@ def write_repository(plan: Plan, recipe, arts: dict, keep: list[dict], got: Coll
     index = {m: e for m, e in publish.read_index(src).items() if e.get("recipe") == recipe.name}
     for m in index:
         shutil.copytree(src / m, out / m)
-    if plan.skus:
+    if plan.skus:  # the simulated SKUs are listed too (the repository is then for inspection only)
         name = recipe.triton.model_name
         build, quantized = arts["build"], arts["quantize"]
         model = onnx.load(str(quantized.ort_path), load_external_data=False)
@@ -918,8 +919,11 @@ def write_repository(plan: Plan, recipe, arts: dict, keep: list[dict], got: Coll
         _, opt = profile_batch(build.profiles)
         cfg = compute_config(recipe.triton, inputs, outputs, target="tensorrt", profile_opt_batch=opt,
                              profile_count=len(build.profiles))
-        files = {s["compute_capability"]: engine_file(plan.sku(s["name"])) for s in plan.skus}
-        set_cc_model_filenames(cfg, files)
+        listed = [s for s in plan.skus if s["name"] in got.ok or s["name"] in got.simulated]  # failed: left out
+        if not listed:
+            (out / publish.INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+            return out  # every SKU left out (optional): the CPU run's repository as it is
+        set_cc_model_filenames(cfg, {s["compute_capability"]: engine_file(plan.sku(s["name"])) for s in listed})
         shutil.rmtree(out / name, ignore_errors=True)
         vdir = out / name / str(recipe.triton.version)
         vdir.mkdir(parents=True)
