@@ -131,3 +131,21 @@ def test_cc_model_filenames_map_each_capability_to_its_engine():
     assert back.default_model_filename == "model.sm89.plan"
     with pytest.raises(TritonConfigError, match="each has its own file"):
         set_cc_model_filenames(cfg, {"8.9": "a.plan", "9.0": "a.plan"})
+
+
+def test_deploy_pins_the_pods_to_the_listed_gpus_and_validates():
+    import kubernetes_validate
+
+    from pipeline.recipe.load import load_recipe
+    from pipeline.remote.k8s import deployment, gpu_affinity
+
+    recipe = load_recipe(ROOT / "recipes" / "int8-llm.yaml", {"triton.serving": {
+        "container": CONTAINER, "gpu": "H100", "gpus": ["L4", "A10", "H100"]}})
+    dep = deployment("triton-int8-llm", recipe, repository="s3://b/p", image="img:1", gpu=True, shm=256)
+    terms = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                            "values": ["NVIDIA-L4", "NVIDIA-A10", "NVIDIA-H100-80GB-HBM3"]}]}]
+    kubernetes_validate.validate(dep, "1.30", strict=True)
+    assert gpu_affinity(recipe, gpu=False) == {}  # the ONNX Runtime repository runs on any node
+    assert gpu_affinity(load_recipe(ROOT / "recipes" / "int8-llm.yaml"), gpu=True) == {}
