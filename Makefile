@@ -11,12 +11,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv lock build tune check test test-fast docs typecheck bench bench-build bench-scale serve publish deploy plan verify clean
+.PHONY: venv lock build tune check test test-fast docs typecheck bench bench-build bench-scale serve publish deploy plan plan-build verify clean
 
 # A recipe target with a RECIPE that is not recipes/$(RECIPE).yaml stops here, before any install,
 # naming the recipes there. (A recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml.)
 RECIPES := $(sort $(basename $(notdir $(wildcard recipes/*.yaml))))
-ifneq ($(filter build tune check serve bench bench-build publish deploy plan,$(MAKECMDGOALS)),)
+ifneq ($(filter build tune check serve bench bench-build publish deploy plan plan-build,$(MAKECMDGOALS)),)
 ifeq ($(wildcard recipes/$(RECIPE).yaml),)
 # RECIPE given as a shipped recipe's path (recipes/fp8-llm.yaml, fp8-llm.yaml): say its name
 RECIPE_NAME := $(basename $(notdir $(RECIPE)))
@@ -129,6 +129,11 @@ deploy: $(STAMP)
 
 plan: $(STAMP)
 	$(PY) -m pipeline plan recipes/$(RECIPE).yaml
+
+# A cluster build plan (Argo Workflow, Kubernetes Jobs, CI snippets): make plan-build RECIPE=int8-llm
+# TARGETS=L4,A10,H100,sm120 CACHE=s3://bucket/prefix [OUT=plans/int8-llm] [ARGS='--container 25.12-trtllm-python-py3']
+plan-build: $(STAMP)
+	$(PY) -m pipeline plan-build recipes/$(RECIPE).yaml --targets $(TARGETS) --cache $(CACHE) --out $(or $(OUT),plans/$(RECIPE)) $(ARGS)
 
 verify: $(STAMP)
 	$(PY) -m pipeline verify-repo model_repository

@@ -296,3 +296,69 @@ def sm_capability(target: str) -> str:
     if m is None:
         raise ValueError(f"compute target {target!r} is not sm<major><minor>, e.g. 'sm89'")
     return f"{int(m[1])}.{m[2]}"
+
+
+# --- datacenter GPU SKUs as Kubernetes schedules them ------------------------------------------------
+
+#: Datacenter GPU SKU (a ``plan-build --targets`` / ``triton.serving.gpus`` name) -> the value GPU
+#: feature discovery gives its nodes' ``nvidia.com/gpu.product`` label. GFD (NVIDIA/k8s-device-plugin,
+#: ``gpu-feature-discovery``; its README's label table) takes the NVML device name that
+#: ``nvidia-smi --query-gpu=name`` prints ("NVIDIA H100 80GB HBM3") and replaces each space with
+#: ``-``. A board with a variant not listed here (H100 PCIe, A100 40GB) is its own SKU: give it as
+#: ``NAME=LABEL`` (``--targets H100-PCIe=NVIDIA-H100-PCIe``); check a cluster's values with
+#: ``kubectl get nodes -L nvidia.com/gpu.product``.
+GPU_PRODUCT: dict[str, str] = {
+    "T4": "Tesla-T4",
+    "A10": "NVIDIA-A10",
+    "A10G": "NVIDIA-A10G",
+    "A30": "NVIDIA-A30",
+    "A40": "NVIDIA-A40",
+    "A100": "NVIDIA-A100-SXM4-80GB",
+    "L4": "NVIDIA-L4",
+    "L40": "NVIDIA-L40",
+    "L40S": "NVIDIA-L40S",
+    "H100": "NVIDIA-H100-80GB-HBM3",
+    "H200": "NVIDIA-H200",
+}
+#: the label GPU feature discovery sets (and a GPU step's ``nodeSelector`` / a deployment's node affinity reads)
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+
+@dataclass(frozen=True)
+class Sku:
+    """One datacenter GPU SKU: its name ("H100"), ``nvidia.com/gpu.product`` value and compute capability."""
+
+    name: str
+    product: str
+    compute_capability: str
+
+    @property
+    def sm(self) -> str:
+        """``sm90``: the ``build.targets`` spelling of its compute capability."""
+        return sm_name(self.compute_capability)
+
+
+def datacenter_sku(spec: str) -> Sku:
+    """A datacenter SKU from ``NAME`` (a :data:`GPU_PRODUCT` key, any case) or ``NAME=LABEL`` (the
+    ``nvidia.com/gpu.product`` value given; NAME must still name a GPU of :data:`GPU_CAPABILITY`).
+
+    Raises:
+        ValueError: no known ``nvidia.com/gpu.product`` value, or an unknown compute capability;
+            the message lists the known SKUs.
+    """
+    name, _, label = spec.partition("=")
+    name = name.strip()
+    known = {k.lower(): k for k in GPU_PRODUCT}
+    canonical = known.get(name.lower(), name)
+    product = label.strip() or GPU_PRODUCT.get(canonical)
+    if not product:
+        raise ValueError(f"GPU {name!r}: no known {GPU_PRODUCT_LABEL} value; known SKUs: {', '.join(GPU_PRODUCT)} "
+                         f"(or give NAME=LABEL, e.g. {name}=NVIDIA-{name.upper()}, the label of "
+                         f"`kubectl get nodes -L {GPU_PRODUCT_LABEL}`)")
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?", product):
+        raise ValueError(f"GPU {name!r}: {product!r} is not a Kubernetes label value (63 characters of "
+                         "letters, digits, '-', '_', '.')")
+    cap = gpu_capability(canonical.replace("-", " "))
+    if cap is None:
+        raise ValueError(f"GPU {name!r}: compute capability unknown; known GPU models: {', '.join(GPU_CAPABILITY)}")
+    return Sku(canonical, product, cap)

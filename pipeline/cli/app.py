@@ -210,6 +210,10 @@ COMMANDS = (
      "pipeline.remote.s3:add_publish_arguments"),
     ("deploy", "cmd_deploy", "write Kubernetes manifests (KServe InferenceService, or Deployment + Service + HPA)",
      "pipeline.remote.k8s:add_deploy_arguments"),
+    ("plan-build", "cmd_plan_build", "write a cluster build plan: an Argo Workflow, Kubernetes Jobs and CI snippets "
+     "(CPU stages once, one engine per GPU SKU)", "pipeline.remote.plan:add_plan_build_arguments"),
+    ("plan-step", "cmd_plan_step", "run one step of a plan-build plan (cpu, gpu --sku S, assemble) in its own folder",
+     "pipeline.remote.plan:add_plan_step_arguments"),
     ("plan", "cmd_plan", "GPU capacity plan (weights, KV cache, roofline, replicas) from the built model's numbers",
      "pipeline.plan.capacity:add_plan_arguments"),
 )

@@ -449,10 +449,38 @@ class ServingRuntime(Strict):
     tensorrt: str | None = Field(None, pattern=r"^\d+\.\d+\.\d+(\.\d+)?$", description="e.g. '10.8.0.43'")
     gpu: str = Field(min_length=1, description="GPU model, e.g. 'H100' or 'NVIDIA L40S'")
     compute_capability: str | None = Field(None, pattern=r"^\d+\.\d+$", description="default: from the GPU model")
+    gpus: list[str] = Field(
+        default_factory=list, description="every datacenter GPU model one repository serves with this container "
+        "(python -m pipeline plan-build: one engine each, listed in the compute model's cc_model_filenames; "
+        "deploy gives the pods node affinity to them); at most one per compute capability, and gpu among them. "
+        "Empty: gpu alone")
+
+    @model_serializer(mode="wrap")
+    def _gpus_only_when_set(self, handler):
+        """``gpus`` dumps only when given, so recipe digests and stage keys of recipes without it stay."""
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("gpus"):
+            data.pop("gpus", None)
+        return data
 
     @model_validator(mode="after")
     def _resolvable(self) -> "ServingRuntime":
         from pipeline import targets as serving_targets
+
+        if self.gpus:
+            caps: dict[str, str] = {}
+            for gpu in self.gpus:
+                cap = serving_targets.gpu_capability(gpu)
+                if cap is None:
+                    raise ValueError(f"gpus: {gpu!r}: compute capability unknown to this pipeline; known models: "
+                                     f"{', '.join(serving_targets.GPU_CAPABILITY)}")
+                if cap in caps:
+                    raise ValueError(f"gpus: {caps[cap]!r} and {gpu!r} share compute capability {cap}; Triton's "
+                                     "cc_model_filenames holds one engine per compute capability, so one repository "
+                                     "serves one of them (give the other its own container's repository)")
+                caps[cap] = gpu
+            if not any(serving_targets.same_gpu_model(g, self.gpu) for g in self.gpus):
+                raise ValueError(f"gpu {self.gpu!r} is not one of gpus {self.gpus}; add it to them")
 
         if self.container is None and self.tensorrt is None:
             raise ValueError("give a Triton container tag (container: '25.01-trtllm-python-py3') or a TensorRT "

@@ -277,6 +277,30 @@ def repository_bytes(recipe, published: dict | None) -> int | None:
     return sum(p.stat().st_size for p in files) if files else None
 
 
+def gpu_affinity(recipe, gpu: bool) -> dict:
+    """``{"affinity": ...}`` requiring a node whose ``nvidia.com/gpu.product`` is one of
+    ``triton.serving.gpus`` (GPU feature discovery's values, :func:`pipeline.targets.datacenter_sku`), for a
+    GPU runtime of a recipe that lists them; else ``{}``. The repository holds one engine per listed
+    compute capability (``cc_model_filenames``): on another GPU Triton falls back to
+    ``default_model_filename``, an engine of another architecture, and fails to deserialize it.
+
+    Raises:
+        PipelineError: a listed GPU without a known ``nvidia.com/gpu.product`` value (exit 2).
+    """
+    from pipeline import targets as serving_targets
+
+    serving = recipe.triton.serving
+    if not gpu or serving is None or not serving.gpus:
+        return {}
+    try:
+        products = [serving_targets.datacenter_sku(g).product for g in serving.gpus]
+    except ValueError as e:
+        raise PipelineError(f"triton.serving.gpus: {e}") from None
+    term = {"matchExpressions": [{"key": serving_targets.GPU_PRODUCT_LABEL, "operator": "In", "values": products}]}
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [term]}}}}
+
+
 def inference_service(name: str, recipe, *, storage_uri: str, image: str, gpu: bool, shm: int,
                       max_replicas: int) -> dict:
     """KServe ``InferenceService`` (serving.kserve.io/v1beta1), Triton model format."""
@@ -291,7 +315,7 @@ def inference_service(name: str, recipe, *, storage_uri: str, image: str, gpu: b
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
             "metadata": {"name": name, "labels": _labels(name, recipe), "annotations": annotations},
             "spec": {"predictor": {"serviceAccountName": f"{name}-s3", "minReplicas": 1, "maxReplicas": max_replicas,
-                                   "volumes": [volume], "model": container}}}
+                                   "volumes": [volume], "model": container, **gpu_affinity(recipe, gpu)}}}
 
 
 def deployment(name: str, recipe, *, repository: str, image: str, gpu: bool, shm: int) -> dict:
@@ -308,7 +332,8 @@ def deployment(name: str, recipe, *, repository: str, image: str, gpu: bool, shm
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
             "spec": {"replicas": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
                      "template": {"metadata": {"labels": labels, "annotations": _scrape_annotations()},
-                                  "spec": {"containers": [container], "volumes": [volume]}}}}
+                                  "spec": {"containers": [container], "volumes": [volume],
+                                           **gpu_affinity(recipe, gpu)}}}}
 
 
 def service(name: str, recipe) -> dict:

@@ -232,6 +232,32 @@ def _set_runtime(cfg: ModelConfig, target: str) -> None:
         cfg.parameters["onnx_file"].string_value = "model.onnx"
 
 
+def set_cc_model_filenames(cfg: ModelConfig, files: dict[str, str]) -> None:
+    """One repository for several GPU architectures: ``cc_model_filenames`` maps each compute
+    capability ("8.9") to its engine file in the version folder (Triton's ``ModelConfig``; the
+    TensorRT backend loads the file of the GPU's capability). ``default_model_filename`` becomes the
+    first file: a GPU of an unlisted capability falls back to it and fails to deserialize it, which is
+    why ``deploy`` gives the pods node affinity to the listed GPUs.
+
+    Raises:
+        TritonConfigError: not a ``tensorrt_plan`` config, no file, a capability not "major.minor",
+            or one file for two capabilities.
+    """
+    import re
+
+    if cfg.platform != "tensorrt_plan":
+        raise TritonConfigError(f"model '{cfg.name}': cc_model_filenames is for tensorrt_plan, not {cfg.platform!r}")
+    if not files:
+        raise TritonConfigError(f"model '{cfg.name}': cc_model_filenames needs at least one engine")
+    bad = [c for c in files if not re.fullmatch(r"\d+\.\d+", c)]
+    if bad or len(set(files.values())) != len(files):
+        raise TritonConfigError(f"model '{cfg.name}': cc_model_filenames {files}: capabilities are 'major.minor' "
+                                "and each has its own file")
+    for cap, name in files.items():
+        cfg.cc_model_filenames[cap] = name
+    cfg.default_model_filename = next(iter(files.values()))
+
+
 def generate_config(
     name: str,
     *,

@@ -1,0 +1,151 @@
+"""plan-build: the plans of docs/publishing-and-kubernetes.md validate offline (hera-workflows' models for
+the Argo Workflow, kubernetes-validate for the Jobs), and bad inputs are exit 2 naming what is wrong."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from pipeline.cli.app import main
+from pipeline.errors import EXIT_BAD_INPUT, PipelineError
+from pipeline.recipe.schema import ServingRuntime
+from pipeline.remote import plan as P
+from pipeline.targets import datacenter_sku
+
+CACHE = "s3://models/ci/stage-cache"
+CONTAINER = "25.12-trtllm-python-py3"
+
+
+def plan_of(recipe: str, targets: str, **kw) -> P.Plan:
+    return P.make_plan(ROOT / "recipes" / f"{recipe}.yaml", targets.split(","), CACHE, container=CONTAINER, **kw)
+
+
+@pytest.mark.parametrize("recipe, targets", [("int8-llm", "L4,A10,H100,sm120"), ("fp8-llm", "L4,H100,sm120")])
+def test_the_plans_validate_offline(recipe, targets, tmp_path):
+    plan = plan_of(recipe, targets)
+    problems, ran = P.validate_plan(plan, json.dumps({}))
+    assert problems == [] and all("NOT" not in r for r in ran), (problems, ran)
+    assert main(["plan-build", str(ROOT / "recipes" / f"{recipe}.yaml"), "--targets", targets, "--cache", CACHE,
+                 "--out", str(tmp_path), "--container", CONTAINER, "--quiet"]) == 0
+    wf = yaml.safe_load((tmp_path / "workflow.yaml").read_text())
+    gpu = [t for t in wf["spec"]["templates"] if t["name"].startswith("gpu-")]
+    skus = [t for t in targets.split(",") if not t.startswith("sm")]
+    assert [t["nodeSelector"]["nvidia.com/gpu.product"] for t in gpu] == [datacenter_sku(s).product for s in skus]
+    assert all(t["container"]["resources"]["limits"]["nvidia.com/gpu"] == "1" for t in gpu)
+    assert all(t["retryStrategy"]["limit"] and t["activeDeadlineSeconds"] for t in wf["spec"]["templates"][1:])
+    assert all(t["container"]["envFrom"] == [{"secretRef": {"name": P.SECRET}}] for t in wf["spec"]["templates"][1:])
+    dag = {t["name"]: t.get("depends", "") for t in wf["spec"]["templates"][0]["dag"]["tasks"]}
+    assert all(dag[t["name"]] == "cpu" for t in gpu) and all(t["name"] in dag["assemble"] for t in gpu)
+    jobs = sorted((tmp_path / "jobs").glob("0*.yaml"))
+    assert len(jobs) == 1 + 1 + len(skus) + 1  # configmap, cpu, one per SKU, assemble
+    order = (tmp_path / "jobs" / "apply-order.txt").read_text()
+    assert order.index("01-cpu.yaml") < order.index("02-gpu-") < order.index("assemble.yaml")
+    gha = yaml.safe_load((tmp_path / "ci" / "github-actions.yml").read_text())
+    assert [m["sku"] for m in gha["jobs"]["gpu"]["strategy"]["matrix"]["include"]] == skus
+    gitlab = yaml.safe_load((tmp_path / "ci" / "gitlab-ci.yml").read_text())
+    assert sorted(k for k in gitlab if k.startswith("plan-gpu-")) == sorted(f"plan-gpu-{s.lower()}" for s in skus)
+    assert P.Plan.read(tmp_path / "plan.json").id == plan.id
+
+
+def test_an_unknown_key_or_a_wrong_type_in_the_workflow_is_found():
+    wf = P.workflow(plan_of("int8-llm", "L4,sm120"))
+    bad = copy.deepcopy(wf)
+    bad["spec"]["templates"][1]["container"]["nodeSelektor"] = {"x": "y"}
+    bad["spec"]["bogus"] = 1
+    assert sorted(P.validate_workflow(bad)) == sorted([
+        "spec.templates[1].container.nodeSelektor: not a field of Argo's Workflow (hera-workflows models)",
+        "spec.bogus: not a field of Argo's Workflow (hera-workflows models)"])
+    wrong = copy.deepcopy(wf)
+    wrong["spec"]["templates"][0]["dag"]["tasks"] = "cpu"
+    assert P.validate_workflow(wrong)
+    job = P.jobs(plan_of("int8-llm", "L4,sm120"))[1][1]
+    job["spec"]["template"]["spec"]["nodeSelektor"] = {}
+    assert P.validate_k8s([job])
+
+
+@pytest.mark.parametrize("recipe, targets, words", [
+    ("int8-llm", "L4,sm70", ["sm70", "no backend builds it"]),
+    ("int8-llm", "L4,sm90", ["sm90", "name it", "H100"]),
+    ("fp8-llm", "L4,A10,sm120", ["A10", "8.9"]),              # FP8 refuses sm86
+    ("fp8-llm", "L4,sm86", ["sm86", "8.9"]),
+    ("int8-llm", "L4,B200", ["B200", "nvidia.com/gpu.product"]),
+    ("int8-llm", "L4,L40S", ["L4", "L40S", "8.9", "cc_model_filenames"]),
+])
+def test_bad_targets_are_exit_2_naming_them(recipe, targets, words, tmp_path, capsys):
+    code = main(["plan-build", str(ROOT / "recipes" / f"{recipe}.yaml"), "--targets", targets, "--cache", CACHE,
+                 "--out", str(tmp_path / "out"), "--container", CONTAINER])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cache, words", [(None, ["--cache s3://"]), ("/tmp/cache", ["local path"]),
+                                          ("s3://127.0.0.1:9000/models/x", ["this machine"])])
+def test_a_cache_the_steps_cannot_share_is_refused(cache, words, monkeypatch):
+    monkeypatch.delenv("PIPELINE_CACHE", raising=False)
+    with pytest.raises(PipelineError) as e:
+        P.make_plan(ROOT / "recipes" / "int8-llm.yaml", ["L4"], cache, container=CONTAINER)
+    assert e.value.exit_code == EXIT_BAD_INPUT and all(w in str(e.value) for w in words)
+
+
+def test_an_optional_sku_must_be_a_datacenter_target_and_an_edited_plan_is_refused(tmp_path):
+    with pytest.raises(PipelineError, match="--optional sm120"):
+        plan_of("int8-llm", "L4,sm120", optional=["sm120"])
+    plan = plan_of("int8-llm", "L4,A10", optional=["a10"])
+    assert [s["optional"] for s in plan.skus] == [False, True]
+    path = tmp_path / "plan.json"
+    P.write_plan(plan, tmp_path)
+    data = json.loads(path.read_text())
+    data["cache"] = "s3://other/x"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PipelineError, match="does not match its content"):
+        P.Plan.read(path)
+
+
+def test_serving_gpus_one_per_compute_capability_and_gpu_among_them():
+    ok = ServingRuntime(container=CONTAINER, gpu="H100", gpus=["L4", "A10", "H100"])
+    assert ok.model_dump()["gpus"] == ["L4", "A10", "H100"]
+    assert "gpus" not in ServingRuntime(container=CONTAINER, gpu="H100").model_dump()  # digests unchanged
+    with pytest.raises(ValueError, match="share compute capability 8.9"):
+        ServingRuntime(container=CONTAINER, gpu="L4", gpus=["L4", "L40S"])
+    with pytest.raises(ValueError, match="not one of gpus"):
+        ServingRuntime(container=CONTAINER, gpu="T4", gpus=["L4", "H100"])
+
+
+def test_cc_model_filenames_map_each_capability_to_its_engine():
+    from pipeline.errors import TritonConfigError
+    from pipeline.recipe.load import load_recipe
+    from pipeline.artifacts import TensorSpec
+    from pipeline.triton.config import compute_config, parse_config, set_cc_model_filenames, to_text
+
+    triton = load_recipe(ROOT / "recipes" / "int8-llm.yaml").triton
+    cfg = compute_config(triton, [TensorSpec("x", "float32", ["batch", 4])], [TensorSpec("y", "float32", ["batch", 4])],
+                         target="tensorrt")
+    set_cc_model_filenames(cfg, {"8.9": "model.sm89.plan", "9.0": "model.sm90.plan"})
+    back = parse_config(to_text(cfg))
+    assert dict(back.cc_model_filenames) == {"8.9": "model.sm89.plan", "9.0": "model.sm90.plan"}
+    assert back.default_model_filename == "model.sm89.plan"
+    with pytest.raises(TritonConfigError, match="each has its own file"):
+        set_cc_model_filenames(cfg, {"8.9": "a.plan", "9.0": "a.plan"})
+
+
+def test_deploy_pins_the_pods_to_the_listed_gpus_and_validates():
+    import kubernetes_validate
+
+    from pipeline.recipe.load import load_recipe
+    from pipeline.remote.k8s import deployment, gpu_affinity
+
+    recipe = load_recipe(ROOT / "recipes" / "int8-llm.yaml", {"triton.serving": {
+        "container": CONTAINER, "gpu": "H100", "gpus": ["L4", "A10", "H100"]}})
+    dep = deployment("triton-int8-llm", recipe, repository="s3://b/p", image="img:1", gpu=True, shm=256)
+    terms = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                            "values": ["NVIDIA-L4", "NVIDIA-A10", "NVIDIA-H100-80GB-HBM3"]}]}]
+    kubernetes_validate.validate(dep, "1.30", strict=True)
+    assert gpu_affinity(recipe, gpu=False) == {}  # the ONNX Runtime repository runs on any node
+    assert gpu_affinity(load_recipe(ROOT / "recipes" / "int8-llm.yaml"), gpu=True) == {}
