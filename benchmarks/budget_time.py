@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def calibrated(ctx, exp) -> tuple:
-    """What the quantize stage does before the search (pipeline/stages/quantize.py): the FP32
+    """What the quantize stage does before the search (pipeline.stages.quantize): the FP32
     graph (smoothed if the recipe says so), its quantizable and excluded GEMMs, the calibrated
     activation amax and the format. Returns ``(model, kept, excluded, amax, fmt, weights_dir)``."""
     import onnx

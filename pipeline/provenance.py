@@ -7,6 +7,7 @@ import functools
 import hashlib
 import os
 import sys
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,22 @@ def tool_versions() -> dict[str, str]:
     out["trt-pipeline"] = f"{_version('trt-pipeline')}+src.{code_hash()[:12]}"
     out["python"] = sys.version.split()[0]
     out["cpu"] = cpu_description()
+    return out
+
+
+def inputs(sources: Iterable[tuple[str, Any]]) -> dict[str, dict[str, str]]:
+    """The files a run reads, each hashed once: name -> ``{"path", "sha256"}`` for each ``(name,
+    source)``, in order (a source is any object with ``location()`` and ``sha256()``: a model source,
+    a bound data source; ``sources`` may be lazy, so a source is bound only after the ones before
+    it were hashed). The runner calls it once per run (:func:`pipeline.run.report.input_sources`)
+    and hands the result to the manifest's ``inputs``, the pin lookup and the stage keys.
+
+    Raises:
+        ModelFileError, DataError: a source's file is missing (whatever its ``sha256`` raises).
+    """
+    out: dict[str, dict[str, str]] = {}
+    for name, source in sources:
+        out[name] = {"path": str(source.location()), "sha256": source.sha256()}
     return out
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from scipy.special import logsumexp
 
 from pipeline.metrics import uncertainty
+from pipeline.recipe.gates import STDERR_SUFFIX
 
 #: metric names written by :meth:`QualityAccumulator.summary` (all but the ``_stderr`` ones gateable).
 QUALITY_KEYS: tuple[str, ...] = (
@@ -183,7 +184,7 @@ class QualityAccumulator:
         """``<key>_stderr`` for :data:`STDERR_KEYS`: paired bootstrap over windows
         (:func:`pipeline.metrics.uncertainty.ratio_of_sums_stderr`, one set of resamples
         for all three); ``None`` with fewer than 2 windows."""
-        names = [f"{k}{uncertainty.STDERR_SUFFIX}" for k in STDERR_KEYS]
+        names = [f"{k}{STDERR_SUFFIX}" for k in STDERR_KEYS]
         if self.windows < 2:
             return dict.fromkeys(names)
         counts, tokens = uncertainty.resample_counts(self.windows), self.window_tokens()

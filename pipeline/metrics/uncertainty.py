@@ -20,8 +20,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.recipe.gates import BASIS_KEY, STDERR_SUFFIX  # noqa: F401  (the names gates read; re-exported)
-
 RESAMPLES = 2000
 SEED = 0
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import re
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from xml.sax.saxutils import escape, quoteattr
 
 from pipeline.fsutil import REASON_SUFFIX, nonfinite_reason, strict_jsonable, write_json_atomic, write_text_atomic
@@ -17,23 +18,14 @@ if TYPE_CHECKING:
     from pipeline.recipe.schema import Recipe
 
 
-def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict) -> dict:
-    """The manifest's skeleton: the recipe, its hash and ``inputs.{name}: {path, sha256}``
-    for the model file and each data use (each source hashes its own files).
-
-    Raises:
-        DataError: a data file is missing.
-    """
-    from pipeline.sources.model import manifest_input
-
+def new_manifest(recipe: Recipe, recipe_path: Path, versions: dict, inputs: dict[str, dict[str, str]]) -> dict:
+    """The manifest's skeleton: the recipe, its hash and ``inputs`` (``{name: {path, sha256}}``,
+    :func:`pipeline.provenance.inputs` of :func:`input_sources`, hashed once by the runner)."""
     return {
         "recipe_path": str(recipe_path),
         "recipe_hash": recipe.digest,
         "recipe": recipe.model_dump(mode="json", by_alias=True),
-        "inputs": {
-            "model_file": manifest_input(recipe.model),
-            **data_inputs(recipe, Path(recipe_path).parent),
-        },
+        "inputs": inputs,
         "versions": versions,
         "cpu_model": cpu_model(),
         "stages": {},
@@ -54,11 +46,16 @@ def data_uses(recipe: Recipe, base_dir: Path) -> dict:
     return uses
 
 
-def data_inputs(recipe: Recipe, base_dir: Path) -> dict[str, dict[str, str]]:
-    """``{use: {path, sha256}}`` of the recipe's data uses (see :func:`data_uses`)."""
-    from pipeline.sources import data as datasets
+def input_sources(recipe: Recipe, base_dir: Path) -> Iterator[tuple[str, Any]]:
+    """``(manifest input name, source)`` of each file a run reads, for :func:`pipeline.provenance.inputs`:
+    ``model_file`` (the recipe's model source), then each data use (:func:`data_uses`, bound once the
+    model file is hashed).
 
-    return datasets.manifest_inputs(data_uses(recipe, base_dir))
+    Raises:
+        DataError: a data section does not bind (:func:`data_uses`).
+    """
+    yield "model_file", recipe.model.source
+    yield from data_uses(recipe, base_dir).items()
 
 
 def stage_record(status: str, reason: str = "", wall_s: float = 0.0, peak_rss_mib: float | None = None) -> dict:

@@ -277,10 +277,11 @@ def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, 
     from pipeline.quant import pin
 
     versions = provenance.tool_versions()
-    man.update(M.new_manifest(recipe, recipe_path, versions))
+    hashed = provenance.inputs(M.input_sources(recipe, Path(recipe_path).parent))  # once: manifest, pin, keys
+    man.update(M.new_manifest(recipe, recipe_path, versions, hashed))
     versions = _key_versions(versions)
-    inputs = {k: v.get("sha256") for k, v in man["inputs"].items()}
-    found = pin.lookup(recipe, recipe_path, man["inputs"], ignore=pin_ignore)
+    inputs = {k: v.get("sha256") for k, v in hashed.items()}
+    found = pin.lookup(recipe, recipe_path, hashed, ignore=pin_ignore)
     if locked:
         pin.check_locked(recipe, found)
     man["tuning"] = {"source": pin.PINNED if found.pinned is not None else pin.SEARCHED,

@@ -70,17 +70,6 @@ def package_file(model: ModelSection) -> Path:
     return model.source.location()
 
 
-def manifest_input(model: ModelSection) -> dict[str, str]:
-    """The manifest's ``inputs.model_file`` entry, ``{"path", "sha256"}``, for the recipe's
-    ``model`` section: its ``source``'s location and :meth:`~_ModelSource.sha256` (for
-    ``entry:``, the entry file and every ``.py`` file in its folder).
-
-    Raises:
-        ModelFileError: as :func:`package_file`.
-    """
-    return {"path": str(model.source.location()), "sha256": model.source.sha256()}
-
-
 class _ModelSource(RecipeBound, abc.ABC):
     """Shared behaviour: binding to the recipe folder, hashing, describing."""
 

@@ -14,7 +14,9 @@ from conftest import ROOT
 
 
 def test_every_stage_module_is_walked_and_declares_itself():
-    files = {f"pipeline.stages.{p.stem}" for p in (PACKAGE / "stages").glob("*.py") if p.stem != "__init__"}
+    stages = PACKAGE / "stages"  # a stage is a module or a package
+    files = {f"pipeline.stages.{p.stem}" for p in stages.glob("*.py") if p.stem != "__init__"} | \
+        {f"pipeline.stages.{p.parent.name}" for p in stages.glob("*/__init__.py")}
     assert set(runner.STAGES) == files
     for stage in runner._stages():
         assert stage.module.__name__ == f"pipeline.stages.{stage.name}"

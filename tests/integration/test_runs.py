@@ -44,13 +44,19 @@ def test_cache_reruns_only_what_changed(tmp_path, tiny_model):
     assert moved.artifacts["triton"].repository == str(tmp_path / "elsewhere")  # no key part: republished there
 
 
-def test_an_edited_data_file_reruns_the_stages_that_read_it_only(tmp_path, tiny_model, tiny_export):
+def test_an_edited_data_file_reruns_the_stages_that_read_it_only(tmp_path, tiny_model, tiny_export, monkeypatch):
     """A data file's hash enters the keys of the stages that read it: calibration text from a
     user's JSONL (which the export never reads) keeps the session's export, and editing the file
-    re-runs quantize, not the export."""
+    re-runs quantize, not the export. Each run hashes its inputs once (provenance.inputs), for the
+    manifest and the keys alike."""
     import json
 
+    from pipeline import provenance
     from pipeline.models import text as text_data
+
+    hashings = []
+    real_inputs = provenance.inputs
+    monkeypatch.setattr(provenance, "inputs", lambda sources: hashings.append(1) or real_inputs(sources))
 
     docs = text_data.documents(load_recipe(ROOT / "recipes" / "fp8-llm.yaml", {
         "validate.data.split": {"start": 0, "stop": 40}}).validate_.data)
@@ -66,6 +72,7 @@ def test_an_edited_data_file_reruns_the_stages_that_read_it_only(tmp_path, tiny_
     assert _hits(edited.manifest) == {"export": True, "quantize": False}
     assert edited.manifest["inputs"]["quantize.calibration.data"]["sha256"] != \
         first.manifest["inputs"]["quantize.calibration.data"]["sha256"]
+    assert len(hashings) == 2  # one per run
 
 
 def test_interrupted_stage_keeps_earlier_work_and_resumes(tmp_path, tiny_model, tiny_export, monkeypatch):

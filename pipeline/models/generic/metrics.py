@@ -96,13 +96,14 @@ def _add_stderr(out: dict, metric: str, per_sample: np.ndarray, output: str) -> 
     """``<metric>_stderr`` (bootstrap over samples, :mod:`pipeline.metrics.uncertainty`) and its
     ``stderr_basis`` record; below 2 samples a ``_stderr_reason`` instead."""
     from pipeline.metrics import uncertainty
+    from pipeline.recipe.gates import BASIS_KEY, STDERR_SUFFIX
 
     n = len(per_sample)
     if n < 2:
-        out[f"{metric}{uncertainty.STDERR_SUFFIX}_reason"] = f"one eval sample ({output}) has no spread"
+        out[f"{metric}{STDERR_SUFFIX}_reason"] = f"one eval sample ({output}) has no spread"
         return
-    out[f"{metric}{uncertainty.STDERR_SUFFIX}"] = uncertainty.ratio_of_sums_stderr(per_sample, np.ones(n))
-    out.setdefault(uncertainty.BASIS_KEY, {})[metric] = uncertainty.basis(n, "samples", n, f"eval samples of {output}")
+    out[f"{metric}{STDERR_SUFFIX}"] = uncertainty.ratio_of_sums_stderr(per_sample, np.ones(n))
+    out.setdefault(BASIS_KEY, {})[metric] = uncertainty.basis(n, "samples", n, f"eval samples of {output}")
 
 
 def agreement(ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> dict[str, Any]:

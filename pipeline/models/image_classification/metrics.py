@@ -71,12 +71,13 @@ def stderrs(per_image: dict[str, np.ndarray]) -> dict:
     (:mod:`pipeline.metrics.uncertainty`: the reference and candidate of one image are
     resampled together), and their ``stderr_basis``; fewer than 2 images: a reason instead."""
     from pipeline.metrics import uncertainty
+    from pipeline.recipe.gates import BASIS_KEY, STDERR_SUFFIX
 
     n = len(next(iter(per_image.values())))
     if n < 2:
-        return {f"{m}{uncertainty.STDERR_SUFFIX}_reason": "one eval image has no spread" for m in per_image}
+        return {f"{m}{STDERR_SUFFIX}_reason": "one eval image has no spread" for m in per_image}
     ones, counts = np.ones(n), uncertainty.resample_counts(n)
-    out: dict = {f"{m}{uncertainty.STDERR_SUFFIX}": uncertainty.ratio_of_sums_stderr(v, ones, counts=counts)
+    out: dict = {f"{m}{STDERR_SUFFIX}": uncertainty.ratio_of_sums_stderr(v, ones, counts=counts)
                  for m, v in per_image.items()}
-    out[uncertainty.BASIS_KEY] = {m: uncertainty.basis(n, "images", n, "eval images") for m in per_image}
+    out[BASIS_KEY] = {m: uncertainty.basis(n, "images", n, "eval images") for m in per_image}
     return out

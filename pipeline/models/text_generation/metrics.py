@@ -28,6 +28,7 @@ from pipeline.models.base import ENGINE_PREFIX as ENGINE
 from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
 from pipeline.recipe.precisions import REFERENCE
 from pipeline.sources.model import load_tokenizer
+from pipeline.recipe.gates import BASIS_KEY
 
 def mean_nll(logits: np.ndarray, ids: np.ndarray, context: int = 1, rows: list | None = None) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and token count.
@@ -140,7 +141,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
         if prompts >= 2:
             rec = uncertainty.basis(prompts * new, "generated tokens", prompts, "greedy prompts")
             basis.update({f"{p}token_agreement": rec for p in ("", ENGINE) if f"{p}token_agreement" in metrics})
-    metrics[uncertainty.BASIS_KEY] = basis
+    metrics[BASIS_KEY] = basis
     return metrics, tokens
 
 

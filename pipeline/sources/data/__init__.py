@@ -5,7 +5,8 @@
   ``images``, ``npz`` (one reader module each).
 * :func:`load`: a mapping or model -> a source bound to the recipe folder.
 * :func:`check_disjoint`: calibration, tuning and eval data must not overlap.
-* :func:`manifest_inputs`: the manifest's ``inputs`` entries of the sources.
+
+A run hashes each source once (:func:`pipeline.provenance.inputs`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pipeline.sources.data.schema import (CorpusSource, DataSource, ImagesSource
                                       Range, TextSource)
 
 __all__ = ["DataSource", "CorpusSource", "TextSource", "JsonlSource", "PairsSource", "ImagesSource", "NpzSource",
-           "Range", "DataError", "Labeled", "Pair", "load", "check_disjoint", "manifest_inputs"]
+           "Range", "DataError", "Labeled", "Pair", "load", "check_disjoint"]
 
 _ADAPTER: TypeAdapter = TypeAdapter(DataSource)
 
@@ -149,12 +150,3 @@ def _same_content(a: str, sa, ca: list[Claim], b: str, sb, cb: list[Claim]) -> N
             raise DataError(f"{a} and {b} overlap: {twin} ({sa.describe()}) and {c.path} ({sb.describe()}) are "
                             f"different files with identical content; valid: data that is not a copy")
 
-
-def manifest_inputs(uses: dict[str, DataSource]) -> dict[str, dict[str, str]]:
-    """The manifest's ``inputs`` entries: use name -> ``{"path", "sha256"}``
-    (the file, or the image folder, and the content hash of what it reads).
-
-    Raises:
-        DataError: a source's file is missing.
-    """
-    return {name: {"path": str(src.location()), "sha256": src.sha256()} for name, src in uses.items()}

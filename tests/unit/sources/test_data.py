@@ -14,7 +14,6 @@ from pydantic import TypeAdapter, ValidationError
 
 from conftest import ROOT
 from pipeline.models import text as text_data
-from pipeline.sources import data as datasets
 from pipeline.sources.data import DataError, DataSource, Labeled, Pair, check_disjoint, load
 from pipeline.errors import EXIT_BAD_INPUT
 from pipeline.recipe.load import load_recipe
@@ -277,8 +276,10 @@ def test_schema_is_strict_and_discriminated():
 
 
 def test_manifest_inputs_name_each_use():
+    from pipeline import provenance
+
     uses = {"validate.data": src(type="text", path="news.txt")}
-    out = datasets.manifest_inputs(uses)
+    out = provenance.inputs(uses.items())
     assert out == {"validate.data": {"path": str(DATA / "news.txt"), "sha256": uses["validate.data"].sha256()}}
 
 
@@ -350,14 +351,18 @@ def test_same_file_read_as_two_units_is_refused():
 
 def test_manifest_hashes_each_data_use_of_a_shipped_recipe():
     from pipeline.fsutil import sha256_file
-    from pipeline.run.report import data_inputs, data_uses
+    from pipeline import provenance
+    from pipeline.run.report import data_uses, input_sources
     from pipeline.recipe.load import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")
     corpus = text_data.test_data_dir() / "lee_background.cor"
     entry = {"path": str(corpus), "sha256": sha256_file(corpus)}
-    assert data_inputs(recipe, ROOT / "recipes") == {"quantize.calibration.data": entry,
-                                                     "quantize.tuning.data": entry, "validate.data": entry}
+    hashed = provenance.inputs(input_sources(recipe, ROOT / "recipes"))
+    assert list(hashed) == ["model_file", "quantize.calibration.data", "quantize.tuning.data", "validate.data"]
+    assert hashed["model_file"] == {"path": str(recipe.model.source.location()), "sha256": recipe.model.source.sha256()}
+    assert {k: v for k, v in hashed.items() if k != "model_file"} == {
+        "quantize.calibration.data": entry, "quantize.tuning.data": entry, "validate.data": entry}
     uses = data_uses(recipe, ROOT / "recipes")
     assert [u.describe() for u in uses.values()] == ["built-in corpus lee_background, documents [0, 200)",
                                                      "built-in corpus lee_background, documents [200, 220)",

@@ -309,14 +309,12 @@ def test_agreement_metrics_per_output_and_worst_output():
 
 
 def test_manifest_input_hashes_what_the_source_reads(entry_dir, tmp_path):
-    from types import SimpleNamespace
-
-    from pipeline.sources.model import manifest_input
+    from pipeline import provenance
 
     src = EntrySource(entry="user/my_model.py:make_model").bind(tmp_path)
-    got = manifest_input(SimpleNamespace(source=src))
+    got = provenance.inputs([("model_file", src)])["model_file"]
     assert got == {"path": str(entry_dir / "my_model.py"), "sha256": src.sha256()}
-    one = manifest_input(SimpleNamespace(source=PathSource(path=str(entry_dir / "helper.py"))))
+    one = provenance.inputs([("model_file", PathSource(path=str(entry_dir / "helper.py")))])["model_file"]
     assert one == {"path": str(entry_dir / "helper.py"), "sha256": sha(b"WIDTH = 4\n")}
 
 

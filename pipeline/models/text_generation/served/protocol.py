@@ -1,4 +1,6 @@
-"""Request (all inputs optional): exactly one of ``text_input`` (a raw completion
+"""The generation model's requests and responses.
+
+Request (all inputs optional): exactly one of ``text_input`` (a raw completion
 prompt, no chat template), ``messages`` (a JSON list of ``{"role", "content"}``
 rendered with the chat template, ``add_generation_prompt`` true, tokenized
 without added special tokens, as transformers' ``apply_chat_template`` does) or
@@ -23,6 +25,7 @@ follows are not sent; ``length``: ``max_tokens``) and ``detail`` [1]. Bad input
 values -> one error response naming the input. A request is refused only when
 prompt + ``max_tokens`` exceeds ``max_context`` (or needs more KV cache than the
 whole budget). A cancelled request ends at its next step with the ``CANCELLED``
+error and leaves the batch.
 """
 import json
 import math

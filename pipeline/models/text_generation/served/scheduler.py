@@ -1,4 +1,5 @@
-"""
+"""The generation model's scheduler.
+
 Scheduling (``continuous_batching`` 1): ``execute`` queues each request and
 returns (decoupled models answer later). One scheduler thread per model
 instance admits queued requests between steps (FIFO, while fewer than
