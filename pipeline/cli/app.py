@@ -134,7 +134,7 @@ def _served(args, recipe=None):
     from pipeline.serve.run import prepare_for_server
 
     recipe = recipe or load_from_args(args)
-    return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet))
+    return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet), Path(args.recipe))
 
 
 def cmd_serve(args) -> int:
