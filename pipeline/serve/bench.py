@@ -26,6 +26,7 @@ A level's duration runs from the first send to the last answer.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -61,20 +62,29 @@ from pipeline.sources.model import load_tokenizer
 Log = Callable[[str], None]
 
 
-def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: Callable[[Any, int], Any]) -> tuple[list, float]:
+def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: Callable[[Any, int], Any], *,
+                min_duration_s: float | None = None) -> tuple[list, float]:
     """Run ``work(connection, i)`` for i in 0..count-1 on ``concurrency`` threads.
 
     Each thread opens its connection (``connect()``; closed after with
     ``.close()``) before the clock starts. Returns the results in index order
-    and the wall time in s from the start to the last answer.
+    and the wall time in s from the start to the last answer. With ``min_duration_s``
+    (``tune-serving``'s measurements) the threads go on past ``count`` requests, i = count,
+    count + 1, ..., until that many seconds have passed since the start.
 
     Raises:
         The first exception a worker raised (the others finish their request first).
     """
-    results: list = [None] * count
+    results: dict[int, Any] = {}
     errors: list[BaseException] = []
-    next_index = iter(range(count))
+    next_index = itertools.count()
     lock = threading.Lock()
+    started: list[float] = []
+
+    def more(i: int) -> bool:
+        if i < count:
+            return True
+        return min_duration_s is not None and (not started or time.perf_counter() - started[0] < min_duration_s)
 
     def worker() -> None:
         connection = None
@@ -83,9 +93,9 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
             ready.wait()
             while not errors:
                 with lock:
-                    i = next(next_index, None)
-                if i is None:
-                    return
+                    i = next(next_index)
+                    if not more(i):
+                        return
                 results[i] = work(connection, i)
         except threading.BrokenBarrierError:
             return
@@ -105,12 +115,13 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
     except threading.BrokenBarrierError:
         pass  # a worker could not connect; its error is raised below
     start = time.perf_counter()
+    started.append(start)
     for t in threads:
         t.join()
     duration = time.perf_counter() - start
     if errors:
         raise errors[0]
-    return results, duration
+    return [results[i] for i in sorted(results)], duration
 
 
 def bucket_feeds(inputs: Sequence[TensorSpec], tokens: int, vocab: int | None) -> dict[str, np.ndarray]:
