@@ -404,7 +404,7 @@ def space(served, *, cores: int, max_instances: int) -> Space:
     from pipeline.triton.config import THREADS_PARAMETER
     from pipeline.triton.repository import profile_batch
 
-    profile_max = profile_batch(served.artifacts["build"].profiles)[1] if served.artifacts["build"].profiles else None
+    profile_max = profile_batch(served.artifacts["build"].profiles)[0] if served.artifacts["build"].profiles else None
     instances = tuple(range(1, min(max_instances, cores) + 1))
     threads = tuple(range(0, cores + 1))
     notes = []
