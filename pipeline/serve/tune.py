@@ -789,9 +789,7 @@ def cmd_tune_serving(args) -> int:
     from pipeline.run.preflight import check_pin_folder, preflight
     from pipeline.serve.prepare import built_artifacts
     from pipeline.serve.run import prepare_for_server
-    from pipeline.stages.triton import serving_pin
     from pipeline.triton import pin
-    from pipeline.triton.repository import repository_runtime
 
     recipe, _ = preflight(args)
     if pin.hardware_class(recipe) is None:
@@ -814,6 +812,18 @@ def cmd_tune_serving(args) -> int:
         report(out, sp, env, served, folder)
         print(f"interrupted: the partial table is in {folder / 'tune.md'}; nothing pinned", file=sys.stderr)
         raise
+    return finish(out, sp, env, served, Path(args.recipe), note=args.note)
+
+
+def finish(out: Outcome, sp: Space, env: dict, served, recipe_path, *, note: str = "") -> int:
+    """After the search: the report, and the pin when a candidate met the SLO. Returns the exit
+    code: 0 pinned; 1 no candidate met ``serve.slo`` (the best one and its p99 named, nothing pinned)."""
+    from pipeline.stages.triton import serving_pin
+    from pipeline.triton import pin
+    from pipeline.triton.repository import repository_runtime
+
+    recipe, folder = served.recipe, served.run_dir / "tune_serving"
+    dest = pin.pin_path(recipe_path, recipe.name)
     if out.chosen is None or not out.feasible:
         result = report(out, sp, env, served, folder)
         print(result["markdown"])
@@ -830,12 +840,12 @@ def cmd_tune_serving(args) -> int:
     recorded = {"cpu_model": env.get("cpu_model"), "cpus": env.get("cpus"), "cores_searched": sp.cores,
                 "tritonserver": env.get("tritonserver"), "loadavg_1m_start": env.get("loadavg_1m"),
                 "loadavg_1m_end": env.get("loadavg_1m_end"), "concurrency": operating_point(recipe),
-                "slo": recipe.serve.slo.model_dump(mode="json"), "note": args.note,
+                "slo": recipe.serve.slo.model_dump(mode="json"), "note": note,
                 "ratio_to_default": ratio_to_default(out), "decision": out.decision.get("how", "")}
     pin.write(dest, fields, pin_chosen(out, sp), candidate_rows(out), line, recorded)
-    result = report(out, sp, env, served, folder, pinned_to=str(dest), note=args.note)
+    result = report(out, sp, env, served, folder, pinned_to=str(dest), note=note)
     print(result["markdown"])
-    published = serving_pin(recipe, args.recipe, q, b, repository_runtime(recipe.triton.target, b))
+    published = serving_pin(recipe, recipe_path, q, b, repository_runtime(recipe.triton.target, b))
     if published.serve_only:
         print(f"note: {published.reason}")
     print(f"pinned: {dest}\nreport: {folder / 'tune.md'}")
