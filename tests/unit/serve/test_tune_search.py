@@ -124,3 +124,33 @@ def test_a_tie_within_the_spread_goes_to_fewer_resources():
         if r["candidate"] == a:
             r["measurement"].goodput_rps += 10.0  # medians 20.0 vs 10.2, spreads 2.5 and 0.9
     assert T.decide(out, [a, b], CORES)["chosen"] == a
+
+
+def test_unmeetable_slo_exits_1_and_pins_nothing(tmp_path, capsys):
+    from types import SimpleNamespace as NS
+
+    from pipeline.recipe.schema import ServeConfig
+
+    recipe = NS(name="r", serve=ServeConfig(concurrency=[4], slo={"latency_ms": 1.0}))
+    served = NS(recipe=recipe, run_dir=tmp_path / "run", target="python-onnxruntime")
+    out = run(FakeLoad(p99_of=lambda f: 500.0))  # every p99 500 ms over the fake's 50 ms SLO
+    sp = T.Space(DEFAULT, DIMS, CORES, 32, {"compute": "m"})
+    assert T.finish(out, sp, {}, served, tmp_path / "r.yaml") == 1
+    err = capsys.readouterr().err
+    assert "no candidate met serve.slo at concurrency 4: the best candidate, compute: " in err
+    assert "had p99 500 ms; nothing pinned" in err
+    assert not (tmp_path / "tuned").exists()
+    assert "No candidate met the SLO" in (tmp_path / "run" / "tune_serving" / "tune.md").read_text()
+
+
+@pytest.mark.parametrize("tune, message", [
+    ({"concurrency": 0}, "greater than or equal to 1"),
+    ({"time_limit_s": 5, "measure_s": 10}, "below one measurement"),
+])
+def test_impossible_tune_values_are_refused_at_check(tune, message):
+    from pydantic import ValidationError
+
+    from pipeline.recipe.schema import ServeConfig
+
+    with pytest.raises(ValidationError, match=message):
+        ServeConfig(tune=tune)
