@@ -63,3 +63,29 @@ def test_two_candidates_on_a_real_server_and_the_pin_reaches_the_serve_copy(tmp_
     assert cfg.instance_group[0].count == 2 and "serving pin" in pinned.note
     index = json.loads((pinned.repository / "repository.json").read_text())
     assert index["models"]["tiny_enc"]["recipe_hash"] == pinned.recipe.digest  # the pin leaves the hash alone
+
+
+def test_generation_model_candidates_on_a_real_server(tmp_path):
+    """The tiny LM served by python-onnxruntime: the generation model's own settings are the space,
+    and two scheduler limits are loaded and measured with streamed generations."""
+    pytest.importorskip("pytriton")
+    from pipeline.serve.run import launch
+    from serve_tiny import llm_artifacts, llm_recipe
+
+    serve = {"concurrency": [2], "requests_per_level": 4, "max_tokens": 4, "long_max_tokens": 20,
+             "tpot_positions": [5, 15], "slo": {"ttft_ms": 60000, "tpot_ms": 60000},
+             "tune": {"measure_s": 0.5, "min_requests": 4, "repeats": 1}}
+    served = prepare(llm_recipe(tmp_path, serve=serve), llm_artifacts(tmp_path), backends=["python"])
+    full = T.space(served, cores=2, max_instances=2)
+    assert full.models == {"generate": served.generate_model}
+    assert {d.name for d in full.dimensions} == {"max_concurrent_generations", "instance_count", "intra_op_threads"}
+    sp = T.Space(full.default, (T.Dimension("generate", "max_concurrent_generations", (1, 4)),), 2, None, full.models)
+    with launch(served) as server:
+        out = T.search(sp.default, sp.dimensions, T.Runner(served, server, sp, 2).measure, time_limit_s=120,
+                       repeats=1, cores=2, valid=sp.valid, log=lambda s: None)
+    assert {r["candidate"].get("generate", "max_concurrent_generations") for r in out.rows} == {1, 4}
+    for r in out.rows:
+        m = r["measurement"]
+        assert m.status == T.OK, m.detail
+        assert m.requests >= 4 and m.ttft_p99_ms > 0 and m.tpot_p99_ms > 0 and m.feasible
+    assert T.pin_chosen(out, sp)[served.generate_model]["role"] == "generate"
