@@ -323,7 +323,8 @@ def decide(out: Outcome, top: list[Candidate], cores: int) -> dict:
     if gap <= spread:
         chosen = min((a, b), key=lambda c: c.cost(cores))
         how = (f"tie: medians {stats[a]['median']:.3g} and {stats[b]['median']:.3g}/s differ by {gap:.3g}, within "
-               f"their spread {spread:.3g}; the one using fewer resources")
+               f"their spread {spread:.3g}; " + ("the one using fewer resources" if a.cost(cores) != b.cost(cores)
+                                                 else "equal resources, so the higher median"))
     else:
         chosen = a
         how = f"higher median goodput by {gap:.3g}/s, beyond their spread {spread:.3g}"
@@ -647,8 +648,9 @@ def summary_line(out: Outcome, c: int) -> str:
     if out.chosen is None:
         return "nothing was measured"
     r = ratio_to_default(out)
-    bought = (f"goodput x{r['ratio']:.2f} of the default's (per-round ratios {r['min']:.2f}-{r['max']:.2f} over "
-              f"{r['runs']} interleaved runs)" if r and r["min"] is not None else "no repeated comparison with the default")
+    bought = (f"goodput x{r['ratio']:.2f} of the default's (ratio of medians; per-pair ratios {r['min']:.2f}-"
+              f"{r['max']:.2f} over {r['runs']} runs of each, the search's and the interleaved repeats)"
+              if r and r["min"] is not None else "no repeated comparison with the default")
     if out.chosen == out.default:
         return f"the recipe's config stays ({out.default.label()}) at concurrency {c}: {bought}"
     changed = [f"{role}.{k} {out.default.get(role, k)} -> {v}" for role, f in out.chosen.as_dict().items()
@@ -792,6 +794,7 @@ def cmd_tune_serving(args) -> int:
     from pipeline.serve.prepare import built_artifacts
     from pipeline.serve.run import prepare_for_server
     from pipeline.triton import pin
+    from pipeline.triton.repository import repository_runtime
 
     recipe, _ = preflight(args)
     if pin.hardware_class(recipe) is None:
@@ -814,15 +817,18 @@ def cmd_tune_serving(args) -> int:
         report(out, sp, env, served, folder)
         print(f"interrupted: the partial table is in {folder / 'tune.md'}; nothing pinned", file=sys.stderr)
         raise
-    return finish(out, sp, env, served, Path(args.recipe), note=args.note)
+    published = repository_runtime(recipe.triton.target, served.artifacts["build"])
+    return finish(out, sp, env, served, Path(args.recipe), note=args.note, published_target=published)
 
 
-def finish(out: Outcome, sp: Space, env: dict, served, recipe_path, *, note: str = "") -> int:
+def finish(out: Outcome, sp: Space, env: dict, served, recipe_path, *, note: str = "",
+           published_target: str | None = None) -> int:
     """After the search: the report, and the pin when a candidate met the SLO. Returns the exit
-    code: 0 pinned; 1 no candidate met ``serve.slo`` (the best one and its p99 named, nothing pinned)."""
+    code: 0 pinned; 1 no candidate met ``serve.slo`` (the best one and its p99 named, nothing pinned).
+    ``published_target``: the runtime ``make build`` publishes; where it is not the measured one,
+    the report and the console say that the published config keeps the recipe's values."""
     from pipeline.stages.triton import serving_pin
     from pipeline.triton import pin
-    from pipeline.triton.repository import repository_runtime
 
     recipe, folder = served.recipe, served.run_dir / "tune_serving"
     dest = pin.pin_path(recipe_path, recipe.name)
@@ -845,10 +851,11 @@ def finish(out: Outcome, sp: Space, env: dict, served, recipe_path, *, note: str
                 "slo": recipe.serve.slo.model_dump(mode="json"), "note": note,
                 "ratio_to_default": ratio_to_default(out), "decision": out.decision.get("how", "")}
     pin.write(dest, fields, pin_chosen(out, sp), candidate_rows(out), line, recorded)
-    result = report(out, sp, env, served, folder, pinned_to=str(dest), note=note)
+    where = ""
+    if published_target is not None and published_target != served.target:
+        published = serving_pin(recipe, recipe_path, q, b, published_target)
+        where = published.reason if published.serve_only else ""
+    result = report(out, sp, env, served, folder, pinned_to=str(dest), note="\n\n".join(x for x in (note, where) if x))
     print(result["markdown"])
-    published = serving_pin(recipe, recipe_path, q, b, repository_runtime(recipe.triton.target, b))
-    if published.serve_only:
-        print(f"note: {published.reason}")
     print(f"pinned: {dest}\nreport: {folder / 'tune.md'}")
     return 0
