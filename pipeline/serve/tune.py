@@ -305,7 +305,7 @@ def _median(ms: list[Measurement]) -> Measurement | None:
 def decide(out: Outcome, top: list[Candidate], cores: int) -> dict:
     """Between the best two: median goodput over every measurement of each; a difference within
     the larger of their spreads (max - min) is a tie, won by the smaller :meth:`Candidate.cost`."""
-    stats = {}
+    stats: dict[Candidate, dict[str, Any]] = {}
     for c in top:
         ms = out.samples(c)
         g = [m.goodput_rps for m in ms]
@@ -317,9 +317,9 @@ def decide(out: Outcome, top: list[Candidate], cores: int) -> dict:
         only = feasible[0]
         return {"chosen": only, "how": "the only feasible one of the best two" if len(top) > 1 else "the only one",
                 "stats": {c.label(): s for c, s in stats.items()}}
-    a, b = sorted(feasible, key=lambda c: stats[c]["median"], reverse=True)[:2]
-    gap = stats[a]["median"] - stats[b]["median"]
-    spread = max(stats[a]["spread"], stats[b]["spread"])
+    a, b = sorted(feasible, key=lambda c: float(stats[c]["median"]), reverse=True)[:2]
+    gap = float(stats[a]["median"]) - float(stats[b]["median"])
+    spread = max(float(stats[a]["spread"]), float(stats[b]["spread"]))
     if gap <= spread:
         chosen = min((a, b), key=lambda c: c.cost(cores))
         how = (f"tie: medians {stats[a]['median']:.3g} and {stats[b]['median']:.3g}/s differ by {gap:.3g}, within "
@@ -417,12 +417,13 @@ def space(served, *, cores: int, max_instances: int) -> Space:
         default = Candidate.of({"generate": {
             "instance_count": int(cfg.instance_group[0].count or 1), "max_concurrent_generations": limit,
             "intra_op_threads": int(_param(cfg, "intra_op_threads"))}})
-        dims = (Dimension("generate", "max_concurrent_generations", tuple(sorted(set(SCHEDULER_LIMITS) | {limit}))),
-                Dimension("generate", "instance_count", instances),
-                Dimension("generate", "intra_op_threads", threads))
+        generate_dims = (Dimension("generate", "max_concurrent_generations",
+                                   tuple(sorted(set(SCHEDULER_LIMITS) | {limit}))),
+                         Dimension("generate", "instance_count", instances),
+                         Dimension("generate", "intra_op_threads", threads))
         notes.append(f"{served.generate_model} runs {served.compute_model}'s graph in its own process, so only its "
                      "own settings shape generation traffic: scheduler limit, instances, threads")
-        return Space(default, dims, cores, profile_max, {"generate": served.generate_model}, tuple(notes))
+        return Space(default, generate_dims, cores, profile_max, {"generate": served.generate_model}, tuple(notes))
     cfg = _config(served, served.compute_model)
     mbs = int(cfg.max_batch_size)
     db = cfg.dynamic_batching if cfg.HasField("dynamic_batching") else None
