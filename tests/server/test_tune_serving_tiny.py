@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeline.serve import tune as T
-from pipeline.serve.prepare import prepare
+from pipeline.serve.prepare import prepare, with_triton
 from pipeline.triton import pin
 from pipeline.triton.config import parse_config
 from serve_tiny import encoder_artifacts, encoder_recipe
@@ -62,7 +62,9 @@ def test_two_candidates_on_a_real_server_and_the_pin_reaches_the_serve_copy(tmp_
     cfg = parse_config((pinned.repository / "tiny_enc" / "config.pbtxt").read_text())
     assert cfg.instance_group[0].count == 2 and "serving pin" in pinned.note
     index = json.loads((pinned.repository / "repository.json").read_text())
-    assert index["models"]["tiny_enc"]["recipe_hash"] == pinned.recipe.digest  # the pin leaves the hash alone
+    copy = with_triton(recipe, target="python-onnxruntime")  # the copy's recipe; the pin leaves its hash alone
+    assert index["models"]["tiny_enc"]["recipe_hash"] == copy.digest != pinned.recipe.digest
+    assert pinned.recipe.triton.instance_group[0].count == 2  # Served.recipe: the values the configs hold
 
 
 def test_generation_model_candidates_on_a_real_server(tmp_path):
