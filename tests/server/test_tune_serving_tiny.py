@@ -11,6 +11,7 @@ from pipeline.serve import tune as T
 from pipeline.serve.prepare import prepare, with_triton
 from pipeline.triton import pin
 from pipeline.triton.config import parse_config
+from pipeline.triton.server import TritonServerError
 from serve_tiny import encoder_artifacts, encoder_recipe
 
 pytestmark = pytest.mark.server
@@ -39,6 +40,12 @@ def test_two_candidates_on_a_real_server_and_the_pin_reaches_the_serve_copy(tmp_
         bad = full.default.with_value("compute", "preferred_batch_size", 64)  # over max_batch_size 8
         refused = runner.measure(bad)
         assert server.process.poll() is None
+        # a server that dies mid-search: exit 4 with the log's end, not a skipped candidate
+        server.process.kill()
+        server.process.wait()
+        with pytest.raises(TritonServerError, match="during the search; its log's end") as died:
+            runner.measure(full.default.with_value("compute", "instance_count", 2))
+        assert died.value.exit_code == 4
     assert refused.status == T.REFUSED and "tiny_enc" in refused.detail
     searched = {r["candidate"] for r in out.rows}
     assert {c.get("compute", "instance_count") for c in searched} == {1, 2}

@@ -154,3 +154,27 @@ def test_impossible_tune_values_are_refused_at_check(tune, message):
 
     with pytest.raises(ValidationError, match=message):
         ServeConfig(tune=tune)
+
+
+def test_ctrl_c_keeps_the_partial_table_and_pins_nothing(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from pipeline.recipe.schema import ServeConfig
+
+    load = FakeLoad()
+
+    def measure(cand):
+        if len(load.calls) == 3:
+            raise KeyboardInterrupt
+        return load(cand)
+
+    out = T.Outcome(DEFAULT)
+    with pytest.raises(KeyboardInterrupt):
+        T.search(DEFAULT, DIMS, measure, time_limit_s=1e4, repeats=2, cores=CORES, valid=valid, clock=load.clock,
+                 log=lambda s: None, outcome=out)
+    assert len(out.rows) == 3 and out.chosen is None  # what was measured before Ctrl-C, no choice
+    out.interrupted = True
+    served = NS(recipe=NS(name="r", serve=ServeConfig(concurrency=[4])), run_dir=tmp_path, target="python-onnxruntime")
+    result = T.report(out, T.Space(DEFAULT, DIMS, CORES, 32, {"compute": "m"}), {}, served, tmp_path / "tune")
+    assert result["interrupted"] and len(result["candidates"]) == 3
+    assert "Interrupted (Ctrl-C): this is the partial table; nothing was pinned." in result["markdown"]
