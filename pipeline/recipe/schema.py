@@ -507,7 +507,10 @@ class ServeTune(Strict):
     """``tune-serving``: the search for the Triton config (:mod:`pipeline.serve.tune`)."""
 
     concurrency: int | None = Field(None, ge=1, description="the operating point: concurrent requests (closed "
-                                    "loop) every candidate is measured at; none: the largest of serve.concurrency")
+                                    "loop) every candidate is measured at; none: the largest of serve.concurrency "
+                                    "(unless rate is given)")
+    rate: float | None = Field(None, gt=0, description="the operating point as an offered load instead: requests/s "
+                               "sent at fixed intervals (open loop), whatever the answers' latency")
     measure_s: float = Field(10.0, gt=0, description="one measurement: the closed loop runs at least this long, s")
     min_requests: int = Field(16, ge=1, description="one measurement: at least this many requests (and at least "
                               "the concurrency)")
@@ -519,6 +522,8 @@ class ServeTune(Strict):
 
     @model_validator(mode="after")
     def _time_for_one(self) -> "ServeTune":
+        if self.rate is not None and self.concurrency is not None:
+            raise ValueError("give one operating point: concurrency (closed loop) or rate (open loop), not both")
         if self.time_limit_s < self.measure_s:
             raise ValueError(f"time_limit_s ({self.time_limit_s:g}) is below one measurement (measure_s "
                              f"{self.measure_s:g}): the search could not measure even the recipe's config; raise "

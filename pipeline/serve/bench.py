@@ -124,6 +124,51 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
     return [results[i] for i in sorted(results)], duration
 
 
+def open_loop(rate_rps: float, count: int, connect: Callable[[], Any], work: Callable[[Any, int], Any], *,
+              max_in_flight: int = 64) -> tuple[list, float, int]:
+    """Send request i at ``i / rate_rps`` s after the start (fixed intervals, open loop: a send does
+    not wait for earlier answers), on up to ``max_in_flight`` threads, each with its own connection
+    (``connect()``, closed at the end). Returns the results of ``work(connection, i)`` in index
+    order, the wall time in s from the start to the last answer, and how many sends started over
+    10 ms late (every thread busy: the offered rate was not reached, and their latency is the
+    server's from the actual send).
+
+    Raises:
+        The first exception a request raised (after the others finish).
+    """
+    import concurrent.futures
+
+    local = threading.local()
+    opened: list = []
+    lock = threading.Lock()
+    late = [0]
+
+    def run(i: int, due: float) -> Any:
+        if not hasattr(local, "conn"):
+            local.conn = connect()
+            with lock:
+                opened.append(local.conn)
+        wait = due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        elif wait < -0.010:
+            with lock:
+                late[0] += 1
+        return work(local.conn, i)
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight)
+    try:
+        start = time.perf_counter()
+        futures = [pool.submit(run, i, start + i / rate_rps) for i in range(count)]
+        results = [f.result() for f in futures]
+        duration = time.perf_counter() - start
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for conn in opened:
+            conn.close()
+    return results, duration, late[0]
+
+
 def bucket_feeds(inputs: Sequence[TensorSpec], tokens: int, vocab: int | None) -> dict[str, np.ndarray]:
     """One request of batch 1 where every symbolic axis is ``tokens`` long, except
     ``past*`` axes (0: an LLM prefill). ``input_ids``: spread over ``[0, vocab)`` (zeros

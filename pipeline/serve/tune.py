@@ -500,10 +500,11 @@ class ServerDied(Exception):
 class Runner:
     """Loads candidates into a running server and measures them (:meth:`measure`)."""
 
-    def __init__(self, served, server, sp: Space, concurrency: int, log: Log = print):
-        self.served, self.server, self.space, self.concurrency, self.log = served, server, sp, concurrency, log
+    def __init__(self, served, server, sp: Space, concurrency: "int | Point", log: Log = print):
+        point = concurrency if isinstance(concurrency, Point) else Point(concurrency)
+        self.served, self.server, self.space, self.point, self.log = served, server, sp, point, log
         cfg = served.recipe.serve
-        self.measure_s, self.min_requests = cfg.tune.measure_s, max(cfg.tune.min_requests, concurrency)
+        self.measure_s, self.min_requests = cfg.tune.measure_s, max(cfg.tune.min_requests, point.concurrency or 1)
         self._log_offset = 0
 
     def _alive(self) -> None:
@@ -556,32 +557,51 @@ class Runner:
         from pipeline.serve.client import infer_ms
         from pipeline.serve.stats import latency_level
 
-        served, c, slo = self.served, self.concurrency, self.served.recipe.serve.slo
+        served, slo = self.served, self.served.recipe.serve.slo
         model = str(served.ensemble_model)
         feeds = served.adapter.bench_workload(served.recipe, served.artifacts["export"].tokenizer_dir).requests
         connect = lambda: grpcclient.InferenceServerClient(self.server.grpc_url)  # noqa: E731
         work = lambda conn, i: infer_ms(conn, model, feeds[i % len(feeds)])  # noqa: E731
-        closed_loop(2 * c, c, connect, work)  # warm-up: every instance's first calls, not counted
-        latencies, duration = closed_loop(self.min_requests, c, connect, work, min_duration_s=self.measure_s)
+        warm = self.point.warm_up
+        closed_loop(2 * warm, warm, connect, work)  # warm-up: every instance's first calls, not counted
+        latencies, duration, late = self._load(connect, work)
         level = latency_level(latencies, duration, slo.latency_ms)
         p99 = level["latency_ms"]["p99"]
         return Measurement(OK, goodput_rps=level["goodput_rps"], throughput_rps=level["inferences_per_s"],
                            p50_ms=level["latency_ms"]["p50"], p99_ms=p99, slo_met=level["slo_met"],
                            requests=level["requests"], duration_s=duration, feasible=p99 <= slo.latency_ms,
-                           over_slo="" if p99 <= slo.latency_ms else f"p99 {p99:.4g} ms > latency_ms {slo.latency_ms:g}")
+                           over_slo="" if p99 <= slo.latency_ms else f"p99 {p99:.4g} ms > latency_ms {slo.latency_ms:g}",
+                           detail=self._late(late))
+
+    def _load(self, connect, work) -> tuple[list, float, int]:
+        """The measurement's load: the closed loop at the concurrency for at least ``measure_s``, or
+        the open loop at the rate for ``rate x measure_s`` requests (and ``min_requests``)."""
+        from pipeline.serve.bench import closed_loop, open_loop
+
+        if self.point.rate is not None:
+            count = max(self.min_requests, math.ceil(self.point.rate * self.measure_s))
+            return open_loop(self.point.rate, count, connect, work)
+        results, duration = closed_loop(self.min_requests, int(self.point.concurrency or 1), connect, work,
+                                        min_duration_s=self.measure_s)
+        return results, duration, 0
+
+    @staticmethod
+    def _late(late: int) -> str:
+        return f"{late} sends started over 10 ms late (the offered rate was not reached)" if late else ""
 
     def _measure_llm(self) -> Measurement:
         from pipeline.serve.bench import closed_loop, llm_prompts
         from pipeline.serve.client import StreamClient
         from pipeline.serve.stats import llm_level
 
-        served, c, cfg = self.served, self.concurrency, self.served.recipe.serve
+        served, cfg = self.served, self.served.recipe.serve
         model, prompts = str(served.generate_model), llm_prompts(served)
         connect = lambda: StreamClient(self.server.grpc_url)  # noqa: E731
         work = lambda client, i: client.generate(model, input_ids=prompts[i % len(prompts)],  # noqa: E731
                                                  max_tokens=cfg.max_tokens, ignore_eos=True)
-        closed_loop(c, c, connect, lambda client, i: client.generate(model, input_ids=prompts[0], max_tokens=2))
-        gens, duration = closed_loop(self.min_requests, c, connect, work, min_duration_s=self.measure_s)
+        warm = self.point.warm_up
+        closed_loop(warm, warm, connect, lambda client, i: client.generate(model, input_ids=prompts[0], max_tokens=2))
+        gens, duration, late = self._load(connect, work)
         level = llm_level(gens, duration, cfg.slo)
         ttft, tpot = level["ttft_ms"]["p99"], level["tpot_ms"]["p99"]
         misses = [f"p99 TTFT {ttft:.4g} ms > ttft_ms {cfg.slo.ttft_ms:g}"] if ttft > cfg.slo.ttft_ms else []
@@ -589,12 +609,29 @@ class Runner:
         return Measurement(OK, goodput_rps=level["goodput_rps"], throughput_rps=level["requests_per_s"],
                            p50_ms=level["ttft_ms"]["p50"], p99_ms=ttft, ttft_p99_ms=ttft, tpot_p99_ms=tpot,
                            slo_met=level["slo_met"], requests=level["requests"], duration_s=duration,
-                           feasible=not misses, over_slo="; ".join(misses))
+                           feasible=not misses, over_slo="; ".join(misses), detail=self._late(late))
 
 
-def operating_point(recipe) -> int:
-    """``serve.tune.concurrency``, else the largest of ``serve.concurrency``."""
-    return recipe.serve.tune.concurrency or max(recipe.serve.concurrency)
+@dataclass(frozen=True)
+class Point:
+    """The operating point: ``concurrency`` (closed loop) or ``rate`` (requests/s, open loop)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.rate:g} requests/s (open loop)" if self.rate is not None else f"concurrency {self.concurrency}"
+
+    @property
+    def warm_up(self) -> int:
+        """Concurrent warm-up requests: the concurrency, or the rate's requests in one second (2 to 16)."""
+        return int(self.concurrency) if self.concurrency else max(2, min(16, math.ceil(self.rate or 2)))
+
+
+def operating_point(recipe) -> Point:
+    """``serve.tune.rate`` (open loop), else ``serve.tune.concurrency``, else the largest of ``serve.concurrency``."""
+    t = recipe.serve.tune
+    return Point(rate=t.rate) if t.rate is not None else Point(t.concurrency or max(recipe.serve.concurrency))
 
 
 def run(served, *, log: Log = print, outcome: Outcome | None = None, cores: int | None = None) -> tuple[Outcome, Space, dict]:
@@ -616,7 +653,7 @@ def run(served, *, log: Log = print, outcome: Outcome | None = None, cores: int 
     for note in sp.notes:
         log(f"note: {note}")
     log(f"search: {len(sp.dimensions)} dimensions ({', '.join(f'{d.role}.{d.name}' for d in sp.dimensions)}), "
-        f"concurrency {c}, >= {cfg.tune.measure_s:g} s per measurement, time limit {cfg.tune.time_limit_s:g} s")
+        f"{c}, >= {cfg.tune.measure_s:g} s per measurement, time limit {cfg.tune.time_limit_s:g} s")
     out = outcome or Outcome(sp.default)
     with launch(served) as server:
         env = {**environment(server), "cpu_model": cpu_model(), "cores_used": sp.cores}
@@ -644,7 +681,7 @@ def cpu_model() -> str:
 PLOT_FILE = "throughput_p99.png"
 
 
-def summary_line(out: Outcome, c: int) -> str:
+def summary_line(out: Outcome, c: "Point | int") -> str:
     """One line: what changed and what it bought (the chosen over the default, ratio and spread)."""
     if out.chosen is None:
         return "nothing was measured"
@@ -653,10 +690,10 @@ def summary_line(out: Outcome, c: int) -> str:
               f"{r['max']:.2f} over {r['runs']} runs of each, the search's and the interleaved repeats)"
               if r and r["min"] is not None else "no repeated comparison with the default")
     if out.chosen == out.default:
-        return f"the recipe's config stays ({out.default.label()}) at concurrency {c}: {bought}"
+        return f"the recipe's config stays ({out.default.label()}) at {c}: {bought}"
     changed = [f"{role}.{k} {out.default.get(role, k)} -> {v}" for role, f in out.chosen.as_dict().items()
                for k, v in f.items() if out.default.get(role, k) != v]
-    return f"{', '.join(changed)} at concurrency {c}: {bought}"
+    return f"{', '.join(changed)} at {c}: {bought}"
 
 
 def table(out: Outcome, llm: bool) -> list[str]:
@@ -725,7 +762,7 @@ def report(out: Outcome, sp: Space, env: dict, served, folder, *, pinned_to=None
           "", f"{env.get('cpu_model', '?')}, {env.get('cpus', '?')} CPUs ({sp.cores} searched over), 1-min load "
           f"average {env.get('loadavg_1m', float('nan')):.2f} at start, {env.get('loadavg_1m_end', float('nan')):.2f} "
           "at end (shared CPU: numbers move with other load).", "",
-          f"Objective: goodput (requests/s meeting serve.slo) at concurrency {c}; feasible: {bounds}. "
+          f"Objective: goodput (requests/s meeting serve.slo) at {c}; feasible: {bounds}. "
           f"Models searched: {', '.join(sp.models.values())}.", ""]
     md += [f"- {n}" for n in sp.notes] + ([""] if sp.notes else [])
     if note:
@@ -743,7 +780,7 @@ def report(out: Outcome, sp: Space, env: dict, served, folder, *, pinned_to=None
     if pinned_to:
         md.append(f"Pinned: {pinned_to}.")
     md += ["", f"**{line}**", ""] + ([f"![throughput vs p99]({plot})", ""] if plot else [])
-    result = {"recipe": served.recipe.name, "concurrency": c, "slo": slo.model_dump(mode="json"),
+    result = {"recipe": served.recipe.name, "concurrency": c.concurrency, "rate": c.rate, "slo": slo.model_dump(mode="json"),
               "environment": env, "notes": list(sp.notes), "summary": line, "interrupted": out.interrupted,
               "feasible": out.feasible, "stopped": out.stopped,
               "default": out.default.as_dict(), "chosen": out.chosen.as_dict() if out.chosen else None,
@@ -839,7 +876,7 @@ def finish(out: Outcome, sp: Space, env: dict, served, recipe_path, *, note: str
         best = out.best_infeasible()
         said = (f"the best candidate, {best[0].label()}, had p99 {best[1].p99_ms:.4g} ms" if best
                 else "no candidate could be measured")
-        print(f"tune-serving: no candidate met serve.slo at concurrency {operating_point(recipe)}: {said}; "
+        print(f"tune-serving: no candidate met serve.slo at {operating_point(recipe)}: {said}; "
               f"nothing pinned ({folder / 'tune.md'})", file=sys.stderr)
         return 1
     q, b = served.artifacts["quantize"], served.artifacts["build"]
@@ -848,7 +885,8 @@ def finish(out: Outcome, sp: Space, env: dict, served, recipe_path, *, note: str
     line = summary_line(out, operating_point(recipe))
     recorded = {"cpu_model": env.get("cpu_model"), "cpus": env.get("cpus"), "cores_searched": sp.cores,
                 "tritonserver": env.get("tritonserver"), "loadavg_1m_start": env.get("loadavg_1m"),
-                "loadavg_1m_end": env.get("loadavg_1m_end"), "concurrency": operating_point(recipe),
+                "loadavg_1m_end": env.get("loadavg_1m_end"), "concurrency": operating_point(recipe).concurrency,
+                "rate": operating_point(recipe).rate,
                 "slo": recipe.serve.slo.model_dump(mode="json"), "note": note,
                 "ratio_to_default": ratio_to_default(out), "decision": out.decision.get("how", "")}
     pin.write(dest, fields, pin_chosen(out, sp), candidate_rows(out), line, recorded)

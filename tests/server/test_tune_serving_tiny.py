@@ -40,6 +40,9 @@ def test_two_candidates_on_a_real_server_and_the_pin_reaches_the_serve_copy(tmp_
         bad = full.default.with_value("compute", "preferred_batch_size", 64)  # over max_batch_size 8
         refused = runner.measure(bad)
         assert server.process.poll() is None
+        # the open-loop operating point (serve.tune.rate): rate x measure_s requests, at least min_requests
+        offered = T.Runner(served, server, sp, T.Point(rate=20.0)).measure(full.default)
+        assert offered.status == T.OK and offered.requests == 10 and offered.p50_ms <= offered.p99_ms
         # a server that dies mid-search: exit 4 with the log's end, not a skipped candidate
         server.process.kill()
         server.process.wait()

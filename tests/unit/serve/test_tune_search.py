@@ -178,3 +178,36 @@ def test_ctrl_c_keeps_the_partial_table_and_pins_nothing(tmp_path):
     result = T.report(out, T.Space(DEFAULT, DIMS, CORES, 32, {"compute": "m"}), {}, served, tmp_path / "tune")
     assert result["interrupted"] and len(result["candidates"]) == 3
     assert "Interrupted (Ctrl-C): this is the partial table; nothing was pinned." in result["markdown"]
+
+
+def test_open_loop_sends_every_request_on_its_own_connections_and_closes_them():
+    from pipeline.serve.bench import open_loop
+
+    closed = []
+
+    class Conn:
+        def close(self):
+            closed.append(self)
+
+    results, duration, late = open_loop(500.0, 12, Conn, lambda conn, i: (type(conn).__name__, i), max_in_flight=3)
+    assert results == [("Conn", i) for i in range(12)] and duration > 0 and late >= 0
+    assert 1 <= len(closed) <= 3  # one connection per sending thread, each closed
+
+
+def test_rate_and_concurrency_are_one_operating_point():
+    from pydantic import ValidationError
+
+    from pipeline.recipe.schema import ServeConfig
+
+    with pytest.raises(ValidationError, match="give one operating point"):
+        ServeConfig(tune={"rate": 5.0, "concurrency": 4})
+    assert str(T.operating_point(_recipe(rate=5.0))) == "5 requests/s (open loop)"
+    assert str(T.operating_point(_recipe())) == "concurrency 16"  # the largest of serve.concurrency
+
+
+def _recipe(**tune):
+    from types import SimpleNamespace as NS
+
+    from pipeline.recipe.schema import ServeConfig
+
+    return NS(serve=ServeConfig(tune=tune))
