@@ -543,7 +543,8 @@ class Runner:
         if refused is not None:
             return Measurement(REFUSED, detail=refused)
         try:
-            return self._measure_llm() if "generate" in self.space.models else self._measure_encoder()
+            # generation traffic whenever the recipe generates (also when the search tunes the compute model it calls through BLS)
+            return self._measure_llm() if self.served.generate_model else self._measure_encoder()
         except KeyboardInterrupt:
             raise
         except Exception as e:  # a request failed: not a measurement
@@ -750,7 +751,7 @@ def report(out: Outcome, sp: Space, env: dict, served, folder, *, pinned_to=None
     (``markdown``: the text)."""
     from pipeline.fsutil import write_json_atomic
 
-    llm = "generate" in sp.models
+    llm = bool(getattr(served, "generate_model", None))
     slo = served.recipe.serve.slo
     c = operating_point(served.recipe)
     folder.mkdir(parents=True, exist_ok=True)
