@@ -103,3 +103,17 @@ def test_a_pin_that_changes_the_count_makes_a_rebuild_write_it(tmp_path):
     art = stage.run(ctx, a["export"], a["quantize"], a["build"])
     assert parse_config(config.read_text()).instance_group[0].count == 1
     assert any("hardware class" in w for w in art.warnings)
+
+
+SHIPPED = sorted((Path(__file__).resolve().parents[3] / "recipes" / "tuned").glob("*.serving.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_the_shipped_serving_pins_are_valid_and_say_where_they_were_measured(path):
+    from pipeline.recipe.load import load_recipe
+
+    data = pin.read(path)
+    recipe = load_recipe(path.parent.parent / f"{path.name.removesuffix(pin.SUFFIX)}.yaml")
+    assert data["match"]["hardware"] == pin.hardware_class(recipe)  # the recipe declares what it was measured for
+    assert data["recorded"]["note"] and data["recorded"]["cpu_model"] and data["candidates"]
+    assert set(data["chosen"]) <= set(data["match"]["runtimes"])
