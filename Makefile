@@ -11,12 +11,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv lock build tune check test test-fast docs typecheck bench bench-build bench-scale serve publish deploy plan plan-build verify clean
+.PHONY: venv lock build tune tune-serving check test test-fast docs typecheck bench bench-build bench-scale serve publish deploy plan plan-build verify clean
 
 # A recipe target with a RECIPE that is not recipes/$(RECIPE).yaml stops here, before any install,
 # naming the recipes there. (A recipe elsewhere: .venv/bin/python -m pipeline build path/to/recipe.yaml.)
 RECIPES := $(sort $(basename $(notdir $(wildcard recipes/*.yaml))))
-ifneq ($(filter build tune check serve bench bench-build publish deploy plan plan-build,$(MAKECMDGOALS)),)
+ifneq ($(filter build tune tune-serving check serve bench bench-build publish deploy plan plan-build,$(MAKECMDGOALS)),)
 ifeq ($(wildcard recipes/$(RECIPE).yaml),)
 # RECIPE given as a shipped recipe's path (recipes/fp8-llm.yaml, fp8-llm.yaml): say its name
 RECIPE_NAME := $(basename $(notdir $(RECIPE)))
@@ -76,6 +76,13 @@ build: $(STAMP) $(DATA_$(RECIPE))
 # `make build` then uses it (no calibration, no search) while its inputs match.
 tune: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline tune recipes/$(RECIPE).yaml
+
+# Measure candidate Triton configs (instances, batching, queue delay, threads; the generation model's
+# scheduler limit) on the real tritonserver against the recipe's serve.slo, and pin the best in
+# recipes/tuned/$(RECIPE).serving.json: `make build` then writes it into the configs while it matches
+# (docs/serving.md). ARGS goes to the command: ARGS='--note "shared 2-core machine"'.
+tune-serving: $(STAMP) $(DATA_$(RECIPE))
+	$(PY) -m pipeline tune-serving recipes/$(RECIPE).yaml $(ARGS)
 
 check: $(STAMP) $(DATA_$(RECIPE))
 	$(PY) -m pipeline check recipes/$(RECIPE).yaml

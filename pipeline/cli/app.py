@@ -134,7 +134,7 @@ def _served(args, recipe=None):
     from pipeline.serve.run import prepare_for_server
 
     recipe = recipe or load_from_args(args)
-    return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet))
+    return prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet), Path(args.recipe))
 
 
 def cmd_serve(args) -> int:
@@ -202,6 +202,8 @@ COMMANDS = (
     ("build", "cmd_build", "run the pipeline for a recipe", "recipe"),
     ("tune", "cmd_tune", "calibrate and run the accuracy-budget search anew; pin the result in recipes/tuned/",
      "recipe"),
+    ("tune-serving", "cmd_tune_serving", "measure candidate Triton configs on a real tritonserver against "
+     "serve.slo; pin the best in recipes/tuned/<name>.serving.json", "pipeline.serve.tune:add_tune_serving_arguments"),
     ("check", "cmd_check", "the build's pre-flight only: recipe schema and constraints, weights", "recipe"),
     ("serve", "cmd_serve", "serve the recipe's repository on a local tritonserver until Ctrl-C", "recipe"),
     ("bench", "cmd_bench", "start tritonserver, measure latency / throughput / batching, stop", "recipe"),

@@ -517,6 +517,18 @@ class TritonConfig(Strict):
     kv_cache_budget_mib: float = Field(
         0.0, ge=0, description="generation model: KV cache the scheduler may hold, MiB (2 x tokens x layers x "
         "kv_heads x head_dim x bytes); 0: max_batch_size full-context sequences")
+    intra_op_threads: int = Field(
+        0, ge=0, description="python-onnxruntime compute model: ONNX Runtime intra-op threads per instance; 0: "
+        "derived at load (the CPUs divided among the instances, ONNX Runtime's default with one); set by the "
+        "serving pin (tune-serving) so config.pbtxt is the same on every CPU")
+    max_concurrent_generations: int | None = Field(
+        None, ge=1, description="generation model: the scheduler's limit, sequences per step (continuous "
+        "batching) or request threads (off), per instance; none: triton.max_batch_size (at least 1)")
+    generate_instances: int = Field(1, ge=1, description="generation model: Triton instances (KIND_CPU), each "
+                                    "with its own scheduler and, for python-onnxruntime, its own ONNX Runtime session")
+    generate_threads: int = Field(
+        0, ge=0, description="generation model running the graph in its own process (python-onnxruntime): ONNX "
+        "Runtime intra-op threads per instance; 0: ONNX Runtime's default")
     allow_context_beyond_max_positions: bool = Field(
         False, description="generation model: serve the build profiles' whole context even past the model's "
         "rotary max_position_embeddings (positions it was not trained on; quality unknown); false: its context "
@@ -536,7 +548,8 @@ class TritonConfig(Strict):
 
 
 #: ``triton`` fields added after recipes were digested -> their default (left out of the dump at it)
-ADDED_TRITON_FIELDS = {"allow_context_beyond_max_positions": False}
+ADDED_TRITON_FIELDS = {"allow_context_beyond_max_positions": False, "intra_op_threads": 0,
+                       "max_concurrent_generations": None, "generate_instances": 1, "generate_threads": 0}
 
 
 class ServeSLO(Strict):
@@ -555,6 +568,35 @@ class ServeSLO(Strict):
     def _min_met_with_gate(self) -> "ServeSLO":
         if not self.gate and "min_met" in self.model_fields_set:
             raise ValueError("min_met applies to the SLO gate only; add gate: true, or drop min_met")
+        return self
+
+
+class ServeTune(Strict):
+    """``tune-serving``: the search for the Triton config (:mod:`pipeline.serve.tune`)."""
+
+    concurrency: int | None = Field(None, ge=1, description="the operating point: concurrent requests (closed "
+                                    "loop) every candidate is measured at; none: the largest of serve.concurrency "
+                                    "(unless rate is given)")
+    rate: float | None = Field(None, gt=0, description="the operating point as an offered load instead: requests/s "
+                               "sent at fixed intervals (open loop), whatever the answers' latency")
+    measure_s: float = Field(10.0, gt=0, description="one measurement: the closed loop runs at least this long, s")
+    min_requests: int = Field(16, ge=1, description="one measurement: at least this many requests (and at least "
+                              "the concurrency)")
+    time_limit_s: float = Field(600.0, gt=0, description="the whole search, repeats included, s; it stops "
+                                "early when a pass over every dimension improves nothing")
+    repeats: int = Field(3, ge=1, description="the best two candidates are measured again this many times each, "
+                         "interleaved, and decided within their spread")
+    max_instances: int = Field(4, ge=1, description="largest instance count tried (and at most the cores)")
+
+    @model_validator(mode="after")
+    def _time_for_one(self) -> "ServeTune":
+        if self.rate is not None and self.concurrency is not None:
+            raise ValueError("give one operating point: concurrency (closed loop) or rate (open loop), not both")
+        if self.time_limit_s < self.measure_s:
+            raise ValueError(f"time_limit_s ({self.time_limit_s:g}) is below one measurement (measure_s "
+                             f"{self.measure_s:g}): the search could not measure even the recipe's config; raise "
+                             f"time_limit_s to at least {(2 * self.repeats + 2) * self.measure_s:g} (the default, "
+                             "one candidate more and the repeats) or lower measure_s")
         return self
 
 
@@ -582,6 +624,10 @@ class ServeConfig(Strict):
     batching_concurrency: int = Field(16, ge=1, description="concurrency of the batching / instances comparison")
     batching_requests: int = Field(32, ge=1, description="requests per variant in that comparison")
     ready_timeout_s: float = Field(300.0, gt=0, description="how long the server may take to load, s")
+    tune: ServeTune = Field(ServeTune(), description="tune-serving: the operating point and the search's bounds")
+    cpu_cores: int | None = Field(None, ge=1, description="CPU cores of the declared serving host: the hardware "
+                                  "class a serving pin matches when triton.serving declares no GPU (tune-serving "
+                                  "needs one of the two; never taken from the build machine)")
 
     @model_validator(mode="after")
     def _long_enough(self) -> "ServeConfig":

@@ -64,6 +64,7 @@ Inputs, in order of precedence:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import shlex
@@ -206,8 +207,54 @@ def _scrape_annotations() -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS), "prometheus.io/path": "/metrics"}
 
 
-def _resources(gpu: bool) -> dict:
-    res: dict[str, dict] = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
+def deploy_pin(recipe, recipe_path: str | Path | None, target: str) -> tuple[dict | None, str]:
+    """The serving pin (:mod:`pipeline.triton.pin`) that fits the deployment: its hardware class is
+    the recipe's declared one, its compute runtime the deployed ``target``'s, and its graph the local
+    repository's (``repository.json``'s hash of the compute model's graph file, where that is known).
+    Returns (the pin, a line for the manifests' header) or (None, why it is not used).
+
+    Raises:
+        RecipeError: (exit 2) the pin file is not a valid serving pin.
+    """
+    from pipeline.triton import pin
+
+    if recipe_path is None:
+        return None, ""
+    path = pin.pin_path(recipe_path, recipe.name)
+    if not path.is_file():
+        return None, f"serving pin: none ({pin.tune_command(recipe_path)} writes {path.name})"
+    data = pin.read(path, pin.tune_command(recipe_path))
+    match, model = data["match"], recipe.triton.model_name
+    why = []
+    if match["hardware"] != (pin.hardware_class(recipe) or "undeclared"):
+        why.append(f"hardware class {match['hardware']!r}, the recipe declares {pin.hardware_class(recipe)!r}")
+    if match["runtimes"].get(model) != pin.RUNTIME_NAMES.get(target):
+        why.append(f"measured on {match['runtimes'].get(model)}, deployed as {pin.RUNTIME_NAMES.get(target)}")
+    index = Path(recipe.output_dir) / "repository.json"
+    files = (json.loads(index.read_text()).get("models", {}).get(model, {}).get("files", {})
+             if index.is_file() else {})
+    graph = next((h for rel, h in files.items() if rel.endswith(("/model.onnx", "/model.plan"))), None)
+    if graph is not None and match["graphs"].get(model) != graph:
+        why.append(f"tuned on graph {str(match['graphs'].get(model))[:12]}, the repository's is {graph[:12]}")
+    if why:
+        return None, f"serving pin {path.name} not used: " + "; ".join(why)
+    counts = ", ".join(f"{m}: {c.get('instance_count')} instances" for m, c in data["chosen"].items())
+    return data, f"serving pin {path.name}: {counts} (in the published configs); {data.get('summary', '')}"
+
+
+def pinned_cpus(data: dict | None, recipe) -> str:
+    """The CPU request: the cores the pinned config was measured for (``cpu:N``) when a pin fits,
+    at least the instances x threads it runs; else 2."""
+    if data is None:
+        return "2"
+    used = sum(int(c.get("instance_count") or 1) * int(c.get("intra_op_threads") or 0) for c in data["chosen"].values())
+    hardware = data["match"]["hardware"]
+    declared = int(hardware.split(":", 1)[1]) if hardware.startswith("cpu:") and hardware[4:].isdigit() else 0
+    return str(max(declared, used, 1))
+
+
+def _resources(gpu: bool, cpus: str = "2") -> dict:
+    res: dict[str, dict] = {"requests": {"cpu": cpus, "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
     if gpu:
         res["requests"]["nvidia.com/gpu"] = 1
         res["limits"]["nvidia.com/gpu"] = 1
@@ -302,14 +349,14 @@ def gpu_affinity(recipe, gpu: bool) -> dict:
 
 
 def inference_service(name: str, recipe, *, storage_uri: str, image: str, gpu: bool, shm: int,
-                      max_replicas: int) -> dict:
+                      max_replicas: int, cpus: str = "2") -> dict:
     """KServe ``InferenceService`` (serving.kserve.io/v1beta1), Triton model format."""
     volume, mount = _shm_volume(shm)
     container = {
         "modelFormat": {"name": "triton"}, "protocolVersion": "v2",
         "runtimeVersion": image.rsplit(":", 1)[-1], "storageUri": storage_uri,
         "args": ["--model-control-mode=explicit", *(f"--load-model={m}" for m in model_names(recipe))],
-        "resources": _resources(gpu), "volumeMounts": [mount], **_probes(KSERVE_HTTP),
+        "resources": _resources(gpu, cpus), "volumeMounts": [mount], **_probes(KSERVE_HTTP),
     }
     annotations = {"serving.kserve.io/enable-prometheus-scraping": "true", **_scrape_annotations()}
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
@@ -318,7 +365,7 @@ def inference_service(name: str, recipe, *, storage_uri: str, image: str, gpu: b
                                    "volumes": [volume], "model": container, **gpu_affinity(recipe, gpu)}}}
 
 
-def deployment(name: str, recipe, *, repository: str, image: str, gpu: bool, shm: int) -> dict:
+def deployment(name: str, recipe, *, repository: str, image: str, gpu: bool, shm: int, cpus: str = "2") -> dict:
     """apps/v1 Deployment: tritonserver on the ``s3://`` repository, explicit model control."""
     volume, mount = _shm_volume(shm)
     args = [f"--model-repository={repository}", "--model-control-mode=explicit",
@@ -327,7 +374,8 @@ def deployment(name: str, recipe, *, repository: str, image: str, gpu: bool, shm
     container = {"name": "tritonserver", "image": image, "command": ["tritonserver"], "args": args,
                  "ports": [{"name": "http", "containerPort": HTTP}, {"name": "grpc", "containerPort": GRPC},
                            {"name": "metrics", "containerPort": METRICS}],
-                 "env": _s3_env(f"{name}-s3"), "resources": _resources(gpu), "volumeMounts": [mount], **_probes(HTTP)}
+                 "env": _s3_env(f"{name}-s3"), "resources": _resources(gpu, cpus), "volumeMounts": [mount],
+                 **_probes(HTTP)}
     labels = _labels(name, recipe)
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
             "spec": {"replicas": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
@@ -375,9 +423,12 @@ def adapter_rules(name: str, recipe) -> dict:
 
 
 def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None, max_replicas: int = 4,
-              node_group: str | None = None, size_bytes: int | None = None) -> dict[str, tuple[str, list[dict]]]:
+              node_group: str | None = None, size_bytes: int | None = None,
+              recipe_path: str | Path | None = None) -> dict[str, tuple[str, list[dict]]]:
     """relative file name -> (header comment, objects) for both alternatives, and with
-    ``node_group`` the LocalModelCache one (``size_bytes``: the repository's bytes).
+    ``node_group`` the LocalModelCache one (``size_bytes``: the repository's bytes). With
+    ``recipe_path``, a serving pin that fits the deployment (:func:`deploy_pin`) sets the CPU
+    request and the header names its instance counts; one that does not is named there.
 
     Raises:
         PipelineError: ``storage_uri`` is not an s3:// URL; ``node_group`` without ``size_bytes``.
@@ -388,22 +439,25 @@ def manifests(recipe, *, storage_uri: str, target: str, image: str | None = None
     name = resource_name(recipe.name)
     img, gpu = resolve_image(recipe, image), target == "tensorrt"
     shm, shm_why = shm_mib(recipe)
+    pinned, pin_line = deploy_pin(recipe, recipe_path, target)
+    cpus = pinned_cpus(pinned, recipe)
     about = (f"recipe {recipe.name}, target {target} ({'1 GPU' if gpu else 'CPU'}), image {img}\n"
              f"models (explicit model control, front model last): {', '.join(model_names(recipe))}\n"
-             f"/dev/shm {shm} MiB: {shm_why}\n"
+             f"/dev/shm {shm} MiB: {shm_why}\n" + (f"{pin_line}; CPU request {cpus}\n" if recipe_path else "") +
              "python-backend models need `tokenizers` (and `onnxruntime`) in the image: see pipeline/remote/k8s.py")
     creds = credentials(name, recipe, loc.endpoint)
     creds_note = "S3 credentials: replace the REPLACE-ME values (or create the Secret yourself) before applying"
     adapter_note = (f"The HPA in hpa.yaml scales on {QUEUE_METRIC}, a custom metric Kubernetes does not have:\n"
                     "prometheus-adapter must serve it. Merge this rule into the adapter's configuration\n"
                     "(helm chart value rules.custom, or its config.yaml) and restart the adapter.")
-    isvc = inference_service(name, recipe, storage_uri=loc.url, image=img, gpu=gpu, shm=shm, max_replicas=max_replicas)
+    isvc = inference_service(name, recipe, storage_uri=loc.url, image=img, gpu=gpu, shm=shm, max_replicas=max_replicas,
+                             cpus=cpus)
     files = {
         "kserve/s3-credentials.yaml": (creds_note, creds),
         "kserve/inferenceservice.yaml": (about, [isvc]),
         "plain/s3-credentials.yaml": (creds_note, creds),
         "plain/deployment.yaml": (about, [deployment(name, recipe, repository=loc.triton_url if loc.endpoint else loc.url,
-                                                     image=img, gpu=gpu, shm=shm)]),
+                                                     image=img, gpu=gpu, shm=shm, cpus=cpus)]),
         "plain/service.yaml": ("HTTP 8000, gRPC 8001, metrics 8002 (Prometheus scrapes /metrics)", [service(name, recipe)]),
         "plain/hpa.yaml": (f"scales on {QUEUE_METRIC} (average queue time per request, µs; target "
                            f"{queue_target_us(recipe)} = 10 % of the recipe's latency SLO): needs "
@@ -616,7 +670,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                             "(or leave --target out); a tensorrt deployment needs a recipe built with an engine")
     size = repository_bytes(recipe, published if not args.storage_uri else None) if group else None
     files = write_manifests(recipe, out, storage_uri=uri, target=target, image=args.image, max_replicas=args.max_replicas,
-                            node_group=group, size_bytes=size)
+                            node_group=group, size_bytes=size, recipe_path=args.recipe)
     print("\n".join(str(f) for f in files))
     if args.image is None and (target == "python-onnxruntime" or model_names(recipe)[1:]):
         image = resolve_image(recipe)

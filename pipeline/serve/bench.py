@@ -26,6 +26,7 @@ A level's duration runs from the first send to the last answer.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -61,20 +62,29 @@ from pipeline.sources.model import load_tokenizer
 Log = Callable[[str], None]
 
 
-def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: Callable[[Any, int], Any]) -> tuple[list, float]:
+def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: Callable[[Any, int], Any], *,
+                min_duration_s: float | None = None) -> tuple[list, float]:
     """Run ``work(connection, i)`` for i in 0..count-1 on ``concurrency`` threads.
 
     Each thread opens its connection (``connect()``; closed after with
     ``.close()``) before the clock starts. Returns the results in index order
-    and the wall time in s from the start to the last answer.
+    and the wall time in s from the start to the last answer. With ``min_duration_s``
+    (``tune-serving``'s measurements) the threads go on past ``count`` requests, i = count,
+    count + 1, ..., until that many seconds have passed since the start.
 
     Raises:
         The first exception a worker raised (the others finish their request first).
     """
-    results: list = [None] * count
+    results: dict[int, Any] = {}
     errors: list[BaseException] = []
-    next_index = iter(range(count))
+    next_index = itertools.count()
     lock = threading.Lock()
+    started: list[float] = []
+
+    def more(i: int) -> bool:
+        if i < count:
+            return True
+        return min_duration_s is not None and (not started or time.perf_counter() - started[0] < min_duration_s)
 
     def worker() -> None:
         connection = None
@@ -83,9 +93,9 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
             ready.wait()
             while not errors:
                 with lock:
-                    i = next(next_index, None)
-                if i is None:
-                    return
+                    i = next(next_index)
+                    if not more(i):
+                        return
                 results[i] = work(connection, i)
         except threading.BrokenBarrierError:
             return
@@ -105,12 +115,58 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
     except threading.BrokenBarrierError:
         pass  # a worker could not connect; its error is raised below
     start = time.perf_counter()
+    started.append(start)
     for t in threads:
         t.join()
     duration = time.perf_counter() - start
     if errors:
         raise errors[0]
-    return results, duration
+    return [results[i] for i in sorted(results)], duration
+
+
+def open_loop(rate_rps: float, count: int, connect: Callable[[], Any], work: Callable[[Any, int], Any], *,
+              max_in_flight: int = 64) -> tuple[list, float, int]:
+    """Send request i at ``i / rate_rps`` s after the start (fixed intervals, open loop: a send does
+    not wait for earlier answers), on up to ``max_in_flight`` threads, each with its own connection
+    (``connect()``, closed at the end). Returns the results of ``work(connection, i)`` in index
+    order, the wall time in s from the start to the last answer, and how many sends started over
+    10 ms late (every thread busy: the offered rate was not reached, and their latency is the
+    server's from the actual send).
+
+    Raises:
+        The first exception a request raised (after the others finish).
+    """
+    import concurrent.futures
+
+    local = threading.local()
+    opened: list = []
+    lock = threading.Lock()
+    late = [0]
+
+    def run(i: int, due: float) -> Any:
+        if not hasattr(local, "conn"):
+            local.conn = connect()
+            with lock:
+                opened.append(local.conn)
+        wait = due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        elif wait < -0.010:
+            with lock:
+                late[0] += 1
+        return work(local.conn, i)
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_in_flight)
+    try:
+        start = time.perf_counter()
+        futures = [pool.submit(run, i, start + i / rate_rps) for i in range(count)]
+        results = [f.result() for f in futures]
+        duration = time.perf_counter() - start
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for conn in opened:
+            conn.close()
+    return results, duration, late[0]
 
 
 def bucket_feeds(inputs: Sequence[TensorSpec], tokens: int, vocab: int | None) -> dict[str, np.ndarray]:

@@ -143,28 +143,55 @@ def with_triton(recipe: Recipe, **changes: Any) -> Recipe:
     return recipe.model_copy(update={"triton": recipe.triton.model_copy(update=changes)})
 
 
-def prepare(recipe: Recipe, artifacts: dict[str, Any], backends: list[str]) -> Served:
+def prepare(recipe: Recipe, artifacts: dict[str, Any], backends: list[str], *,
+            recipe_path: Path | None = None, use_pin: bool = True) -> Served:
     """Pick what to serve with a server that has ``backends``; write the serve copy if needed.
+
+    With ``recipe_path`` the serving pin beside it (:mod:`pipeline.triton.pin`) is looked up for
+    the serve copy: where it matches (hardware class, graphs, and the copy's runtime) its chosen
+    values go into the copy's configs, and the note says so; a pin that does not match is named
+    in the note, never applied. ``use_pin`` False (``tune-serving``): the recipe's own values.
+    ``Served.recipe`` carries the values the configs were written with (:func:`pipeline.triton.pin.apply`),
+    so bench's variants and tables describe what is served.
 
     Raises:
         TritonConfigError: the serve copy fails the generator's checks.
+        RecipeError: the serving pin file is not valid.
         PipelineError: the target is loadable but ``recipe.output_dir`` no
             longer holds this recipe's models (recipes share output_dir).
     """
     target = repository_runtime(recipe.triton.target, artifacts["build"])
     needed = NEEDED_BACKEND[target]
+    from pipeline.triton import pin
+
     if needed in backends:
         _check_published(recipe, artifacts["triton"])
-        note = f"serving {recipe.output_dir}/ (target {target}; backend {needed} present)"
-        return _verified(Served(recipe, artifacts, Path(recipe.output_dir), target, note))
+        pinned, said = _pin_for(recipe, artifacts, recipe_path if use_pin else None, target)
+        note = f"serving {recipe.output_dir}/ (target {target}; backend {needed} present){said}"
+        shown = pin.apply(recipe, pinned) if pinned else recipe  # the build wrote these values
+        return _verified(Served(shown, artifacts, Path(recipe.output_dir), target, note))
     out = Path(recipe.work_dir) / recipe.name / SERVE_DIR
     serve_recipe = with_triton(recipe, target="python-onnxruntime")
+    pinned, said = _pin_for(recipe, artifacts, recipe_path if use_pin else None, "python-onnxruntime")
     write_repository(serve_recipe, export=artifacts["export"], quantized=artifacts["quantize"],
-                     build=artifacts["build"], out_dir=out)
+                     build=artifacts["build"], out_dir=out, pinned=pinned)
     note = (f"target {target!r} needs tritonserver's {needed!r} backend; this server has only {backends}. "
             f"Serving the same models as target 'python-onnxruntime' (ONNX Runtime in the python backend) "
-            f"from {out}/; {recipe.output_dir}/ is unchanged")
-    return _verified(Served(serve_recipe, artifacts, out, "python-onnxruntime", note))
+            f"from {out}/; {recipe.output_dir}/ is unchanged{said}")
+    shown = pin.apply(serve_recipe, pinned) if pinned else serve_recipe
+    return _verified(Served(shown, artifacts, out, "python-onnxruntime", note))
+
+
+def _pin_for(recipe: Recipe, artifacts: dict[str, Any], recipe_path: Path | None, target: str) -> tuple[dict | None, str]:
+    """The serving pin's ``chosen`` when it matches a repository of ``target``, and a note clause
+    (empty without a pin file)."""
+    if recipe_path is None:
+        return None, ""
+    from pipeline.stages.triton import serving_pin
+
+    found = serving_pin(recipe, recipe_path, artifacts["quantize"], artifacts["build"], target)
+    pinned = found.pinned["chosen"] if found.applies and found.pinned else None
+    return pinned, (f"; {found.describe()}" if found.pinned is not None else "")
 
 
 def _verified(served: Served) -> Served:

@@ -39,9 +39,11 @@ Log = Callable[[str], None]
 DEFAULT_OPENAI_PORT = 8000
 
 
-def prepare_for_server(recipe: Recipe, artifacts: dict) -> Served:
-    """:func:`pipeline.serve.prepare.prepare` for the backends of the installed tritonserver."""
-    return prepare(recipe, artifacts, find_server().backends)
+def prepare_for_server(recipe: Recipe, artifacts: dict, recipe_path: Path | None = None, *,
+                       use_pin: bool = True) -> Served:
+    """:func:`pipeline.serve.prepare.prepare` for the backends of the installed tritonserver (with
+    the serving pin beside ``recipe_path`` for a serve copy)."""
+    return prepare(recipe, artifacts, find_server().backends, recipe_path=recipe_path, use_pin=use_pin)
 
 
 def launch(served: Served, *, extra_repositories: list[Path] | None = None) -> TritonServer:

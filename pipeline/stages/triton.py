@@ -34,6 +34,30 @@ def key_sections(r: Recipe) -> list:
             r.validate_.generation and r.validate_.generation.model_dump()]
 
 
+def key_extra(ctx: StageContext) -> dict:
+    """The serving pin beside the recipe (:mod:`pipeline.triton.pin`), by its bytes' digest: a new
+    pin republishes (whether it applies is decided when the stage runs, and reported)."""
+    from pipeline.triton import pin
+
+    return {"serving_pin": pin.file_key(ctx.recipe_path, ctx.recipe.name)}
+
+
+def serving_pin(recipe: Recipe, recipe_path, q: QuantizedArtifact, b: BuildArtifact, target: str):
+    """:func:`pipeline.triton.pin.lookup` for the repository of ``target`` about to be written.
+
+    Raises:
+        RecipeError: (exit 2) the pin file is not a valid serving pin.
+    """
+    from pipeline.models import registry
+    from pipeline.recipe.kinds import facts as kind_facts
+    from pipeline.triton import pin
+
+    adapter = registry.adapter(recipe.model)
+    generate = adapter.front_model(recipe) if kind_facts(adapter.kind).generates else None
+    return pin.lookup(recipe, recipe_path, pin.served_graphs(recipe, q, b, target),
+                      pin.runtimes_of(recipe, target, generate))
+
+
 def cached_problems(art: TritonArtifact, recipe: Recipe) -> list[str]:
     """Why a cached repository no longer counts (empty: it does): it must be the recipe's
     output_dir, and its models still assigned to this recipe in repository.json and
@@ -54,13 +78,21 @@ def run(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, b: BuildAr
         TritonConfigError: a config disagrees with its model, or the engine's
             stamp does not match the declared serving runtime and the recipe.
     """
+    from pipeline.triton.repository import repository_runtime
+
     check_names_free(ctx.recipe)
     warnings = check_engine(ctx.recipe, b) if b.plan_path is not None else []
+    found = serving_pin(ctx.recipe, ctx.recipe_path, q, b, repository_runtime(ctx.recipe.triton.target, b))
+    if found.pinned is not None or found.applies:
+        ctx.progress.print(f"  triton: {found.describe()}")
+    if found.pinned is not None and not found.applies and not found.serve_only:
+        warnings.append(found.reason)  # a pin for other graphs or another hardware class: named, never applied
     for warning in warnings:
         log.warning("triton: %s", warning)
         ctx.progress.print(f"[yellow]warning[/yellow] triton: engine {b.engine_path}: {warning}")
     with ctx.progress.step(f"triton: write {ctx.recipe.output_dir}/"):
-        art = write_repository(ctx.recipe, export=exp, quantized=q, build=b, out_dir=Path(ctx.recipe.output_dir))
+        art = write_repository(ctx.recipe, export=exp, quantized=q, build=b, out_dir=Path(ctx.recipe.output_dir),
+                               pinned=found.pinned["chosen"] if found.applies and found.pinned else None)
     return dataclasses.replace(art, warnings=warnings)
 
 
@@ -72,6 +104,7 @@ def write_repository(
     build: BuildArtifact,
     out_dir: Path,
     compute_only: bool = False,
+    pinned: dict | None = None,
 ) -> TritonArtifact:
     """Write, check and publish the Triton model repository for ``recipe``.
 
@@ -80,7 +113,9 @@ def write_repository(
     (:meth:`pipeline.models.base.ModelAdapter.triton_models`: text-generation recipes with
     ``triton.generate_model_name`` the decoupled generation model, sentence-embedding
     recipes a tokenizer model and an ensemble). ``compute_only``: the compute
-    model alone (bench variants).
+    model alone (bench variants). ``pinned``: a serving pin's ``chosen`` values
+    (:func:`pipeline.triton.pin.apply`), written into the configs; repository.json keeps the
+    recipe's own hash.
 
     Raises:
         TritonConfigError: target ``tensorrt`` without an engine; a config that
@@ -101,11 +136,14 @@ def write_repository(
     from pipeline.models import registry
     from pipeline.triton import repository
 
+    from pipeline.triton import pin
+
     out_dir = Path(out_dir)
+    configured = pin.apply(recipe, pinned) if pinned else recipe
     with repository.staging_folder(out_dir, recipe.name) as staging:
-        models = [repository.stage_compute(recipe, target, quantized, build, staging)]
+        models = [repository.stage_compute(configured, target, quantized, build, staging)]
         if not compute_only:  # the kind's own models: generation, tokenizer + ensemble, ... (its adapter)
-            models += registry.adapter(recipe.model).triton_models(recipe, export, models[0], build, staging)
+            models += registry.adapter(recipe.model).triton_models(configured, export, models[0], build, staging)
         repository.check_and_publish(recipe, target, models, build, staging, out_dir)
     backend = models[0].config.platform or models[0].config.backend
     return TritonArtifact(repository=str(out_dir), models=[m.config.name for m in models], compute_backend=backend)

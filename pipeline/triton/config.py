@@ -199,6 +199,9 @@ def compute_config(
         entries = session_config(graph) if graph is not None else {}
         if entries:
             cfg.parameters["session_config"].string_value = json.dumps(entries, sort_keys=True)
+    threads = getattr(triton, "intra_op_threads", 0)
+    if threads and target in THREADS_PARAMETER:  # 0: derived at load (python-onnxruntime) / ORT's default
+        cfg.parameters[THREADS_PARAMETER[target]].string_value = str(threads)
     batched = triton.max_batch_size > 0
     for kind, entries, specs in (("input", cfg.input, inputs), ("output", cfg.output, outputs)):
         for spec in specs:
@@ -215,6 +218,12 @@ def compute_config(
     for group in triton.instance_group:
         cfg.instance_group.add(count=group.count, kind=mc.ModelInstanceGroup.Kind.Value(group.kind), profile=profiles)
     return cfg
+
+
+#: target -> the config parameter that sets ONNX Runtime's intra-op threads per instance: the
+#: python-onnxruntime template's own, and the stock onnxruntime backend's (its README's
+#: ``intra_op_thread_count``). TensorRT has none.
+THREADS_PARAMETER = {"python-onnxruntime": "intra_op_threads", "onnxruntime": "intra_op_thread_count"}
 
 
 def _set_runtime(cfg: ModelConfig, target: str) -> None:
@@ -275,6 +284,8 @@ def generate_config(
     kv_cache_budget_mib: float = 0.0,
     compute_runtime: str = "bls",
     compute_parameters: dict[str, str] | None = None,
+    instances: int = 1,
+    intra_op_threads: int = 0,
 ) -> ModelConfig:
     """Config of the decoupled python-backend generation model.
 
@@ -299,6 +310,10 @@ def generate_config(
     relative to the repository root, and the compute model's
     ``graph_optimization_level`` / ``dequantize_weights``).
 
+    ``instances``: KIND_CPU instances, each with its own scheduler (and in-process session);
+    ``intra_op_threads`` (> 0): that session's ONNX Runtime intra-op threads, parameter
+    ``intra_op_threads`` (absent at 0: ONNX Runtime's default).
+
     Raises:
         ValueError: ``compute_runtime`` is neither ``bls`` nor ``onnxruntime``.
     """
@@ -311,7 +326,7 @@ def generate_config(
                       optional=True)
     for spec in GENERATE_OUTPUTS:
         cfg.output.add(name=spec.name, data_type=triton_dtype(spec.dtype), dims=config_dims(spec.shape, False))
-    cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    cfg.instance_group.add(count=instances, kind=mc.ModelInstanceGroup.KIND_CPU)
     params = {
         "compute_model": compute_model,
         "num_layers": num_layers,
@@ -327,6 +342,7 @@ def generate_config(
         "kv_cache_budget_mib": kv_cache_budget_mib,
         "compute_runtime": compute_runtime,
         **(compute_parameters or {}),
+        **({"intra_op_threads": intra_op_threads} if intra_op_threads else {}),
     }
     for key, value in params.items():
         cfg.parameters[key].string_value = str(value)

@@ -140,7 +140,9 @@ def stage_generate(
         kv_dtype=kv.dtype,
         eos_token_ids=eos_token_ids(version_dir),
         default_max_tokens=generation.new_tokens if generation else DEFAULT_MAX_TOKENS,
-        max_concurrent_generations=max(1, recipe.triton.max_batch_size),
+        max_concurrent_generations=scheduler_limit(recipe),
+        instances=recipe.triton.generate_instances,
+        intra_op_threads=recipe.triton.generate_threads,
         continuous_batching=recipe.triton.continuous_batching,
         kv_cache_budget_mib=recipe.triton.kv_cache_budget_mib,
         **_generate_compute_runtime(recipe, staging, last_logits=any(s.name == "last_logits" for s in export.outputs)),
@@ -165,6 +167,14 @@ def write_served(version_dir: Path) -> None:
     for module in sorted(source.iterdir(), key=lambda f: f.name):
         if module.name.endswith(".py") and module.name != "entry.py":
             (version_dir / "served" / module.name).write_text(module.read_text())
+
+
+def scheduler_limit(recipe: Recipe) -> int:
+    """The generation model's scheduler limit per instance (``max_concurrent_generations``):
+    ``triton.max_concurrent_generations``, else ``triton.max_batch_size`` (at least 1) as before
+    the field existed."""
+    given = recipe.triton.max_concurrent_generations
+    return given if given is not None else max(1, recipe.triton.max_batch_size)
 
 
 def served_limits(recipe: Recipe, profiles: Sequence[ResolvedProfile]) -> dict[str, int]:

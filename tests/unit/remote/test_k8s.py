@@ -398,3 +398,24 @@ def test_deploy_refuses_an_out_in_the_repository_a_wrong_target_a_bad_image_and_
     assert "--target onnxruntime: the repository at s3://models/q serves its compute model as a TensorRT engine" in (
         capsys.readouterr().err)
     assert cli.main([*base, "--target", "tensorrt"]) == 0
+
+
+def test_a_serving_pin_that_fits_the_target_sets_the_cpu_request_and_one_that_does_not_is_named(tmp_path):
+    from pipeline.triton import pin
+
+    recipe = load_recipe(ROOT / "recipes" / "int8-encoder.yaml", {"work_dir": str(tmp_path / "work"),
+                                                                  "output_dir": str(tmp_path / "repo"),
+                                                                  "serve": {"cpu_cores": 4}})
+    recipe_path = tmp_path / "int8-encoder.yaml"
+    chosen = {"minilm_int8": {"role": "compute", "instance_count": 2, "max_batch_size": 32,
+                              "dynamic_batching": None, "intra_op_threads": 2}}
+    for runtime, fits in (("onnxruntime_onnx", True), ("python-onnxruntime", False)):
+        fields = {"hardware": "cpu:4", "graphs": {"minilm_int8": "a" * 64}, "runtimes": {"minilm_int8": runtime}}
+        pin.write(pin.pin_path(recipe_path, recipe.name), fields, chosen, [], "2 instances", {})
+        files = k8s.manifests(recipe, storage_uri="s3://models/x", target="onnxruntime", recipe_path=recipe_path)
+        header, (isvc,) = files["kserve/inferenceservice.yaml"]
+        cpu = isvc["spec"]["predictor"]["model"]["resources"]["requests"]["cpu"]
+        if fits:
+            assert cpu == "4" and "minilm_int8: 2 instances" in header
+        else:
+            assert cpu == "2" and "measured on python-onnxruntime, deployed as onnxruntime_onnx" in header

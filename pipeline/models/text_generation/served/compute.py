@@ -57,6 +57,7 @@ class InProcessCompute:
         options = ort.SessionOptions()
         options.graph_optimization_level = helper.LEVELS[params.get("graph_optimization_level", "all")]
         helper.apply_session_config(options, params)  # weight-only INT4: MatMulNBits in FP32
+        options.intra_op_num_threads = int(params.get("intra_op_threads", "0"))  # 0: ONNX Runtime's default
         model = onnx.load(path)
         weights = helper.dequantize_once(model) if params.get("dequantize_weights") == "once" else {}
         self.weights = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
