@@ -98,8 +98,10 @@ def inputs(sources: Iterable[tuple[str, Any]]) -> dict[str, dict[str, str]]:
 
 
 #: (folder a closure reaches, folder of Python files copied into model repositories that it then
-#: hashes too), relative to the package: the Triton templates, and the served generation model.
-SHIPPED = (("triton", "triton/templates"), ("models/text_generation/served", "models/text_generation/served"))
+#: hashes too), relative to the package: the Triton templates, the served generation model, and the
+#: image classifier's preprocessing model (``preprocess_model.py``, copied, never imported).
+SHIPPED = (("triton", "triton/templates"), ("models/text_generation/served", "models/text_generation/served"),
+           ("models/image_classification", "models/image_classification"))
 
 
 @functools.lru_cache(maxsize=None)
