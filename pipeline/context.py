@@ -51,6 +51,23 @@ class Progress:
 
 
 @dataclass
+class RunStart:
+    """What a stage's ``before_run`` hook sees: the run before its first stage.
+
+    A stage module may declare ``before_run(start: RunStart) -> dict``; the runner calls the hooks of the
+    stages a run walks, in stage order, before the first stage, and hands every :class:`StageContext`
+    the fields they return (e.g. ``{"pin": ...}``). A hook raises to stop the run before any stage.
+    """
+    recipe: Recipe
+    recipe_path: Path
+    progress: Progress
+    inputs: dict  # pipeline.provenance.inputs(): input name -> {"path", "sha256"}, hashed once per run
+    manifest: dict  # the run's manifest, which a hook may add a section to
+    locked: bool = False  # build --locked
+    pin_ignore: str = ""  # non-empty: why no tuning pin applies to this run (tune, build --test)
+
+
+@dataclass
 class StageContext:
     recipe: Recipe
     recipe_path: Path

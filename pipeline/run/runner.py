@@ -34,7 +34,7 @@ from pydantic import TypeAdapter
 from pipeline import artifacts as A
 from pipeline import fsutil, interrupts, provenance
 from pipeline.run import report as M
-from pipeline.context import Progress, StageContext
+from pipeline.context import Progress, RunStart, StageContext
 from pipeline.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
@@ -92,6 +92,11 @@ class StageDef:
     def cached_problems(self, art: Any, recipe: Recipe) -> list[str]:
         check = getattr(self.module, "cached_problems", None)
         return check(art, recipe) if check else []
+
+    def before_run(self, start: RunStart) -> dict:
+        """The module's ``before_run`` hook (:class:`pipeline.context.RunStart`): its StageContext fields."""
+        hook = getattr(self.module, "before_run", None)
+        return dict(hook(start) or {}) if hook else {}
 
     def key_inputs(self, inputs: dict[str, str | None]) -> dict[str, str | None]:
         """The manifest inputs (name -> sha256) the stage reads itself: those named by the module's
@@ -263,7 +268,6 @@ def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *
          remote: SharedCache | None = None, unpinned: str = "", bisect_crash_s: float | None = None) -> RunResult:
     _note_another_recipe(recipe, recipe_path, run_dir, progress)
     remove_scratch(run_dir)  # a killed run's half-written manifest.json / report.md (the run lock is held)
-    _repair_published(recipe, progress)
     man: dict = {}
     arts, _ = _walk(recipe, recipe_path, run_dir, progress, man, locked=locked, remote=remote, pin_ignore=unpinned,
                     bisect_crash_s=bisect_crash_s)
@@ -273,32 +277,38 @@ def _run(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, *
 def _walk(recipe: Recipe, recipe_path: Path, run_dir: Path, progress: Progress, man: dict, *,
           locked: bool = False, pin_ignore: str = "", upto: str | None = None,
           remote: SharedCache | None = None, bisect_crash_s: float | None = None) -> tuple[dict, dict]:
-    """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys)."""
-    from pipeline.quant import pin
-
+    """Run the stages in order (through ``upto``), filling ``man``; returns (artifacts, keys). The hooks of
+    the stages walked (``before_run``: the quantize stage's pin lookup and ``--locked`` check, the triton
+    stage's publish repair) run first, before any stage."""
     versions = provenance.tool_versions()
     hashed = provenance.inputs(M.input_sources(recipe, Path(recipe_path).parent))  # once: manifest, pin, keys
     man.update(M.new_manifest(recipe, recipe_path, versions, hashed))
     versions = _key_versions(versions)
     inputs = {k: v.get("sha256") for k, v in hashed.items()}
-    found = pin.lookup(recipe, recipe_path, hashed, ignore=pin_ignore)
-    if locked:
-        pin.check_locked(recipe, found)
-    man["tuning"] = {"source": pin.PINNED if found.pinned is not None else pin.SEARCHED,
-                     "pin": str(found.path), "reason": found.reason}
+    start = RunStart(recipe, Path(recipe_path), progress, hashed, man, locked=locked, pin_ignore=pin_ignore)
+    fields: dict[str, Any] = {}
+    for stage in _walked(upto):
+        fields.update(stage.before_run(start))
     arts: dict[str, Any] = {}
     keys: dict[str, str] = {}
     with frozen_between_stages():
-        _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote,
+        _walk_stages(recipe, recipe_path, run_dir, progress, man, fields, versions, inputs, arts, keys, upto, remote,
                      bisect_crash_s)
     return arts, keys
 
 
-def _walk_stages(recipe, recipe_path, run_dir, progress, man, found, versions, inputs, arts, keys, upto, remote,
+def _walked(upto: str | None) -> list[StageDef]:
+    """The stages a walk through ``upto`` (None: all) runs, in order."""
+    stages = _stages()
+    names = [s.name for s in stages]
+    return stages if upto is None else stages[:names.index(upto) + 1]
+
+
+def _walk_stages(recipe, recipe_path, run_dir, progress, man, fields, versions, inputs, arts, keys, upto, remote,
                  bisect_crash_s=None):
     for stage in _stages():
         interrupts.check()  # a SIGTERM whose KeyboardInterrupt a GC callback swallowed (CLI handler)
-        ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, pin=found, bisect_crash_s=bisect_crash_s)
+        ctx = StageContext(recipe, recipe_path, run_dir, stage.name, progress, bisect_crash_s=bisect_crash_s, **fields)
         code = {"code": code_hash(stage.module.__name__)}
         tools = {k: v for k, v in versions.items() if not (stage.engine_free and k in _ENGINE_TOOLS)}
         keys[stage.name] = stage_key(stage, recipe, [keys[d] for d in stage.deps],
@@ -321,16 +331,6 @@ def _note_another_recipe(recipe: Recipe, recipe_path: Path, run_dir: Path, progr
         progress.print(f"[yellow]note: {run_dir}/ holds the last run of {last}, a recipe of the same name "
                        f"({recipe.name}); this run of {recipe_path} replaces its results and its models in "
                        f"{recipe.output_dir}/ (give the copy its own name to keep both)[/yellow]")
-
-
-def _repair_published(recipe: Recipe, progress: Progress) -> None:
-    """Complete a publish into output_dir that a crash interrupted (see pipeline.triton.publish)."""
-    from pipeline.triton import publish
-
-    note = publish.recover(Path(recipe.output_dir))
-    if note:
-        progress.print(f"[yellow]{note}[/yellow]")
-    publish.remove_leftovers(Path(recipe.output_dir), recipe.name)
 
 
 def _run_stage(stage: StageDef, ctx: StageContext, key: str, arts: dict, man: dict,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.artifacts import BuildArtifact, ExportArtifact, QuantizedArtifact, TritonArtifact
-from pipeline.context import StageContext
+from pipeline.context import RunStart, StageContext
 from pipeline.errors import TritonConfigError
 from pipeline.recipe.schema import Recipe
 
@@ -206,3 +206,16 @@ def check_engine(recipe: Recipe, b: BuildArtifact, *, target: Target | None = No
             f"engine {b.engine_path} refused for deployment:\n  " + "\n  ".join(result.errors + result.warnings)
         )
     return result.warnings
+
+
+def before_run(start: RunStart) -> dict:
+    """Before any stage: complete a publish into ``output_dir`` that a crash interrupted
+    (:func:`pipeline.triton.publish.recover`), so a run whose gate then fails still leaves the last
+    published repository whole, and remove a failed publish's leftovers."""
+    from pipeline.triton import publish
+
+    note = publish.recover(Path(start.recipe.output_dir))
+    if note:
+        start.progress.print(f"[yellow]{note}[/yellow]")
+    publish.remove_leftovers(Path(start.recipe.output_dir), start.recipe.name)
+    return {}

@@ -14,7 +14,7 @@ from onnx.external_data_helper import load_external_data_for_model
 from pipeline import onnx_io
 from pipeline.checks import graph as graph_checks
 from pipeline.artifacts import ExportArtifact, QuantizedArtifact
-from pipeline.context import StageContext
+from pipeline.context import RunStart, StageContext
 from pipeline.errors import QuantizationError
 from pipeline.quant.feeds import save_batches
 from pipeline.models import registry
@@ -423,3 +423,19 @@ def tuning_feeds(ctx: StageContext, exp) -> list[dict]:
     if not feeds:
         raise QuantizationError(f"quantize.tuning.data: {q.tuning.data.describe()} gives no window of {cal.seq_len} tokens")
     return feeds
+
+
+def before_run(start: RunStart) -> dict:
+    """Before any stage: find the recipe's tuning pin (:func:`pipeline.quant.pin.lookup`) for every stage's
+    context, record in the manifest whether this run is pinned, and, for ``build --locked``, refuse a run
+    whose search would run.
+
+    Raises:
+        RecipeError: (exit 2) the pin file is not a valid pin; ``--locked`` without a matching pin.
+    """
+    found = pin.lookup(start.recipe, start.recipe_path, start.inputs, ignore=start.pin_ignore)
+    if start.locked:
+        pin.check_locked(start.recipe, found)
+    start.manifest["tuning"] = {"source": pin.PINNED if found.pinned is not None else pin.SEARCHED,
+                                "pin": str(found.path), "reason": found.reason}
+    return {"pin": found}
