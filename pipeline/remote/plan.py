@@ -944,11 +944,27 @@ def _assemble(plan: Plan, workdir: Path, remote, client, quiet: bool) -> dict:
 
     recipe, path = step_recipe(plan, "assemble", workdir)
     result = run_pipeline(recipe, path, quiet=quiet, remote=remote)  # every CPU stage: pulled
-    scratch = workdir / "scratch"
+    return assemble(plan, recipe, result.artifacts, client, workdir / "scratch")
+
+
+def assemble(plan: Plan, recipe, arts: dict, client, scratch: Path) -> dict:
+    """The assemble step after its CPU stages are in place (``arts``: their artifacts): collect each
+    SKU's result from the cache, write the repository and ``assemble.json`` into ``scratch`` (replaced),
+    then publish to ``plan.publish_to`` unless a SKU is simulated or a SKU that is not optional
+    failed, has no result or an engine whose stamp is refused.
+
+    Returns:
+        The summary (``assemble.json``): ``ok``, ``simulated`` and ``failed`` SKUs (name -> why),
+        ``left_out_optional``, ``repository``, ``rtx_engines``, ``published`` (None when not published).
+
+    Raises:
+        EnvironmentFault: (exit 4) refusing to publish; names each simulated SKU and each failed
+            SKU that is not optional, with why.
+    """
     shutil.rmtree(scratch, ignore_errors=True)
     got = _collect(plan, client, scratch / "engines")
     keep = [s for s in plan.skus if s["name"] in got.ok]
-    repo = write_repository(plan, recipe, result.artifacts, keep, got, scratch / "repository")
+    repo = write_repository(plan, recipe, arts, keep, got, scratch / "repository")
     rtx = _copy_rtx(Path(recipe.work_dir) / recipe.name / "build", scratch / "rtx-engines")
     optional = {s["name"] for s in plan.skus if s["optional"]}
     required_failed = {n: w for n, w in got.failed.items() if n not in optional}
