@@ -587,9 +587,57 @@ def validate_k8s(docs: list[dict], version: str = "1.30") -> list[str]:
     return out
 
 
-def validate_plan(plan: Plan, plan_text: str) -> tuple[list[str], list[str]]:
+#: the CI snippets' JSON schemas: SchemaStore's GitHub workflow and GitLab CI schemas as check-jsonschema's
+#: wheel vendors them (``--builtin-schema vendor.github-workflows``), and its own rule that every GitHub
+#: job sets ``timeout-minutes``; paths under its ``builtin_schemas/``
+CI_SCHEMAS = {"github-actions.yml": ("vendor/github-workflows.json", "custom/github-workflows-require-timeout.json"),
+              "gitlab-ci.yml": ("vendor/gitlab-ci.json",)}
+
+
+def _schema_problems(validator, doc: Any) -> list[str]:
+    """One line per error of ``doc``; an error of a ``oneOf``/``anyOf`` (a GitHub job is a job or a call
+    of a reusable workflow) is told by the branch with the fewest errors, the likeliest meant."""
+    out = []
+    for err in validator.iter_errors(doc):
+        if err.context:
+            branches: dict[Any, list] = {}
+            for sub in err.context:
+                branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+            out += [f"{'.'.join(map(str, sub.absolute_path)) or '(top)'}: {sub.message}"
+                    for sub in min(branches.values(), key=len)]
+        else:
+            out.append(f"{'.'.join(map(str, err.absolute_path)) or '(top)'}: {err.message}")
+    return out
+
+
+def validate_ci(doc: dict, name: str) -> list[str]:
+    """Problems of the CI snippet ``name`` (a key of :data:`CI_SCHEMAS`) by its JSON schemas, which
+    check-jsonschema's wheel vendors; they are read as files and applied with ``jsonschema`` (draft 7,
+    with its format checker), so no schema is fetched.
+
+    Raises:
+        ImportError: check-jsonschema is not installed.
+    """
+    import importlib.util
+
+    import jsonschema
+
+    spec = importlib.util.find_spec("check_jsonschema")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("check-jsonschema is not installed")
+    root = Path(list(spec.submodule_search_locations)[0]) / "builtin_schemas"
+    out = []
+    for rel in CI_SCHEMAS[name]:
+        schema = json.loads((root / rel).read_text())
+        cls = jsonschema.validators.validator_for(schema)
+        out += [f"{p} ({Path(rel).stem})" for p in _schema_problems(cls(schema, format_checker=cls.FORMAT_CHECKER), doc)]
+    return out
+
+
+def validate_plan(plan: Plan, plan_text: str, plan_path: str = PLAN_FILE) -> tuple[list[str], list[str]]:
     """(problems, checks run): the Workflow by hera-workflows' models, the ConfigMap and Jobs by
-    kubernetes-validate; a checker that is not installed is named in ``checks run`` as not run."""
+    kubernetes-validate, the CI snippets by their schemas (:func:`validate_ci`); a checker that is not
+    installed is named in ``checks run`` as not run."""
     problems, ran = [], []
     try:
         problems += [f"workflow.yaml: {p}" for p in validate_workflow(workflow(plan))]
@@ -602,6 +650,14 @@ def validate_plan(plan: Plan, plan_text: str) -> tuple[list[str], list[str]]:
         ran.append(f"jobs/: kubernetes-validate {_version('kubernetes-validate')} (Kubernetes 1.30 schemas, strict)")
     except ImportError:
         ran.append("jobs/: NOT validated (kubernetes-validate is not installed)")
+    try:
+        for name, doc in (("github-actions.yml", github_actions(plan, plan_path)),
+                          ("gitlab-ci.yml", gitlab_ci(plan, plan_path))):
+            problems += [f"ci/{name}: {p}" for p in validate_ci(doc, name)]
+        ran.append(f"ci/: check-jsonschema {_version('check-jsonschema')}'s vendored schemas (SchemaStore's GitHub "
+                   "workflow and GitLab CI schemas; every GitHub job sets timeout-minutes)")
+    except ImportError:
+        ran.append("ci/: NOT validated (check-jsonschema, which ships their schemas, is not installed)")
     return problems, ran
 
 
@@ -630,10 +686,10 @@ def write_plan(plan: Plan, out: Path) -> list[Path]:
     from pipeline.fsutil import write_text_atomic
 
     text = json.dumps(asdict(plan), indent=1, sort_keys=True) + "\n"
-    problems, ran = validate_plan(plan, text)
+    rel_plan = f"{out.as_posix().rstrip('/')}/{PLAN_FILE}"
+    problems, ran = validate_plan(plan, text, rel_plan)
     if problems:
         raise InternalError("plan-build: the plan fails validation, nothing written:\n  " + "\n  ".join(problems))
-    rel_plan = f"{out.as_posix().rstrip('/')}/{PLAN_FILE}"
     files = {PLAN_FILE: text, "workflow.yaml": _dump(workflow(plan)),
              "jobs/00-plan-configmap.yaml": _dump(config_map(plan, text)),
              **{f"jobs/{f}": _dump(j) for f, j in jobs(plan)}, "jobs/apply-order.txt": apply_order(plan),

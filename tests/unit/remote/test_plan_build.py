@@ -222,3 +222,34 @@ def test_a_gpu_step_refuses_an_environment_without_the_pinned_packages():
     assert install_problems(wrong) == [
         f"gensim==0.0.1 (for validate.data): {_constraint('gensim').split('==')[1]} installed",
         "no-such-dist==1.0 (for model.source): not installed"]
+
+
+def test_the_ci_snippets_pass_their_schemas(tmp_path):
+    """The written files, as YAML, pass check-jsonschema's own command line with SchemaStore's GitHub
+    workflow and GitLab CI schemas (which its wheel vendors: no download); validate_ci, which plan-build
+    runs before writing, finds what those schemas refuse."""
+    import subprocess
+    import sys
+
+    plan = plan_of("int8-llm", "L4,A10,H100,sm120", optional=["A10"])
+    P.write_plan(plan, tmp_path)
+    assert any(r.startswith("ci/: check-jsonschema") for r in P.validate_plan(plan, "{}")[1])
+    for schema, rel in (("vendor.github-workflows", "github-actions.yml"),
+                        ("custom.github-workflows-require-timeout", "github-actions.yml"),
+                        ("vendor.gitlab-ci", "gitlab-ci.yml")):
+        done = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", schema,
+                               str(tmp_path / "ci" / rel)], capture_output=True, text=True)
+        assert done.returncode == 0, (schema, done.stdout, done.stderr)
+    gha = P.github_actions(plan, "plan.json")
+    assert P.validate_ci(gha, "github-actions.yml") == []
+    gha["jobs"]["gpu"]["needz"] = "cpu"
+    gha["jobs"]["assemble"]["steps"][0]["uzes"] = "actions/checkout@v4"
+    del gha["jobs"]["cpu"]["timeout-minutes"]
+    found = P.validate_ci(gha, "github-actions.yml")
+    assert any(p.startswith("jobs.gpu: Additional properties are not allowed ('needz'") for p in found), found
+    assert any(p.startswith("jobs.assemble.steps.0:") and "'uzes'" in p for p in found), found
+    assert any(p.startswith("jobs.cpu") and "timeout-minutes" in p for p in found), found
+    gitlab = P.gitlab_ci(plan, "plan.json")
+    assert P.validate_ci(gitlab, "gitlab-ci.yml") == []
+    gitlab["plan-assemble"]["when"] = "sometimes"
+    assert [p.split(":")[0] for p in P.validate_ci(gitlab, "gitlab-ci.yml")] == ["plan-assemble.when"]
