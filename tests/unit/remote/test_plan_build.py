@@ -253,3 +253,25 @@ def test_the_ci_snippets_pass_their_schemas(tmp_path):
     assert P.validate_ci(gitlab, "gitlab-ci.yml") == []
     gitlab["plan-assemble"]["when"] = "sometimes"
     assert [p.split(":")[0] for p in P.validate_ci(gitlab, "gitlab-ci.yml")] == ["plan-assemble.when"]
+
+
+def test_a_model_path_gives_every_step_of_a_plan_one_export_key_but_its_folder_name_enters_it(tmp_path):
+    """The export key holds ``model.source`` as dumped, absolute paths cut to their last part
+    (pipeline.provenance.portable): the steps of one plan (one recipe text) agree wherever they run,
+    while a copy of the same bytes in a folder of another name is another key (a cache miss, never a
+    wrong hit: the bytes' sha256 is in the key too). Documented in docs/publishing-and-kubernetes.md."""
+    from pipeline.provenance import portable
+    from pipeline.stages import export
+
+    sections = {}
+    for folder in ("runner-a/smollm2", "runner-b/smollm2", "runner-c/SmolLM2-135M"):
+        (tmp_path / folder).mkdir(parents=True)
+        plan = plan_of("int8-llm", "L4,sm120", overrides={"model.source": {"path": str(tmp_path / folder)}},
+                       local_sources=True)
+        cpu, _ = P.step_recipe(plan, "cpu", tmp_path / folder / "cpu-step")
+        gpu, _ = P.step_recipe(plan, "gpu", tmp_path / folder / "gpu-step", plan.sku("L4"))
+        assert portable(export.key_sections(cpu)) == portable(export.key_sections(gpu))
+        sections[folder] = portable(export.key_sections(cpu))
+    assert sections["runner-a/smollm2"] == sections["runner-b/smollm2"]
+    assert sections["runner-a/smollm2"][0]["source"] == {"path": "smollm2"}
+    assert sections["runner-c/SmolLM2-135M"] != sections["runner-a/smollm2"]
