@@ -275,3 +275,19 @@ def test_a_model_path_gives_every_step_of_a_plan_one_export_key_but_its_folder_n
     assert sections["runner-a/smollm2"] == sections["runner-b/smollm2"]
     assert sections["runner-a/smollm2"][0]["source"] == {"path": "smollm2"}
     assert sections["runner-c/SmolLM2-135M"] != sections["runner-a/smollm2"]
+
+
+def test_the_docs_excerpts_are_the_generated_plan(tmp_path):
+    """docs/publishing-and-kubernetes.md's DAG and the H100 step's script are what plan-build writes for
+    int8-llm (L4,A10,H100,sm120)."""
+    import re
+
+    doc = (ROOT / "docs" / "publishing-and-kubernetes.md").read_text()
+    P.write_plan(plan_of("int8-llm", "L4,A10,H100,sm120"), tmp_path)
+    text = (tmp_path / "workflow.yaml").read_text()
+    dag = re.search(r"```yaml\n(  - name: plan\n.*?)```", doc, re.S)
+    assert dag and dag.group(1) in text
+    script = re.search(r"Its script \(`args`, the wheel's download line left out\):\n\n```sh external\n(.*?)```", doc, re.S)
+    wf = yaml.safe_load(text)
+    h100 = next(t for t in wf["spec"]["templates"] if t["name"] == "gpu-h100")["container"]["args"][0]
+    assert script and script.group(1).splitlines() == [l for l in h100.splitlines() if not l.startswith("python3 -c")]
