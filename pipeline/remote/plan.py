@@ -384,7 +384,7 @@ def _container(plan: Plan, step: str, sku: dict | None) -> dict:
     res: dict = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "24Gi"}}
     if sku is not None:
         res["limits"]["nvidia.com/gpu"] = "1"
-    return {"image": image, "command": ["sh", "-c"], "args": [_script(plan, step, sku and sku["name"])],
+    return {"image": image, "command": ["sh", "-c"], "args": [_script(plan, step, sku["name"] if sku else None)],
             "envFrom": [{"secretRef": {"name": plan.secret}}],
             "env": [{"name": "PIPELINE_CACHE", "value": plan.cache}],
             "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True},
@@ -403,8 +403,9 @@ def steps(plan: Plan) -> list[tuple[str, str, dict | None]]:
     """(task name, step, SKU entry or None) in order: cpu, one gpu-<sku> each, assemble."""
     from pipeline.remote.k8s import dns_name
 
-    return ([("cpu", "cpu", None)] + [(dns_name(f"gpu-{s['name'].lower()}"), "gpu", s) for s in plan.skus]
-            + [("assemble", "assemble", None)])
+    out: list[tuple[str, str, dict | None]] = [("cpu", "cpu", None)]
+    out += [(dns_name(f"gpu-{s['name'].lower()}"), "gpu", s) for s in plan.skus]
+    return out + [("assemble", "assemble", None)]
 
 
 def workflow(plan: Plan) -> dict:
