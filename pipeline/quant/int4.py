@@ -475,3 +475,80 @@ def _used_names(g: onnx.GraphProto) -> set[str]:
             for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
                 used |= _used_names(sub) | {o.name for o in sub.output}
     return used
+
+
+# --- the tied table for TensorRT ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedTable:
+    """What :func:`share_tied_table` did: the FP32 ``table`` ``[V, H]`` a Gather read is gone, the
+    Gather reads ``Transpose(DequantizeLinear(values))`` of the lm_head's INT8 blocks ``values``
+    ``[H, V]`` (``dequantize`` is the DequantizeLinear's name); ``bytes_saved``: the FP32 table's size."""
+
+    table: str
+    values: str
+    dequantize: str
+    bytes_saved: int
+
+
+def share_tied_table(model: onnx.ModelProto, base_dir: str = "") -> SharedTable | None:
+    """In place: the embedding Gather reads the tied lm_head's INT8 blocks instead of its own FP32
+    table, so the graph holds one INT8 table (``[H, V]`` values and ``[H / bs, V]`` scales) for both:
+    the form a TensorRT engine is built from (SmolLM2: 113.2 MB of FP32 table dropped, 30.1 MB of
+    INT8 blocks and FP32 scales kept). Exact: the table is first proved equal, element for element,
+    to the blocks' decode ``values * scales`` (which :func:`rewrite_tied_lm_head` proved equal to
+    the GGUF tensor's Q8_0 decode: ``q * d`` with ``|q| <= 127`` and ``d`` an fp16 value is exact
+    in float32), so the Gather's output is bit for bit what the FP32 table gave.
+
+    The graph ONNX Runtime runs keeps the FP32 table: it fuses a DequantizeLinear into a
+    MatMulNBits only when the MatMul is the DequantizeLinear's one reader, so the shared form
+    would dequantize all ``H * V`` values on every call (benchmarks/int4_speed.py, part ``table``).
+
+    Args:
+        model: a graph from :func:`rewrite_tied_lm_head` (possibly loaded without external data;
+            ``base_dir`` is then the model file's folder).
+
+    Returns:
+        What was rewritten, or None when the graph has no such pair (no tied lm_head on INT8
+        blocks without offsets, a Gather on an FP32 ``[V, H]`` table, ``axis`` 0), or the table
+        differs from the blocks' decode in any element: the graph is then left as it was.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    for dq in list(g.node):
+        if _block_size_of(dq) == 0 or not dq.input[0].endswith(".values"):
+            continue
+        values, scales = inits.get(dq.input[0]), inits.get(dq.input[1])
+        if values is None or scales is None or values.data_type != TensorProto.INT8 or len(values.dims) != 2 or \
+                f"{dq.input[0].removesuffix('.values')}.offsets" in inits:
+            continue
+        h, v = (int(d) for d in values.dims)
+        for gather in [n for n in g.node if n.op_type == "Gather" and n.input[0] in inits]:
+            table = inits[gather.input[0]]
+            axis = next((a.i for a in gather.attribute if a.name == "axis"), 0)
+            if table.data_type != TensorProto.FLOAT or list(table.dims) != [v, h] or axis != 0:
+                continue
+            decoded = numpy_helper.to_array(values).astype(np.float32) * np.repeat(
+                numpy_helper.to_array(scales), h // int(scales.dims[0]), axis=0)
+            if not np.array_equal(_array(table, base_dir), decoded.T):
+                return None
+            del decoded
+            transposed = f"{dq.output[0]}.VxH"
+            node = helper.make_node("Transpose", [dq.output[0]], [transposed], name=f"{gather.name}/table_Transpose",
+                                    perm=[1, 0])
+            gather.input[0] = transposed
+            nodes = [n for n in g.node if n is not dq]  # the DequantizeLinear reads initializers only: move it up
+            at = nodes.index(gather)
+            del g.node[:]
+            g.node.extend(nodes[:at] + [dq, node] + nodes[at:])
+            if not any(table.name in n.input for n in g.node):
+                g.initializer.remove(table)
+            return SharedTable(table.name, values.name, dq.name, 4 * v * h)
+    return None
+
+
+def _block_size_of(node: onnx.NodeProto) -> int:
+    if node.op_type != "DequantizeLinear":
+        return 0
+    return next((a.i for a in node.attribute if a.name == "block_size"), 0)

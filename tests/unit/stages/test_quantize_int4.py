@@ -182,6 +182,12 @@ def test_tensorrt_rtx_counts_the_gemms_as_weight_only_not_left_in_fp32(tiny, tmp
     stamp = json.loads(Path(b.stamp_path).read_text())
     assert stamp["network"]["weight_only_gemms"] == {"q_mm": "INT4", "k_mm": "INT4", "up_mm": "INT8", "lm_head": "INT8"}
     assert stamp["network"]["low_precision_gemms"] == {}
+    # built from the engine graph: one INT8 table for the embedding and the lm_head (no FP32 copy)
+    assert stamp["engine_graph"]["tied_table"] == {"table": "table", "values": "gguf.token_embd.weight.values",
+                                                   "dequantize": "lm_head/DequantizeLinear", "bytes_saved": 4 * VOCAB * K}
+    engine_graph = onnx.load(str(tmp_path / "build" / build.ENGINE_GRAPH))
+    assert "table" not in {t.name for t in engine_graph.graph.initializer}
+    assert build.ENGINE_GRAPH in (tmp_path / "build" / build.SCRIPT_NAME).read_text()  # trtexec builds the same graph
     rows = stamp["weight_formats"]
     assert {k: r["gemms"] for k, r in rows.items()} == {"INT4 block 32 + offsets": 2, "INT8 block 16": 1,
                                                         "INT8 block 32": 1}
@@ -194,3 +200,40 @@ def test_tensorrt_rtx_counts_the_gemms_as_weight_only_not_left_in_fp32(tiny, tmp
     section = (tmp_path / "build" / engine_report.SECTION_FILE).read_text()
     assert "| weight-only GEMMs (block weights, FP32 activations) | 4 in the network (INT4 2, INT8 2) |" in section
     assert "INT4 block 32 + offsets: 2 GEMMs, 6.00 bits/weight" in section and "WARNING" not in section
+
+
+def test_the_engine_graph_reads_the_embedding_from_the_lm_heads_int8_blocks_with_the_same_values(tiny):
+    """int4.share_tied_table (the build stage's engine graph): the FP32 table is gone, the Gather reads
+    Transpose(DequantizeLinear) of the lm_head's INT8 blocks, and every output is what the validated graph gives
+    (the embedding bit for bit: Q8_0 decodes exactly in float32)."""
+    _, _, art = tiny
+    validated = onnx.load(art.onnx_path)
+    model = onnx.load(art.onnx_path)
+    shared = int4.share_tied_table(model)
+    assert shared == int4.SharedTable("table", "gguf.token_embd.weight.values", "lm_head/DequantizeLinear",
+                                      4 * VOCAB * K)
+    onnx.checker.check_model(model, full_check=True)
+    inits = {t.name for t in model.graph.initializer}
+    assert "table" not in inits and "gguf.token_embd.weight.values" in inits
+    readers = [n for n in model.graph.node if "lm_head/DequantizeLinear" in [p.name for p in model.graph.node
+                                                                            if p.output[0] in n.input]]
+    assert sorted(n.op_type for n in readers) == ["MatMul", "Transpose"]
+    names = ["q", "k", "u", "logits", "emb"]
+    opts = ort_sessions.session_options("all", config=ort_sessions.MATMULNBITS_FP32)
+    a = ort.InferenceSession(validated.SerializeToString(), opts).run(names, feeds())
+    b = ort.InferenceSession(model.SerializeToString(), opts).run(names, feeds())
+    assert np.array_equal(a[4], b[4])  # the embedding
+    for name, x, y in zip(names, a, b):
+        assert np.allclose(x, y, rtol=0, atol=1e-5 * max(1.0, float(np.abs(x).max()))), name
+
+
+def test_a_table_that_differs_from_the_blocks_decode_is_not_shared(tiny):
+    _, _, art = tiny
+    model = onnx.load(art.onnx_path)
+    table = next(t for t in model.graph.initializer if t.name == "table")
+    w = onnx.numpy_helper.to_array(table).copy()
+    w[3, 7] = np.nextafter(w[3, 7], np.float32(np.inf))  # one ulp off in one element
+    table.CopyFrom(onnx.numpy_helper.from_array(w, "table"))
+    before = model.SerializeToString()
+    assert int4.share_tied_table(model) is None
+    assert model.SerializeToString() == before  # left as it was
