@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,6 @@ from pipeline.trt.builder import (
 from pipeline.trt.stamp import builder_key, local_target, make_stamp, preflight, unavailable_reason
 from pipeline.trt.trtexec import trtexec_command, write_trtexec_script
 from pipeline.fsutil import write_bytes_atomic, write_text_atomic
-from pipeline.onnx_io import data_file_name, save_model_atomic
 from pipeline.checks.graph import check_qdq_graph
 from pipeline.recipe.schema import Recipe
 
@@ -150,7 +148,6 @@ def build_from_onnx(
     shutil.rmtree(out_dir / CRASH_DIR, ignore_errors=True)  # an earlier run's bisect
     onnx_path = Path(quantized_onnx).resolve()
     model = _load_graph(onnx_path, inputs)
-    onnx_path, model, shared = _engine_graph(onnx_path, model, out_dir)  # int4: one tied INT8 table
     shape_tensors = set(profiles.shape_tensor_inputs(model))
     resolved = profiles.resolve_profiles(list(recipe.build.profiles), inputs, shape_tensors)
     dynamic = dynamic_inputs(inputs)
@@ -179,8 +176,6 @@ def build_from_onnx(
     write_bytes_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
     stamp["onnx_qdq_nodes"] = sum(n.op_type in INSERTED_OPS for n in model.graph.node)
-    if shared is not None:
-        stamp["engine_graph"] = {"from": str(Path(quantized_onnx).resolve()), "tied_table": asdict(shared)}
     formats = engine_report.block_weight_formats(model)  # weight-only (int4) GEMMs: bits per weight by form
     if formats:
         stamp["weight_formats"] = formats
@@ -192,38 +187,6 @@ def build_from_onnx(
     headline = {k: stamp[k] for k in HEADLINE}
     return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved,
                          backend=plan.backend.name, engine=headline)
-
-
-#: the graph an engine is built from when it differs from the quantize stage's (:func:`_engine_graph`)
-ENGINE_GRAPH = "engine_graph.onnx"
-
-
-def _engine_graph(onnx_path: Path, model: onnx.ModelProto, out_dir: Path
-                  ) -> tuple[Path, onnx.ModelProto, "int4.SharedTable | None"]:
-    """The graph the engine is built from: ``onnx_path`` itself, or, for a weight-only graph with a
-    tied embedding (:func:`pipeline.quant.int4.rewrite_tied_lm_head`: an FP32 table for the Gather,
-    the lm_head's own INT8 blocks), ``out_dir/engine_graph.onnx`` where the Gather reads the
-    lm_head's INT8 blocks (:func:`pipeline.quant.int4.share_tied_table`, proved exact there), so the
-    engine holds one INT8 table instead of it and an FP32 copy (SmolLM2: 113 MB less). ONNX Runtime
-    (validate, the served python-onnxruntime model) runs ``onnx_path``, whose FP32 table keeps the
-    lm_head a fused MatMulNBits; the two graphs compute the same values bit for bit.
-
-    Returns:
-        ``(path, graph loaded without external data, what was shared or None)``.
-    """
-    from pipeline.quant import int4
-
-    (out_dir / ENGINE_GRAPH).unlink(missing_ok=True)
-    (out_dir / data_file_name(ENGINE_GRAPH)).unlink(missing_ok=True)
-    if not any(n.op_type == "DequantizeLinear" and any(a.name == "block_size" and a.i for a in n.attribute)
-               for n in model.graph.node):
-        return onnx_path, model, None
-    full = onnx.load(str(onnx_path), load_external_data=False)
-    shared = int4.share_tied_table(full, base_dir=str(onnx_path.parent))
-    if shared is None:
-        return onnx_path, model, None
-    path = save_model_atomic(full, out_dir / ENGINE_GRAPH, base_dir=onnx_path.parent)
-    return path, onnx.load(str(path), load_external_data=False), shared
 
 
 def _bisected(crash: BuilderCrash, plan: engine_backends.BuildPlan, onnx_path: Path, recipe: Recipe,
