@@ -84,7 +84,7 @@ def engine_path(b: BuildArtifact | None) -> str | None:
 def onnx_validated_note(q: QuantizedArtifact, b: BuildArtifact | None) -> str:
     """``validated_artifact`` when ONNX Runtime measured the graph (no engine run)."""
     why = unrun_engine_note(b) or ": no TensorRT engine was built, so this graph is what gets served"
-    return f"ONNX graph {q.onnx_path} in ONNX Runtime{why}"
+    return f"ONNX graph {q.ort_path} in ONNX Runtime{why}"
 
 
 def unrun_engine_note(b: BuildArtifact | None) -> str:
@@ -157,5 +157,6 @@ def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, e
     cfg = {"validate": ctx.recipe.validate_.model_dump(mode="json", exclude={"gates"}),
            "quantize": ctx.recipe.quantize.model_dump(mode="json")}  # naive baselines: its feeds
     parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision,
+             *([sha256_file(q.ort_path)] if q.ort_path != q.onnx_path else []),  # the graph validate runs
              code_hash(__name__), sha256_file(engine) if engine else "no engine", text_data.recipe_data_sha256(ctx.recipe)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
