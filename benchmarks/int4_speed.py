@@ -21,17 +21,19 @@ Parts (``--parts``, all by default):
     gate/up/down (576->1536 x 2, 1536->576), 210 GEMMs, with random Q4_1-like blocks written by
     :func:`pipeline.quant.int4.block_matmul` (INT4 block 32 + the per-block offset term), at
     ``--tokens`` rows (1: decode). FP32: the same chain with the decoded weights.
+``head``
+    The lm_head alone (576 -> 49152, Q8_0-like INT8 blocks): FP32, INT8 block 32 (an 8-bit
+    MatMulNBits) and the two INT4 halves the served graph uses (:func:`pipeline.quant.int4.int4_halves`).
 ``model``
-    The whole graph: the export stage's FP32 graph against the quantize stage's int4 graph
-    (``--fp32`` / ``--int4``, default: this worktree's ``artifacts/int4-llm``): one decode step at
-    batch 1 with a past of ``--past`` (256) and one prefill of 1 x ``--prefill`` (256) tokens.
+    The whole graph: the export stage's FP32 graph against the graph ONNX Runtime validates and
+    serves (``--fp32`` / ``--int4``, default: this checkout's ``artifacts/int4-llm``,
+    ``quantize/model_cpu.onnx``): one decode step at batch 1 with a past of ``--past`` (256) and one
+    prefill of 1 x ``--prefill`` (256) tokens.
 ``table``
-    The tied embedding / lm_head: what the DequantizeLinear of the whole INT8 table (28.3 M
-    values for SmolLM2, block 32) costs per call when it is not fused (a Gather also reads it),
-    alone and as a part of the decode step: the int4 graph as shipped (the lm_head a fused 8-bit
-    MatMulNBits on its own INT8 blocks, the Gather on an FP32 table) against the same graph with
-    one INT8 table feeding both the Gather and the lm_head (:func:`pipeline.quant.int4.share_tied_table`,
-    the graph the TensorRT-RTX engine is built from).
+    The tied embedding / lm_head: the served graph against the graph TensorRT builds
+    (``--engine-graph``, ``quantize/model.onnx``: one INT8 table, which ONNX Runtime cannot fuse as the
+    Gather reads it too), and what the DequantizeLinear of that whole table (28.3 M values for
+    SmolLM2, block 32) costs per call alone; the initializer bytes of both graphs.
 
     .venv/bin/python benchmarks/int4_speed.py                      # all parts
     .venv/bin/python benchmarks/int4_speed.py --parts gemms --repeats 30 --json out.json
@@ -234,10 +236,46 @@ def part_model(args) -> dict:
 # --- the tied embedding / lm_head table --------------------------------------------------------
 
 
-def part_table(args) -> dict:
-    from pipeline.quant import int4
+def part_head(args) -> dict:
+    """The lm_head alone, ``[1, 1, 576] x [576, 49152]`` with random Q8_0-like blocks: FP32, INT8 block 32 (an
+    8-bit MatMulNBits) and the two INT4 halves (:func:`pipeline.quant.int4.int4_halves`), at levels 1 and 4."""
+    from pipeline.quant.gguf_blocks import DQForm
+    from pipeline.quant.int4 import block_matmul, int4_halves
 
-    model = onnx.load(str(args.int4))
+    k, n = H, 49152
+    rng = np.random.default_rng(0)
+    form = DQForm(8, 32, rng.integers(-127, 128, (n, k)).astype(np.int8),
+                  (rng.uniform(0.5, 1.5, (n, k // 32)) * 1e-3).astype(np.float16).astype(np.float32), None)
+
+    def graph(nodes, inits):
+        g = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])], inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
+
+    w = form.dequantized()
+    fp32 = graph([helper.make_node("MatMul", ["x", "w"], ["y"])], [numpy_helper.from_array(np.ascontiguousarray(w.T), "w")])
+    int8 = graph(*block_matmul(form, "x", "y", name="head", prefix="t", x_rank=3))
+    hi, lo = int4_halves(form)
+    na, ia = block_matmul(hi, "x", "y_hi", name="head", prefix="hi", x_rank=3)
+    nb, ib = block_matmul(lo, "x", "y_lo", name="head/lo", prefix="lo", x_rank=3)
+    halves = graph([*na, *nb, helper.make_node("Add", ["y_hi", "y_lo"], ["y"])], ia + ib)
+    x = {"x": rng.standard_normal((1, 1, k)).astype(np.float32)}
+    sessions = {"fp32": session(fp32, None), "int8_level1": session(int8, 1), "int8_level4": session(int8, 4),
+                "int4_halves_level1": session(halves, 1), "int4_halves_level4": session(halves, 4)}
+    exact = x["x"][0].astype(np.float64) @ w.T.astype(np.float64)
+    errs = {key: float(np.abs(s.run(None, x)[0][0] - exact).max() / np.abs(exact).max()) for key, s in sessions.items()}
+    res = interleaved({key: (lambda s=s: s.run(None, x)) for key, s in sessions.items()}, args.repeats)
+    res["max_relative_error_vs_exact"] = errs
+    print(f"lm_head 576 x 49152: {_line(res)}; max |rel err| " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()),
+          flush=True)
+    return res
+
+
+def part_table(args) -> dict:
+    """The served CPU graph (``--int4``: the FP32 table for the Gather, the lm_head as INT4 halves) against the
+    graph TensorRT builds (``--engine-graph``: one INT8 table read by the Gather through an unfused
+    DequantizeLinear and by the lm_head), and that DequantizeLinear alone, at level 1."""
+    model = onnx.load(str(args.engine_graph))
     inits = {t.name: t for t in model.graph.initializer}
     head = next(n for n in model.graph.node if n.op_type == "DequantizeLinear"
                 and inits[n.input[0]].data_type == TensorProto.INT8 and list(inits[n.input[0]].dims)[1] > 10000)
@@ -249,29 +287,35 @@ def part_table(args) -> dict:
         [numpy_helper.from_array(values, "v"), numpy_helper.from_array(scales, "s")]),
         opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     dq_sess = session(dq.SerializeToString(), 1)
-    one = onnx.ModelProto()
-    one.CopyFrom(model)
-    if int4.share_tied_table(one) is None:
-        raise SystemExit(f"{args.int4}: no tied INT8 table to share")
-    shipped, single = session(model.SerializeToString(), 1), session(one.SerializeToString(), 1)
-    feeds = step_feeds(shipped, 1, 1, args.past)
-    a, b = shipped.run(["logits"], feeds)[0], single.run(["logits"], feeds)[0]
-    res = interleaved({"shipped": lambda: shipped.run(["logits"], feeds),
-                       "one_int8_table": lambda: single.run(["logits"], feeds),
+    served, single = session(str(args.int4), 1), session(str(args.engine_graph), 1)
+    feeds = step_feeds(served, 1, 1, args.past)
+    a, b = served.run(["logits"], feeds)[0], single.run(["logits"], feeds)[0]
+    res = interleaved({"served_cpu_graph": lambda: served.run(["logits"], feeds),
+                       "one_int8_table_engine_graph": lambda: single.run(["logits"], feeds),
                        "dequantize_table_alone": lambda: dq_sess.run(None, {})}, args.repeats)
     res["values"] = int(values.size)
     res["max_abs_logit_difference"] = float(np.abs(a - b).max())
-    fp32_table = sum(int(np.prod(t.dims)) * 4 for t in model.graph.initializer
-                     if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and t.dims[0] == values.shape[1])
-    res["bytes"] = {"fp32_gather_table": fp32_table, "int8_values": int(values.nbytes), "scales": int(scales.nbytes),
-                    "shipped_total": fp32_table + int(values.nbytes + scales.nbytes),
-                    "one_int8_table_total": int(values.nbytes + scales.nbytes)}
-    print(f"tied table ({values.size / 1e6:.1f} M values): DequantizeLinear alone {res['dequantize_table_alone']['ms']:.1f} "
-          f"ms/call; decode step shipped {res['shipped']['ms']:.1f} ms, one INT8 table "
-          f"{res['one_int8_table']['ms']:.1f} ms (x{res['one_int8_table']['speedup']:.2f} "
-          f"+- {res['one_int8_table']['speedup_se']:.2f} of shipped); logits equal: {res['max_abs_logit_difference'] == 0}; "
-          f"bytes {res['bytes']}", flush=True)
+    res["bytes"] = {key: _initializer_bytes(path) for key, path in (("served_cpu_graph", args.int4),
+                                                                   ("engine_graph", args.engine_graph))}
+    print(f"tied table ({values.size / 1e6:.1f} M values): DequantizeLinear alone "
+          f"{res['dequantize_table_alone']['ms']:.1f} ms/call; decode step served {res['served_cpu_graph']['ms']:.1f} ms, "
+          f"one INT8 table {res['one_int8_table_engine_graph']['ms']:.1f} ms; max |logit diff| "
+          f"{res['max_abs_logit_difference']:.1e}; initializer bytes {res['bytes']}", flush=True)
     return res
+
+
+def _initializer_bytes(path: Path) -> dict[str, int]:
+    """Initializer bytes of a graph by element type (INT4 at half a byte), read without the data."""
+    from collections import Counter
+
+    model = onnx.load(str(path), load_external_data=False)
+    out: Counter = Counter()
+    for t in model.graph.initializer:
+        n = int(np.prod(t.dims, dtype=np.int64))
+        bits = 4 if t.data_type in (TensorProto.INT4, TensorProto.UINT4) else 8 * helper.tensor_dtype_to_np_dtype(
+            t.data_type).itemsize
+        out[TensorProto.DataType.Name(t.data_type)] += n * bits // 8
+    return {**dict(out), "total": sum(out.values())}
 
 
 def _line(res: dict) -> str:
@@ -290,9 +334,13 @@ def _line(res: dict) -> str:
 def main() -> None:
     art = ROOT / "artifacts" / "int4-llm"
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["gemms", "model", "table"], choices=["gemms", "model", "table"])
+    ap.add_argument("--parts", nargs="+", default=["gemms", "head", "model", "table"],
+                    choices=["gemms", "head", "model", "table"])
     ap.add_argument("--fp32", type=Path, default=art / "export" / "model.onnx")
-    ap.add_argument("--int4", type=Path, default=art / "quantize" / "model.onnx")
+    ap.add_argument("--int4", type=Path, default=art / "quantize" / "model_cpu.onnx",
+                    help="the graph ONNX Runtime validates and serves")
+    ap.add_argument("--engine-graph", type=Path, default=art / "quantize" / "model.onnx",
+                    help="the graph TensorRT builds (one tied INT8 table)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="GEMM chain rows (1: decode)")
     ap.add_argument("--past", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=256)
@@ -303,7 +351,7 @@ def main() -> None:
               "repeats": args.repeats}
     print(f"{result['cpu']}; onnxruntime {ort.__version__}; {args.repeats} interleaved repeats", flush=True)
     for part in args.parts:
-        result[part] = {"gemms": part_gemms, "model": part_model, "table": part_table}[part](args)
+        result[part] = {"gemms": part_gemms, "head": part_head, "model": part_model, "table": part_table}[part](args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 
