@@ -495,15 +495,17 @@ class SharedTable:
 def share_tied_table(model: onnx.ModelProto, base_dir: str = "") -> SharedTable | None:
     """In place: the embedding Gather reads the tied lm_head's INT8 blocks instead of its own FP32
     table, so the graph holds one INT8 table (``[H, V]`` values and ``[H / bs, V]`` scales) for both:
-    the form a TensorRT engine is built from (SmolLM2: 113.2 MB of FP32 table dropped, 30.1 MB of
-    INT8 blocks and FP32 scales kept). Exact: the table is first proved equal, element for element,
+    the form a TensorRT engine is built from (SmolLM2: 113.2 MB of FP32 table dropped, 31.9 MB of
+    INT8 blocks and FP32 scales kept; TensorRT-RTX 1.7 stores them once per reader, so the engine went
+    from 233.1 MB to 151.9 MB). Exact: the table is first proved equal, element for element,
     to the blocks' decode ``values * scales`` (which :func:`rewrite_tied_lm_head` proved equal to
     the GGUF tensor's Q8_0 decode: ``q * d`` with ``|q| <= 127`` and ``d`` an fp16 value is exact
     in float32), so the Gather's output is bit for bit what the FP32 table gave.
 
-    The graph ONNX Runtime runs keeps the FP32 table: it fuses a DequantizeLinear into a
-    MatMulNBits only when the MatMul is the DequantizeLinear's one reader, so the shared form
-    would dequantize all ``H * V`` values on every call (benchmarks/int4_speed.py, part ``table``).
+    The graph ONNX Runtime runs keeps the FP32 table (the quantize stage's ``cpu_onnx_path``): it
+    fuses a DequantizeLinear into a MatMulNBits only when the MatMul is the DequantizeLinear's one
+    reader, so the shared form would dequantize all ``H * V`` values on every call (47 ms for
+    SmolLM2's; benchmarks/int4_speed.py, part ``table``).
 
     Args:
         model: a graph from :func:`rewrite_tied_lm_head` (possibly loaded without external data;
