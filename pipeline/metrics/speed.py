@@ -2,7 +2,9 @@
 at the level each is served at (:func:`pipeline.ort_sessions.optimization_level`).
 
 Metrics (``validate/metrics.json``): ``speedup_vs_fp32`` = median FP32 latency /
-median candidate latency at one shape (> 1: the candidate is faster);
+median candidate latency at one shape (> 1: the candidate is faster); ``speedup_vs_fp32_spread``
+(``[min, max]`` of the per-run paired ratios); ``decode_``-prefixed twins for a second shape (text
+generation: one decode step, :func:`pipeline.models.text_generation.metrics.llm_decode_speedup`);
 ``latency_fp32_ms``, ``latency_candidate_ms`` (medians, ms), ``speed_shape``,
 ``speed_runs``, ``speedup_vs_fp32_margin``, ``speed_level`` (the candidate's ORT level),
 ``speed_cpu_flags`` (:func:`pipeline.provenance.cpu_flags`: VNNI decides INT8 speed) and ``speed_note``.
@@ -89,19 +91,28 @@ def time_pair(run_ref: Callable[[], object], run_cand: Callable[[], object], run
 
 def speedup_metrics(run_ref: Callable[[], object], run_cand: Callable[[], object], *, shape: str,
                     precision: str, level: str, providers: list[str] | None = None, runs: int = 5,
-                    warmup: int = 1) -> dict:
-    """``speedup_vs_fp32`` and its context (see the module docstring) from :func:`time_pair`.
+                    warmup: int = 1, prefix: str = "") -> dict:
+    """``speedup_vs_fp32`` and its context (see the module docstring) from :func:`time_pair`, and
+    ``speedup_vs_fp32_spread``: ``[min, max]`` of the per-run ratios (FP32 run i / candidate run i,
+    each pair timed back to back), the spread the median comes from.
 
     Args:
         run_ref, run_cand: one inference each at the same feeds.
         shape: the timed shape, in words (e.g. ``"prefill batch 1 x 256 tokens"``).
         precision: the candidate's precision; level: its ORT optimization level.
+        prefix: a second timing's key prefix (e.g. ``"decode_"``): then only ``<prefix>speedup_vs_fp32``,
+            its spread, the two latencies, ``<prefix>speed_shape`` and ``<prefix>speed_runs`` are
+            returned (the level, CPU flags and note are the first timing's).
     """
     ref, cand = time_pair(run_ref, run_cand, runs, warmup)
     ref_ms, cand_ms = statistics.median(ref), statistics.median(cand)
-    return {"speedup_vs_fp32": ref_ms / cand_ms, "latency_fp32_ms": ref_ms, "latency_candidate_ms": cand_ms,
-            "speed_shape": shape, "speed_runs": runs, "speedup_vs_fp32_margin": SPEEDUP_MARGIN,
-            "speed_level": level, "speed_cpu_flags": cpu_flags(),
+    ratios = [r / c for r, c in zip(ref, cand)]
+    out = {f"{prefix}speedup_vs_fp32": ref_ms / cand_ms, f"{prefix}speedup_vs_fp32_spread": [min(ratios), max(ratios)],
+           f"{prefix}latency_fp32_ms": ref_ms, f"{prefix}latency_candidate_ms": cand_ms,
+           f"{prefix}speed_shape": shape, f"{prefix}speed_runs": runs}
+    if prefix:
+        return out
+    return {**out, "speedup_vs_fp32_margin": SPEEDUP_MARGIN, "speed_level": level, "speed_cpu_flags": cpu_flags(),
             "speed_note": speed_note(precision, level, providers)}
 
 

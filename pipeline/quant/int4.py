@@ -475,3 +475,180 @@ def _used_names(g: onnx.GraphProto) -> set[str]:
             for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
                 used |= _used_names(sub) | {o.name for o in sub.output}
     return used
+
+
+# --- the tied table for TensorRT ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedTable:
+    """What :func:`share_tied_table` did: the FP32 ``table`` ``[V, H]`` a Gather read is gone, the
+    Gather reads ``Transpose(DequantizeLinear(values))`` of the lm_head's INT8 blocks ``values``
+    ``[H, V]`` (``dequantize`` is the DequantizeLinear's name); ``bytes_saved``: the FP32 table's size."""
+
+    table: str
+    values: str
+    dequantize: str
+    bytes_saved: int
+
+
+def share_tied_table(model: onnx.ModelProto, base_dir: str = "") -> SharedTable | None:
+    """In place: the embedding Gather reads the tied lm_head's INT8 blocks instead of its own FP32
+    table, so the graph holds one INT8 table (``[H, V]`` values and ``[H / bs, V]`` scales) for both:
+    the form a TensorRT engine is built from (SmolLM2: 113.2 MB of FP32 table dropped, 31.9 MB of
+    INT8 blocks and FP32 scales kept; TensorRT-RTX 1.7 stores them once per reader, so the engine went
+    from 233.1 MB to 151.9 MB). Exact: the table is first proved equal, element for element,
+    to the blocks' decode ``values * scales`` (which :func:`rewrite_tied_lm_head` proved equal to
+    the GGUF tensor's Q8_0 decode: ``q * d`` with ``|q| <= 127`` and ``d`` an fp16 value is exact
+    in float32), so the Gather's output is bit for bit what the FP32 table gave.
+
+    The graph ONNX Runtime runs keeps the FP32 table (the quantize stage's ``cpu_onnx_path``): it
+    fuses a DequantizeLinear into a MatMulNBits only when the MatMul is the DequantizeLinear's one
+    reader, so the shared form would dequantize all ``H * V`` values on every call (47 ms for
+    SmolLM2's; benchmarks/int4_speed.py, part ``table``).
+
+    Args:
+        model: a graph from :func:`rewrite_tied_lm_head` (possibly loaded without external data;
+            ``base_dir`` is then the model file's folder).
+
+    Returns:
+        What was rewritten, or None when the graph has no such pair (no tied lm_head on INT8
+        blocks without offsets, a Gather on an FP32 ``[V, H]`` table, ``axis`` 0), or the table
+        differs from the blocks' decode in any element: the graph is then left as it was.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    for dq in list(g.node):
+        if _block_size_of(dq) == 0 or not dq.input[0].endswith(".values"):
+            continue
+        values, scales = inits.get(dq.input[0]), inits.get(dq.input[1])
+        if values is None or scales is None or values.data_type != TensorProto.INT8 or len(values.dims) != 2 or \
+                f"{dq.input[0].removesuffix('.values')}.offsets" in inits:
+            continue
+        h, v = (int(d) for d in values.dims)
+        for gather in [n for n in g.node if n.op_type == "Gather" and n.input[0] in inits]:
+            table = inits[gather.input[0]]
+            axis = next((a.i for a in gather.attribute if a.name == "axis"), 0)
+            if table.data_type != TensorProto.FLOAT or list(table.dims) != [v, h] or axis != 0:
+                continue
+            decoded = numpy_helper.to_array(values).astype(np.float32) * np.repeat(
+                numpy_helper.to_array(scales), h // int(scales.dims[0]), axis=0)
+            if not np.array_equal(_array(table, base_dir), decoded.T):
+                return None
+            del decoded
+            transposed = f"{dq.output[0]}.VxH"
+            node = helper.make_node("Transpose", [dq.output[0]], [transposed], name=f"{gather.name}/table_Transpose",
+                                    perm=[1, 0])
+            gather.input[0] = transposed
+            nodes = [n for n in g.node if n is not dq]  # the DequantizeLinear reads initializers only: move it up
+            at = nodes.index(gather)
+            del g.node[:]
+            g.node.extend(nodes[:at] + [dq, node] + nodes[at:])
+            if not any(table.name in n.input for n in g.node):
+                g.initializer.remove(table)
+            return SharedTable(table.name, values.name, dq.name, 4 * v * h)
+    return None
+
+
+def _block_size_of(node: onnx.NodeProto) -> int:
+    if node.op_type != "DequantizeLinear":
+        return 0
+    return next((a.i for a in node.attribute if a.name == "block_size"), 0)
+
+
+# --- INT8 blocks for ONNX Runtime's CPU kernels ------------------------------------------------
+
+
+def int4_halves(form: DQForm) -> tuple[DQForm, DQForm]:
+    """An INT8 block form ``W = d * q`` (``q`` in [-128, 127], no offsets) as two INT4 block forms
+    whose sum is ``W`` exactly in real arithmetic: with ``u = q + 128`` (0..255),
+    ``hi = (u >> 4) - 8`` and ``lo = (u & 15) - 8`` (both in [-8, 7]),
+    ``q = 16 * hi + lo + 8``, so ``W = (16d) * hi + 8d + d * lo``: ``(values hi, scales 16d,
+    offsets 8d)`` and ``(values lo, scales d)``. ``16d`` and ``8d`` are ``d`` times a power of two,
+    exact in float32 (a Q8_0 / Q6_K ``d`` is fp16); every element decodes exactly, and a GEMM's
+    output differs from the INT8 form's only by the float32 rounding of summing three products
+    (the bound in the module notes, with ``2K + K/bs + 3`` terms).
+
+    Why: ONNX Runtime 1.31's MatMulNBits has no FP32-compute (accuracy level 1) kernel for 8 bits
+    and dequantizes the whole weight on every call: SmolLM2's lm_head ``[1, 576] x [576, 49152]``
+    ran 907 ms against 72 ms in FP32 and 29 ms as two INT4 halves (benchmarks/int4_speed.py).
+
+    Raises:
+        ValueError: ``form`` is not 8-bit or has offsets.
+    """
+    if form.bits != 8 or form.offsets is not None:
+        raise ValueError(f"int4_halves: an 8-bit form without offsets is split, got INT{form.bits}"
+                         f"{' with offsets' if form.offsets is not None else ''}")
+    u = form.values.astype(np.int16) + 128
+    hi, lo = ((u >> 4) - 8).astype(np.int8), ((u & 15) - 8).astype(np.int8)
+    d = form.scales.astype(np.float32)
+    return (DQForm(4, form.block_size, hi, d * np.float32(16), d * np.float32(8)),
+            DQForm(4, form.block_size, lo, d, None))
+
+
+def split_int8_blocks(model: onnx.ModelProto, base_dir: str = "") -> list[str]:
+    """In place: every MatMul on an INT8 block DequantizeLinear (``{prefix}.values`` without
+    ``{prefix}.offsets``, read by MatMuls alone) computes with :func:`int4_halves` instead: two INT4
+    :func:`block_matmul` forms (``{prefix}.hi``: scales 16d and offsets 8d; ``{prefix}.lo``: scales
+    d) and an Add, which ONNX Runtime fuses into two 4-bit MatMulNBits with FP32 kernels at
+    accuracy level 1. The main MatMul keeps the GEMM's name; the INT8 initializers and
+    DequantizeLinear go. For the graph ONNX Runtime runs (validate, the served python-onnxruntime
+    model); TensorRT builds the INT8 form.
+
+    Returns:
+        The names of the MatMuls rewritten, in graph order.
+    """
+    from pipeline.quant.gguf_blocks import DQForm
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    plans: dict[int, tuple] = {}  # id(MatMul) -> (form halves, prefix, first)
+    drop: set[int] = set()
+    for dq in g.node:
+        if _block_size_of(dq) == 0 or not dq.input[0].endswith(".values"):
+            continue
+        values, scales = inits.get(dq.input[0]), inits.get(dq.input[1])
+        prefix = dq.input[0].removesuffix(".values")
+        users = readers.get(dq.output[0], [])
+        if values is None or scales is None or values.data_type != TensorProto.INT8 or f"{prefix}.offsets" in inits \
+                or not users or any(u.op_type != "MatMul" or list(u.input[1:]) != [dq.output[0]] for u in users) \
+                or dq.output[0] in {o.name for o in g.output}:
+            continue
+        v, s = _array(values, base_dir), _array(scales, base_dir)  # [K, N], [K / bs, N]
+        halves = int4_halves(DQForm(8, _block_size_of(dq), np.ascontiguousarray(v.T), np.ascontiguousarray(s.T), None))
+        for i, mm in enumerate(users):
+            plans[id(mm)] = (halves, prefix, i == 0)
+        drop.add(id(dq))
+    if not plans:
+        return []
+    ranks = _ranks(model, {n.input[0] for n in g.node if id(n) in plans})
+    nodes, new_inits, done = [], [], []
+    for n in g.node:
+        if id(n) in drop:
+            continue
+        if id(n) not in plans:
+            nodes.append(n)
+            continue
+        (hi, lo), prefix, first = plans[id(n)]
+        x, y = n.input[0], n.output[0]
+        if x not in ranks:
+            raise QuantizationError(f"MatMul {n.name!r}: the rank of its input {x!r} is unknown (shape inference gave "
+                                    "none); the INT4 halves' offset term needs it")
+        a, ia = block_matmul(hi, x, f"{y}/hi", name=n.name, prefix=f"{prefix}.hi", x_rank=ranks[x], emit_weight=first)
+        b, ib = block_matmul(lo, x, f"{y}/lo", name=f"{n.name}/lo", prefix=f"{prefix}.lo", x_rank=ranks[x],
+                             emit_weight=first)
+        nodes += [*a, *b, helper.make_node("Add", [f"{y}/hi", f"{y}/lo"], [y], name=f"{n.name}/halves_Add")]
+        new_inits += ia + ib
+        done.append(n.name)
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend(new_inits)
+    used = _used_names(g)
+    keep = [t for t in g.initializer if t.name in used or not (t.name.endswith(".values") or t.name.endswith(".scales"))]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    return done

@@ -59,7 +59,7 @@ NOISE_SE = 2.0
 #: how it was measured: :mod:`pipeline.metrics.speed`.
 SPEEDUP_MARGIN = 0.10
 #: gate metric -> allowed shortfall below a ``min`` bound (timing noise)
-NOISE_MARGINS = {"speedup_vs_fp32": SPEEDUP_MARGIN}
+NOISE_MARGINS = {"speedup_vs_fp32": SPEEDUP_MARGIN, "decode_speedup_vs_fp32": SPEEDUP_MARGIN}
 
 def kind_metrics(kind: str) -> frozenset[str]:
     """The metric names a gate may name for model kind ``kind`` (an old kind name reads its new

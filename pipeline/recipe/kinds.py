@@ -77,6 +77,7 @@ _TEXT_GENERATION = frozenset({
     "top1_agreement",  # teacher-forced: same argmax at each scored position, fraction
     "delta_p_rms", "delta_p_p01", "delta_p_p99",  # p_cand - p_fp32 of the correct token
     "speedup_vs_fp32",  # median FP32 / candidate prefill latency in ONNX Runtime (pipeline/metrics/speed.py)
+    "decode_speedup_vs_fp32",  # the same for one decode step, batch 1, past validate.seq_len
     "quantized_fraction",  # Q/DQ weight GEMMs / all weight GEMMs (validate, from the quantize artifact)
 })
 _SENTENCE_EMBEDDING = frozenset({

@@ -88,7 +88,7 @@ def onnx_validated_note(q: QuantizedArtifact, b: BuildArtifact | None) -> str:
     if row.cpu_decoded:  # NVFP4: ONNX Runtime ran the decoded twin, TensorRT builds the FP4 graph
         return (f"ONNX graph {q.ort_path} in ONNX Runtime ({row.cpu_simulation}; the {q.precision.upper()} graph "
                 f"TensorRT builds is {q.onnx_path}){why}")
-    return f"ONNX graph {q.onnx_path} in ONNX Runtime{why}"
+    return f"ONNX graph {q.ort_path} in ONNX Runtime{why}"
 
 
 def unrun_engine_note(b: BuildArtifact | None) -> str:
@@ -161,5 +161,6 @@ def _metrics_key(ctx: StageContext, exp: ExportArtifact, q: QuantizedArtifact, e
     cfg = {"validate": ctx.recipe.validate_.model_dump(mode="json", exclude={"gates"}),
            "quantize": ctx.recipe.quantize.model_dump(mode="json")}  # naive baselines: its feeds
     parts = [json.dumps(cfg, sort_keys=True), sha256_file(exp.onnx_path), sha256_file(q.onnx_path), q.precision,
+             *([sha256_file(q.ort_path)] if q.ort_path != q.onnx_path else []),  # the graph validate runs
              code_hash(__name__), sha256_file(engine) if engine else "no engine", text_data.recipe_data_sha256(ctx.recipe)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -40,6 +40,10 @@ def test_int4_llm_passes_its_gates_with_the_files_own_blocks(int4_run):
     assert (q.calibration["rounded_offsets"], q.calibration["max_weight_error"]) == (0, 0.0)
     m = man["metrics"]
     assert m["kld_mean"] < 1e-6 and abs(m["relative_perplexity_increase"]) < 1e-5 and m["quantized_fraction"] == 1.0
+    # validate ran the CPU graph (the lm_head's INT8 blocks as INT4 halves), timed as served
+    assert Path(q.ort_path).name == "model_cpu.onnx" and q.calibration["cpu_graph"]["int8_gemms_as_int4_halves"] == [
+        "node_linear_210"]
+    assert m["decode_speedup_vs_fp32"] > 0 and len(m["decode_speedup_vs_fp32_spread"]) == 2
 
 
 def test_one_tensorrt_rtx_engine_for_three_targets_with_weight_only_gemms(int4_run):
@@ -47,7 +51,8 @@ def test_one_tensorrt_rtx_engine_for_three_targets_with_weight_only_gemms(int4_r
     assert (b.status, b.backend, b.reason) == ("ok", "tensorrt-rtx", ""), b.reason  # no GEMM "left in FP32"
     assert Path(b.engine_path).name == "model.rtx-sm86-sm89-sm120.engine"
     stamp = json.loads(Path(b.stamp_path).read_text())
-    assert stamp["targets"] == ["sm86", "sm89", "sm120"] and 100e6 < stamp["engine_bytes"] < 300e6
+    assert stamp["targets"] == ["sm86", "sm89", "sm120"] and 100e6 < stamp["engine_bytes"] < 160e6  # 151.9 MB here
+    assert q.calibration["engine_graph_tied_table"]["bytes_saved"] == 4 * 49152 * 576  # no FP32 table in the engine
     assert set(q.quantized_nodes) == set(stamp["network"]["weight_only_gemms"])
     assert {k: r["gemms"] for k, r in stamp["weight_formats"].items()} == {"INT4 block 32 + offsets": 210,
                                                                            "INT8 block 32": 1}

@@ -8,8 +8,9 @@ Metric names (``validate/metrics.json``): ``perplexity_fp32``,
 ``eval_tokens``, ``perplexity_convention``; ``engine.<name>`` where an engine ran.
 Against FP32 (not the engine): :data:`pipeline.metrics.llm_quality.QUALITY_KEYS`
 (perplexity ratio and its stderr, KL divergence, teacher-forced top-1, delta p);
-``speedup_vs_fp32`` and its context (:mod:`pipeline.metrics.speed`).
-Standard errors (:mod:`pipeline.metrics.uncertainty`), ``<metric>_stderr``:
+``speedup_vs_fp32`` (a prefill of one validate window) and ``decode_speedup_vs_fp32`` (one decode
+step at batch 1 after a past of ``validate.seq_len`` tokens), with their context and spread
+(:mod:`pipeline.metrics.speed`). Standard errors (:mod:`pipeline.metrics.uncertainty`), ``<metric>_stderr``:
 ``relative_perplexity_increase`` (= the perplexity ratio's: the increase is ratio - 1)
 and its ``engine.`` twin by a paired bootstrap over eval windows; ``token_agreement``
 by a bootstrap over greedy prompts; ``stderr_basis`` says what each rests on.
@@ -25,7 +26,7 @@ from pipeline.runners import base as runners
 from pipeline.errors import AccuracyError
 from pipeline.metrics import llm_quality, speed, uncertainty
 from pipeline.models.base import ENGINE_PREFIX as ENGINE
-from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds
+from pipeline.models.text_generation.model import greedy_generate, layout_from_specs, prefill_feeds, sample_feeds
 from pipeline.recipe.precisions import REFERENCE
 from pipeline.sources.model import load_tokenizer
 from pipeline.recipe.gates import BASIS_KEY
@@ -117,6 +118,7 @@ def llm_metrics(ctx, exp, q, engine: runners.Runner | None = None, reference: ru
         logits_of[REFERENCE], logits_of[q.precision], windows, v.batch_size, ctx.progress, q.precision, context, acc)
     metrics.update(stats)
     metrics.update(llm_prefill_speedup(exp, q.precision, reference, candidate, windows[:1]))
+    metrics.update(llm_decode_speedup(exp, q.precision, reference, candidate, past=v.seq_len))
     engine_rows: list[float] = []
     if engine is not None:
         metrics[f"{ENGINE}perplexity_{q.precision}"] = perplexity(
@@ -223,3 +225,26 @@ def llm_prefill_speedup(exp, precision: str, reference, candidate, ids, runs: in
     return speed.speedup_metrics(lambda: ref.run(["logits"], feeds), lambda: cand.run(["logits"], feeds),
                                  shape=f"prefill batch {ids.shape[0]} x {ids.shape[1]} tokens", precision=precision,
                                  level=level, providers=providers, runs=runs)
+
+
+def llm_decode_speedup(exp, precision: str, reference, candidate, past: int, runs: int = 5) -> dict:
+    """``decode_speedup_vs_fp32`` and its ``decode_`` context (:func:`pipeline.metrics.speed.speedup_metrics`)
+    of one decode step: batch 1, one new token after ``past`` positions of random K/V (``logits`` only),
+    the step a served generation repeats per token (TPOT on a CPU). About ``2 * (runs + 1)`` steps:
+    SmolLM2-135M at past 256, ~4 s on two shared cores.
+
+    Returns:
+        ``decode_speedup_vs_fp32`` None with ``decode_speedup_vs_fp32_reason`` where either runner is not an
+        ONNX Runtime session, or the graph has no KV cache inputs.
+    """
+    cand_level = speed.session_level(candidate)
+    layout = layout_from_specs(exp.inputs, exp.outputs)
+    if speed.session_level(reference) is None or cand_level is None or not layout.past_names():
+        return {"decode_speedup_vs_fp32": None,
+                "decode_speedup_vs_fp32_reason": "timed only when both graphs run in ONNX Runtime sessions with a KV cache"}
+    level, providers = cand_level
+    feeds = sample_feeds(layout, 1, 1, past)
+    ref, cand = runners.SessionView(reference), speed.timed_view(candidate, runners.SessionView(candidate))
+    return speed.speedup_metrics(lambda: ref.run(["logits"], feeds), lambda: cand.run(["logits"], feeds),
+                                 shape=f"decode step, batch 1, 1 token after a past of {past}", precision=precision,
+                                 level=level, providers=providers, runs=runs, prefix="decode_")

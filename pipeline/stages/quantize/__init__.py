@@ -258,6 +258,12 @@ def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path
         raise gguf_blocks.GGUFWeightError(
             f"quantize.weights.block_size: {w.block_size}, but {path.name}'s INT4 tensors have other blocks: {shown}; "
             "method source keeps the file's blocks: set block_size to the file's")
+    # ONNX Runtime's graph (validate, served): INT8 blocks as INT4 halves (FP32 MatMulNBits kernels);
+    # TensorRT's: the embedding Gather on the tied lm_head's INT8 blocks (one table, no FP32 copy)
+    cpu = onnx.ModelProto()
+    cpu.CopyFrom(model)
+    halves = int4.split_int8_blocks(cpu, base_dir=str(src.parent))
+    shared = int4.share_tied_table(model, base_dir=str(src.parent))
     graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
     rewritten = {t.node for t in done}
     excluded = [t.node for t in targets if t.node not in rewritten]
@@ -268,11 +274,22 @@ def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path
             "rounded_offsets": sum(t.rounded_offsets for t in done), "blocks": sum(t.blocks for t in done),
             "max_weight_error": max(t.max_weight_error for t in done),
             "quantized_fraction": len(done) / (len(done) + len(excluded))}
+    if halves or shared:
+        info["cpu_graph"] = {"file": CPU_GRAPH, "int8_gemms_as_int4_halves": halves,
+                             "note": "what ONNX Runtime validates and serves: INT8 blocks as two INT4 halves "
+                                     "(pipeline.quant.int4.int4_halves), the embedding on its FP32 table"}
+    if shared:
+        info["engine_graph_tied_table"] = dataclasses.asdict(shared)
     ctx.progress.print(f"  quantize: {len(done)} GEMMs weight-only ("
                        + ", ".join(f"{n} {k}" for k, n in formats.items())
                        + f"), {len(excluded)} left FP32; max |weight - GGML's| {info['max_weight_error']:g}")
-    art = QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info)
-    return _save(art, model, src)
+    art = _save(QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info),
+                model, src)
+    if not (halves or shared):
+        return art
+    path = onnx_io.save_model_atomic(cpu, out.with_name(CPU_GRAPH), base_dir=src.parent)
+    onnx_io.require_loadable(str(path), "quantize")
+    return dataclasses.replace(art, cpu_onnx_path=str(path))
 
 
 #: the twin of a weight-only graph ONNX Runtime's CPU provider cannot run (NVFP4), weights decoded to

@@ -85,29 +85,32 @@ def test_the_stage_rewrites_every_gguf_gemm_and_records_the_formats(tiny):
 
 
 def test_validate_runs_each_rewritten_gemm_as_an_fp32_matmulnbits(tiny, tmp_path):
-    """The optimized graph of validate's session: no INT4 DequantizeLinear left, every GEMM fused."""
+    """The optimized graph of validate's session (the CPU graph, ``ort_path``): no DequantizeLinear left, every GEMM
+    a 4-bit MatMulNBits at accuracy level 1 (the INT8 ones as two INT4 halves: ONNX Runtime has no FP32 kernel for
+    8 bits and would dequantize the whole weight on every call)."""
     _, exp, art = tiny
-    assert ort_sessions.optimization_level(art.onnx_path) == "all"  # INT8 blocks of 127 are not the +-64 rule's
-    assert ort_sessions.session_config(art.onnx_path) == ort_sessions.MATMULNBITS_FP32 == dict([int4.ORT_ACCURACY_CONFIG])
-    opts = ort_sessions.session_options("all", config=ort_sessions.session_config(art.onnx_path))
+    assert art.ort_path == art.cpu_onnx_path != art.onnx_path  # TensorRT builds the INT8 form
+    assert art.calibration["cpu_graph"]["int8_gemms_as_int4_halves"] == ["up_mm", "lm_head"]
+    assert ort_sessions.optimization_level(art.ort_path) == "all"  # weight-only blocks are not the +-64 rule's
+    assert ort_sessions.session_config(art.ort_path) == ort_sessions.MATMULNBITS_FP32 == dict([int4.ORT_ACCURACY_CONFIG])
+    opts = ort_sessions.session_options("all", config=ort_sessions.session_config(art.ort_path))
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort_sessions.session_from(art.onnx_path, art.onnx_path, opts)
+    ort_sessions.session_from(art.ort_path, art.ort_path, opts)
     optimized = onnx.load(opts.optimized_model_filepath)
     ops = Counter(n.op_type for n in optimized.graph.node)
-    assert ops["MatMulNBits"] == len(GEMMS)
+    assert ops["MatMulNBits"] == len(GEMMS) + 2  # q, k; up and lm_head as two halves each
     nbits = {n.name: {a.name: a.i for a in n.attribute} for n in optimized.graph.node if n.op_type == "MatMulNBits"}
-    assert sorted(a["bits"] for a in nbits.values()) == [4, 4, 8, 8]
+    assert [a["bits"] for a in nbits.values()] == [4] * 6
     assert all(a.get("accuracy_level") == 1 for a in nbits.values())
+    assert "DequantizeLinear" not in ops  # none left unfused, INT4 or INT8
     inits = {t.name: t.data_type for t in optimized.graph.initializer}
-    assert not [n.name for n in optimized.graph.node if n.op_type == "DequantizeLinear"
-                and inits.get(n.input[0]) in (TensorProto.INT4, TensorProto.UINT4)]
     weight_matmuls = [n.name for n in optimized.graph.node if n.op_type == "MatMul" and n.input[1] in inits
                       and not n.name.endswith("/offset_MatMul")]
     assert weight_matmuls == []  # the offset terms' FP32 MatMuls [.., K/32] x [K/32, N] are the only ones left
 
     from pipeline.runners.base import OrtRunner
 
-    runner = OrtRunner(art.onnx_path)  # validate's candidate
+    runner = OrtRunner(art.ort_path)  # validate's candidate
     got = runner.session.get_session_options()
     assert got.get_session_config_entry(int4.ORT_ACCURACY_CONFIG[0]) == "1"
     assert got.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -126,7 +129,7 @@ def test_the_served_python_onnxruntime_model_runs_the_validated_graph_at_the_sam
     root, exp, art = tiny
     triton = TritonConfig(model_name="tiny", max_batch_size=4, target="python-onnxruntime")
     cfg = compute_config(triton, exp.inputs, [TensorSpec("logits", "float32", ["b", "s", VOCAB])],
-                         target="python-onnxruntime", graph=art.onnx_path)
+                         target="python-onnxruntime", graph=art.ort_path)
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert params["graph_optimization_level"] == "all" and "dequantize_weights" not in params  # blocks kept
     assert json.loads(params["session_config"]) == ort_sessions.MATMULNBITS_FP32
@@ -135,7 +138,7 @@ def test_the_served_python_onnxruntime_model_runs_the_validated_graph_at_the_sam
 
     version = tmp_path / "1"
     version.mkdir()
-    onnx.save(onnx.load(art.onnx_path), str(version / "model.onnx"))
+    onnx.save(onnx.load(art.ort_path), str(version / "model.onnx"))
     model = served.TritonPythonModel()
     model.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()},
                                                   "input": [{"name": "x"}, {"name": "ids"}],
@@ -143,7 +146,7 @@ def test_the_served_python_onnxruntime_model_runs_the_validated_graph_at_the_sam
                       "model_repository": str(tmp_path), "model_version": "1"})
     options = model.session.get_session_options()
     assert options.get_session_config_entry(int4.ORT_ACCURACY_CONFIG[0]) == "1"
-    validated = OrtRunner(art.onnx_path).run_names(["q", "k", "u", "logits"], feeds())
+    validated = OrtRunner(art.ort_path).run_names(["q", "k", "u", "logits"], feeds())
     for a, b in zip(validated, model._session_run(feeds())):
         assert np.array_equal(a, b)
 
@@ -194,3 +197,54 @@ def test_tensorrt_rtx_counts_the_gemms_as_weight_only_not_left_in_fp32(tiny, tmp
     section = (tmp_path / "build" / engine_report.SECTION_FILE).read_text()
     assert "| weight-only GEMMs (block weights, FP32 activations) | 4 in the network (INT4 2, INT8 2) |" in section
     assert "INT4 block 32 + offsets: 2 GEMMs, 6.00 bits/weight" in section and "WARNING" not in section
+
+
+def test_the_engine_graph_reads_the_embedding_from_the_lm_heads_int8_blocks_with_the_same_values(tiny):
+    """``onnx_path`` (what TensorRT builds): the FP32 table is gone, the Gather reads Transpose(DequantizeLinear) of the
+    lm_head's INT8 blocks (int4.share_tied_table), and every output is what the validated CPU graph gives (the
+    embedding bit for bit: Q8_0 decodes exactly in float32)."""
+    _, _, art = tiny
+    assert art.calibration["engine_graph_tied_table"] == {
+        "table": "table", "values": "gguf.token_embd.weight.values", "dequantize": "lm_head/DequantizeLinear",
+        "bytes_saved": 4 * VOCAB * K}
+    engine, cpu = onnx.load(art.onnx_path), onnx.load(art.ort_path)
+    onnx.checker.check_model(engine, full_check=True)
+    assert "table" not in {t.name for t in engine.graph.initializer}
+    assert "table" in {t.name for t in cpu.graph.initializer}  # ONNX Runtime's Gather keeps the FP32 table
+    dq = next(n for n in engine.graph.node if n.name == "lm_head/DequantizeLinear")
+    assert sorted(n.op_type for n in engine.graph.node if dq.output[0] in n.input) == ["MatMul", "Transpose"]
+    names = ["q", "k", "u", "logits", "emb"]
+    opts = ort_sessions.session_options("all", config=ort_sessions.MATMULNBITS_FP32)
+    a = ort.InferenceSession(cpu.SerializeToString(), opts).run(names, feeds())
+    b = ort.InferenceSession(engine.SerializeToString(), opts).run(names, feeds())
+    assert np.array_equal(a[4], b[4])  # the embedding
+    for name, x, y in zip(names, a, b):
+        assert np.allclose(x, y, rtol=0, atol=1e-5 * max(1.0, float(np.abs(x).max()))), name
+
+
+def test_a_table_that_differs_from_the_blocks_decode_is_not_shared(tiny):
+    root, exp, _ = tiny
+    model = onnx.load(exp.onnx_path)
+    int4.rewrite_tied_lm_head(model, gb.open_gguf(root / "tiny.gguf"))
+    table = next(t for t in model.graph.initializer if t.name == "table")
+    w = onnx.numpy_helper.to_array(table).copy()
+    w[3, 7] = np.nextafter(w[3, 7], np.float32(np.inf))  # one ulp off in one element
+    table.CopyFrom(onnx.numpy_helper.from_array(w, "table"))
+    before = model.SerializeToString()
+    assert int4.share_tied_table(model) is None
+    assert model.SerializeToString() == before  # left as it was
+
+
+def test_int8_blocks_split_into_int4_halves_decode_exactly():
+    from pipeline.quant.gguf_blocks import DQForm
+
+    rng = np.random.default_rng(5)
+    q = rng.integers(-128, 128, (9, 64)).astype(np.int8)
+    q[0, :4] = [-128, 127, 0, -1]
+    d = rng.uniform(1e-6, 4.0, (9, 2)).astype(np.float16).astype(np.float32)
+    hi, lo = int4.int4_halves(DQForm(8, 32, q, d, None))
+    assert (hi.bits, lo.bits, hi.block_size) == (4, 4, 32)
+    assert all(-8 <= f.values.min() and f.values.max() <= 7 for f in (hi, lo))
+    assert np.array_equal(hi.weight() + lo.weight(), DQForm(8, 32, q, d, None).weight())  # exact in float64
+    with pytest.raises(ValueError, match="INT4"):
+        int4.int4_halves(hi)
