@@ -59,7 +59,7 @@ def run(work: Path, method: str, block: int, export_dir: Path | None) -> dict:
 
     path = recipe(work, method, block)
     r = load_recipe(path)
-    if export_dir is not None:
+    if export_dir is not None and not (work / r.name / "export" / "stage.json").exists():
         dest = work / r.name / "export"
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copy(export_dir / "stage.json", dest / "stage.json")
@@ -67,7 +67,7 @@ def run(work: Path, method: str, block: int, export_dir: Path | None) -> dict:
     run_pipeline(r, path, quiet=True, only=["export", "quantize", "build", "validate"])
     wall = time.perf_counter() - t0
     m = json.loads((work / r.name / "validate" / "metrics.json").read_text())["metrics"]
-    q = json.loads((work / r.name / "manifest.json").read_text())["artifacts"]["quantize"]["calibration"]
+    q = json.loads((work / r.name / "quantize" / "stage.json").read_text())["artifact"]["calibration"]
     row = {"method": f"{method} (block {block})", "kld_mean": m["kld_mean"], "kld_mean_stderr": m["kld_mean_stderr"],
            "relative_perplexity_increase": m["relative_perplexity_increase"],
            "relative_perplexity_increase_stderr": m["relative_perplexity_increase_stderr"],

@@ -13,8 +13,9 @@ recipe's block size), over :data:`ROWS` calibration rows sampled with a fixed se
 (:func:`pipeline.quant.calibrate.collect_rows`) from the FP32 graph. The searches are independent:
 a fold scales a GEMM's input rows or the output columns of the site (``up_proj``, ``v_proj``), and
 a column scale moves every block of that column alike, which absmax blocks along ``K`` absorb
-exactly, so one fold never changes another point's quantization error. No weight clipping search
-(AWQ's second step) is done. After folding, the graph's outputs on the first calibration batch are
+exactly, so one fold never changes another point's quantization error. Then AWQ's weight
+clipping: per block of each output column, a clip ratio of the block absmax (1 down to 0.5) chosen
+by that block's output error on the same rows (:func:`pipeline.quant.int4.clip_search`). After folding, the graph's outputs on the first calibration batch are
 checked against the unfolded graph's (:data:`EQUIVALENCE_RTOL`) before
 :func:`pipeline.quant.int4.rewrite_rtn` rounds the weights.
 """
@@ -36,7 +37,7 @@ EQUIVALENCE_RTOL = 1e-4
 
 
 def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, np.ndarray]], block_size: int,
-         *, rows: int = ROWS, progress=None) -> dict:
+         *, rows: int = ROWS, clip: bool = True, progress=None) -> tuple[dict, dict[str, np.ndarray]]:
     """Search and fold AWQ scales into ``model`` (FP32, weights loaded) in place.
 
     Args:
@@ -47,10 +48,16 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
         block_size: INT4 weights per scale along ``K`` (the quantizer the search uses).
         progress: the console (``step`` context manager), or None.
 
+        clip: also search per-block clip ratios of every fold GEMM's scaled weight
+            (:func:`pipeline.quant.int4.clip_search`, AWQ's weight clipping).
+
     Returns:
-        JSON-ready report: per fold point its kind, site, alpha, loss and baseline; the totals
-        ``block_output_error`` (AWQ) and ``block_output_error_rtn`` (no scaling) summed over points,
-        the points skipped with reasons, and the equivalence check's largest relative difference.
+        ``(report, clips)``: the JSON-ready report: per fold point its kind, site, alpha, loss and
+        baseline; the totals ``block_output_error`` (AWQ scales, before clipping) and
+        ``block_output_error_rtn`` (no scaling) summed over points, the same with the clip ratios
+        (``block_output_error_clipped``), the points skipped with reasons, and the equivalence
+        check's largest relative difference; ``clips``: MatMul name -> float32 ``[N, K / block_size]``
+        ratios for :func:`pipeline.quant.int4.rewrite_rtn`.
 
     Raises:
         QuantizationError: a block size not dividing a fold GEMM's K (names it); the folded graph
@@ -67,6 +74,8 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
         acts = calibrate.collect_rows(model, sorted({p.act for p in points}), batches, rows)
     by_node = {t.node: t for t in targets}
     results = []
+    clips: dict[str, np.ndarray] = {}
+    clipped = 0.0
     with step(f"awq: scale search ({len(fold_search.GRID)} alphas) at {len(points)} fold points, INT4 block {block_size}"):
         for p in points:
             weights = [fold_points.current_weight(model, by_node[t.node]) for t in p.gemms]
@@ -75,9 +84,17 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
                     raise QuantizationError(f"MatMul {t.node!r}: quantize.weights.block_size {block_size} does not "
                                             f"divide its input dimension K = {w.shape[0]} (TensorRT refuses a partial "
                                             "block); use a block size dividing every K")
-            res = fold_search.search(acts.pop(p.act), weights, lambda w: int4.fake_quantize(w, block_size),
+            x = acts.pop(p.act)
+            res = fold_search.search(x, weights, lambda w: int4.fake_quantize(w, block_size),
                                      family="awq", groups=p.groups)
             results.append((p, res))
+            if clip:  # on the folded operands: X / s and diag(s) W
+                xs, rs = x / res.row_scales[None, :], res.row_scales[:, None]
+                for t, w in zip(p.gemms, weights):
+                    clips[t.node] = int4.clip_search(xs, w * rs, block_size)
+                    q = int4.rtn_form(np.ascontiguousarray((w * rs).T), block_size, clip=clips[t.node]).dequantized().T
+                    d = xs @ (w * rs) - xs @ q
+                    clipped += float(np.einsum("ij,ij->", d, d, dtype=np.float64))
     for k, (p, res) in enumerate(results):
         if res.scaled:
             fold_points.apply(model, p, res.scales, f"awq{k}")
@@ -89,7 +106,10 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
             "skipped": skipped, "scaled_points": sum(res.scaled for _, res in results),
             "block_output_error": sum(res.loss for _, res in results),
             "block_output_error_rtn": sum(res.baseline for _, res in results),
-            "equivalence_max_relative_difference": worst}
+            "block_output_error_clipped": clipped if clip else None, "clip_grid": list(int4.CLIP_GRID) if clip else None,
+            "clipped_blocks": int(sum((c < 1).sum() for c in clips.values())),
+            "blocks": int(sum(c.size for c in clips.values())),
+            "equivalence_max_relative_difference": worst}, clips
 
 
 def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

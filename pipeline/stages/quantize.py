@@ -302,6 +302,7 @@ def _rounded(ctx: StageContext, exp: ExportArtifact, model: onnx.ModelProto, src
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     info: dict = {"method": w.method, "block_size": w.block_size}
     extra: dict = {}
+    clips: dict = {}
     base = str(src.parent)
     if w.method == "awq":
         batches, shortfall = calibration_data(ctx, exp)
@@ -309,14 +310,16 @@ def _rounded(ctx: StageContext, exp: ExportArtifact, model: onnx.ModelProto, src
             ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
         with ctx.progress.step("awq: loading the FP32 weights"):
             awq.load_weights(model, src)
-        extra["awq"] = awq.fold(model, kept, batches, w.block_size, progress=ctx.progress)
+        extra["awq"], clips = awq.fold(model, kept, batches, w.block_size, progress=ctx.progress)
         extra.update(shortfall)
         info.update(samples=int(sum(_rows(b) for b in batches)), seq_len=q.calibration.seq_len)
         a = extra["awq"]
         ctx.progress.print(f"  quantize: awq scaled {a['scaled_points']} of {len(a['fold_points'])} fold points; block "
-                           f"output error {a['block_output_error']:.4g} vs rtn {a['block_output_error_rtn']:.4g}")
+                           f"output error {a['block_output_error']:.4g} ({a['block_output_error_clipped']:.4g} with "
+                           f"{a['clipped_blocks']} of {a['blocks']} blocks clipped) vs rtn {a['block_output_error_rtn']:.4g}")
     with ctx.progress.step(f"quantize: {w.method} INT4 blocks of {w.block_size}"):
-        done = int4.rewrite_rtn(model, block_size=w.block_size, base_dir=base, skip={t.node for t in excluded})
+        done = int4.rewrite_rtn(model, block_size=w.block_size, base_dir=base, skip={t.node for t in excluded},
+                                clips=clips)
     graph_checks.check_qdq_graph(model, base_dir=base)
     counts = Counter(t.onnx_form for t in done)
     rewritten = {t.node for t in done}

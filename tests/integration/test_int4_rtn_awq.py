@@ -74,6 +74,9 @@ def test_awq_block_output_error_is_at_most_rtn(runs):
     assert info["block_output_error"] <= info["block_output_error_rtn"]
     assert info["scaled_points"] >= 1 and info["block_output_error"] < info["block_output_error_rtn"]
     assert info["equivalence_max_relative_difference"] <= 1e-4
+    # the clip search on top never raises the (per-block) error of the scaled weights
+    assert info["block_output_error_clipped"] <= info["block_output_error"] * 1.001
+    assert info["blocks"] == 2 * (32 + 16 + 16 + 32 + 64 + 64 + 32 * 2)  # N x K/32 of the 14 GEMMs
     # rtn has no search and no calibration
     assert "awq" not in runs["rtn"][1].calibration and runs["rtn"][1].calibration["method"] == "rtn"
 
@@ -83,3 +86,34 @@ def test_block_not_dividing_k_is_refused(tmp_path_factory, tiny_model, tiny_expo
         _quantize(tmp_path_factory, tiny_model, tiny_export, "rtn", block=64)
     assert err.value.exit_code == EXIT_BAD_INPUT
     assert "block_size 64 does not divide the input dimension K" in str(err.value) and "(K = 32)" in str(err.value)
+
+
+def test_onnx_runtime_fuses_every_gemm_at_accuracy_level_1(runs, tmp_path):
+    """validate's session: each INT4 / INT8 block GEMM of the awq graph is a MatMulNBits at accuracy
+    level 1 (FP32 activations), no INT4 DequantizeLinear left unfused."""
+    from pipeline import ort_sessions
+
+    _, art, _ = runs["awq"]
+    assert ort_sessions.optimization_level(art.onnx_path) == "all"
+    opts = ort_sessions.session_options("all", config=ort_sessions.session_config(art.onnx_path))
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort_sessions.session_from(art.onnx_path, art.onnx_path, opts)
+    optimized = onnx.load(opts.optimized_model_filepath)
+    nbits = [{a.name: a.i for a in n.attribute} for n in optimized.graph.node if n.op_type == "MatMulNBits"]
+    assert sorted(a["bits"] for a in nbits) == [4] * 14 + [8] and all(a.get("accuracy_level") == 1 for a in nbits)
+    inits = {t.name: t.data_type for t in optimized.graph.initializer}
+    assert not [n.name for n in optimized.graph.node
+                if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) == onnx.TensorProto.INT4]
+
+
+def test_tensorrt_rtx_builds_the_awq_graph(runs, tmp_path):
+    from pipeline.stages import build
+    from pipeline.trt import backends as engine_backends
+
+    if engine_backends.import_problem(engine_backends.TENSORRT_RTX) is not None:
+        pytest.skip(engine_backends.import_problem(engine_backends.TENSORRT_RTX))
+    exp, art, ws = runs["awq"]
+    r = load_recipe(ws / "tiny-llm.yaml", {"build.backend": "tensorrt-rtx", "build.targets": ["sm89"]})
+    b = build.build_from_onnx(r, art.onnx_path, exp.inputs, tmp_path / "build", quantized_nodes=art.quantized_nodes,
+                              source_onnx=exp.onnx_path)
+    assert (b.status, b.reason) == ("ok", ""), b.reason

@@ -106,3 +106,22 @@ def test_bad_shapes_are_refused():
         fold_search.search(x, [np.ones((10, 48), np.float32)], _int4())
     with pytest.raises(QuantizationError, match="family"):
         fold_search.search(x, ws, _int4(), family="gptq")
+
+
+def test_clip_search_never_grows_a_blocks_error_and_clips_heavy_tails():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((256, 128)).astype(np.float32)
+    w = rng.standard_t(2.5, size=(128, 24)).astype(np.float32)  # heavy tails: one large weight per block
+    ratios = int4.clip_search(x, w, 32)
+    assert ratios.shape == (24, 4) and set(np.unique(ratios)) <= set(np.float32(int4.CLIP_GRID)) and (ratios < 1).any()
+
+    def block_err(clip):
+        q = int4.rtn_form(np.ascontiguousarray(w.T), 32, clip=clip).dequantized().T
+        d = (w - q).astype(np.float64)
+        return np.array([[np.sum((x[:, b * 32:(b + 1) * 32] @ d[b * 32:(b + 1) * 32, o]) ** 2) for b in range(4)]
+                         for o in range(24)])
+
+    plain, clipped = block_err(None), block_err(ratios)
+    assert (clipped <= plain * (1 + 1e-9)).all() and clipped.sum() < 0.95 * plain.sum()
+    with pytest.raises(QuantizationError, match="clip ratios"):
+        int4.rtn_form(np.ascontiguousarray(w.T), 32, clip=np.zeros((24, 4), np.float32))
