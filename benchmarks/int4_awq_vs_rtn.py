@@ -77,6 +77,7 @@ def run(work: Path, method: str, block: int, export_dir: Path | None) -> dict:
     if "awq" in q:
         a = q["awq"]
         row["awq"] = {k: a[k] for k in ("scaled_points", "block_output_error", "block_output_error_rtn",
+                                         "block_output_error_clipped", "clipped_blocks", "blocks",
                                          "equivalence_max_relative_difference", "rows")}
         row["awq"]["alphas"] = sorted({p["alpha"] for p in a["fold_points"].values()}, key=lambda x: (x is None, x))
     return row
