@@ -651,4 +651,193 @@ def split_int8_blocks(model: onnx.ModelProto, base_dir: str = "") -> list[str]:
     keep = [t for t in g.initializer if t.name in used or not (t.name.endswith(".values") or t.name.endswith(".scales"))]
     del g.initializer[:]
     g.initializer.extend(keep)
+
+
+# --- round to nearest (quantize.weights.method: rtn / awq) -------------------------------------
+
+#: the tied lm_head of a model without GGUF blocks: INT8, blocks of 32 along K (the form source gives
+#: SmolLM2's Q8_0 table; about 9 bits per weight, a KL cost far below the INT4 GEMMs')
+LM_HEAD_BITS, LM_HEAD_BLOCK = 8, 32
+
+
+def rtn_form(w: np.ndarray, block_size: int, bits: int = 4, *, name: str = "weight",
+             clip: np.ndarray | None = None) -> DQForm:
+    """Symmetric per-block absmax round-to-nearest of ``w [N, K]`` (GGUF orientation: rows = output
+    features, blocks of ``block_size`` along ``K``, the input features)::
+
+        scale_b = max_{k in b} |w_k| / qmax          (qmax = 7 for INT4, 127 for INT8; float32)
+        values_k = clip(round_half_even(w_k / scale_b), -qmax, qmax)
+
+    so ``values * scale`` is what DequantizeLinear (opset 21, ``block_size``, no zero point) gives. A
+    block of zeros gets scale 1 (values 0): scales stay > 0, as TensorRT requires. ``clip``: float32
+    ``[N, K / block_size]`` ratios in (0, 1] multiplying each block's absmax (:func:`clip_search`);
+    None: 1.
+
+    Returns:
+        The :class:`~pipeline.quant.gguf_blocks.DQForm` (no offsets).
+
+    Raises:
+        QuantizationError: ``block_size`` does not divide ``K`` (names ``name`` and ``K``; TensorRT
+            refuses a partial block: "The quantization axis must divide into whole blocks"), or ``w``
+            is not 2-D or holds NaN / infinite values.
+    """
+    if w.ndim != 2:
+        raise QuantizationError(f"{name}: weight {w.shape} is not 2-D")
+    n, k = w.shape
+    if k % block_size:
+        raise QuantizationError(
+            f"{name}: quantize.weights.block_size {block_size} does not divide its input dimension K = {k} "
+            f"(TensorRT refuses a partial block); use a block size dividing K, e.g. "
+            f"{', '.join(str(b) for b in (32, 64, 128) if k % b == 0) or 'none of 32/64/128 fits'}")
+    if not np.isfinite(w).all():
+        raise QuantizationError(f"{name}: the weight holds NaN or infinite values")
+    qmax = 2 ** (bits - 1) - 1
+    blocks = np.asarray(w, np.float32).reshape(n, k // block_size, block_size)
+    if clip is not None and (clip.shape != blocks.shape[:2] or not ((clip > 0) & (clip <= 1)).all()):
+        raise QuantizationError(f"{name}: clip ratios {clip.shape} must be [{n}, {k // block_size}] in (0, 1]")
+    values, scales = _round_blocks(blocks, clip, qmax)
+    return DQForm(bits=bits, block_size=block_size, values=values.reshape(n, k), scales=scales, offsets=None)
+
+
+def _round_blocks(blocks: np.ndarray, clip: np.ndarray | float | None, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(values int8 [n, nb, bs], scales float32 [n, nb])`` of float32 ``blocks [n, nb, bs]``:
+    ``scale = fl(fl(amax * clip) / qmax)`` (1 for an all-zero block), values rounded half to even and
+    clipped to ``+-qmax``."""
+    amax = np.abs(blocks).max(axis=2)
+    if clip is not None:
+        amax = (amax * np.asarray(clip, np.float32)).astype(np.float32)
+    scales = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
+    values = np.clip(np.rint(blocks / scales[:, :, None]), -qmax, qmax).astype(np.int8)
+    return values, scales
+
+
+#: clip ratios tried per block by :func:`clip_search` (AWQ's reference: 1 down to 0.5)
+CLIP_GRID: tuple[float, ...] = tuple(round(1 - i / 20, 2) for i in range(11))
+
+
+def clip_search(x: np.ndarray, w: np.ndarray, block_size: int, bits: int = 4,
+                grid: tuple[float, ...] = CLIP_GRID) -> np.ndarray:
+    """Per-block clip ratios of ``w [K, N]`` (a MatMul's ``B``) for :func:`rtn_form`: for each block
+    ``b`` of output column ``o`` the ratio ``r`` in ``grid`` minimising that block's share of the
+    output error on the calibration rows ``x [R, K]``::
+
+        err(o, b, r) = || x[:, b] (w[b, o] - Q_r(w[b, o])) ||^2 = d^T (x_b^T x_b) d
+
+    (``Q_r``: :func:`rtn_form` with ``amax * r``; cross-block terms left out, as in AWQ's weight
+    clipping, Lin et al. 2024, ``auto_clip``). Ratio 1 (plain rtn) is tried first and kept on ties,
+    so no block's error grows.
+
+    Returns:
+        float32 ``[N, K / block_size]`` ratios in (0, 1].
+
+    Raises:
+        QuantizationError: shapes that do not fit, or ``block_size`` not dividing ``K``.
+    """
+    k, n = w.shape
+    if x.ndim != 2 or x.shape[1] != k or k % block_size:
+        raise QuantizationError(f"clip search: rows {x.shape} and weight {w.shape} do not fit blocks of {block_size}")
+    qmax = 2 ** (bits - 1) - 1
+    nb = k // block_size
+    xb = np.asarray(x, np.float32).reshape(-1, nb, block_size)
+    gram = np.einsum("rbi,rbj->bij", xb, xb, dtype=np.float64, optimize=True)  # [nb, bs, bs]
+    blocks = np.ascontiguousarray(np.asarray(w, np.float32).T).reshape(n, nb, block_size)
+    best = np.ones((n, nb), np.float32)
+    best_err = np.full((n, nb), np.inf)
+    for r in sorted(grid, reverse=True):
+        values, scales = _round_blocks(blocks, r, qmax)
+        d = (blocks - values * scales[:, :, None]).astype(np.float64)
+        err = np.einsum("nbi,nbi->nb", np.einsum("bij,nbj->nbi", gram, d, optimize=True), d)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, np.float32(r), best)
+    return best
+
+
+def fake_quantize(w: np.ndarray, block_size: int, bits: int = 4) -> np.ndarray:
+    """float32 ``[K, N]``: ``w [K, N]`` (a MatMul's ``B``) after :func:`rtn_form` and its
+    DequantizeLinear, blocks along ``K``: the weight quantizer of the AWQ search
+    (:func:`pipeline.quant.fold_search.search`)."""
+    return rtn_form(np.ascontiguousarray(w.T), block_size, bits).dequantized().T
+
+
+@dataclass(frozen=True)
+class RTNRewritten:
+    """One MatMul now computing with round-to-nearest blocks: ``node``, its former FP32 ``weight``
+    initializer, ``onnx_form`` (``"INT4 block 64"``), ``k`` and ``n``, and the largest
+    ``|DQ weight - FP32 weight| / block absmax`` (at most half a step, ``0.5 / qmax``, where no block is
+    clipped)."""
+
+    node: str
+    weight: str
+    onnx_form: str
+    k: int
+    n: int
+    max_relative_error: float
+
+
+def rewrite_rtn(model: onnx.ModelProto, *, block_size: int, base_dir: str = "",
+                skip: Collection[str] = (), clips: dict[str, np.ndarray] | None = None) -> list[RTNRewritten]:
+    """Rewrite, in place, every MatMul whose ``B`` is a 2-D FP32 initializer ``[K, N]`` into
+    :func:`block_matmul`'s form with :func:`rtn_form` INT4 blocks of ``block_size``; a tied lm_head
+    (``B = Transpose(table)`` of a table a Gather also reads) gets INT8 blocks of
+    :data:`LM_HEAD_BLOCK` instead, in its own ``[K, N]`` values (ONNX Runtime fuses it into an 8-bit
+    ``MatMulNBits``); the Gather keeps the FP32 table. The opset is raised to 21 (:func:`raise_opset`).
+
+    Args:
+        model: the (folded) FP32 graph; external data is read from ``base_dir``.
+        block_size: INT4 weights per scale along ``K``.
+        skip: MatMul names left FP32 (``quantize.exclude``).
+        clips: MatMul name -> per-block clip ratios (:func:`clip_search`); others: 1.
+
+    Returns:
+        One :class:`RTNRewritten` per rewritten MatMul, in graph order.
+
+    Raises:
+        QuantizationError: ``block_size`` does not divide a GEMM's ``K`` (names the GEMM and ``K``;
+            checked for every GEMM before anything is rewritten); an op changes meaning at opset 21.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    gathered = {n.input[0] for n in g.node if n.op_type == "Gather"}
+    gemms = [gm for gm in _gemms(model) if gm.node.name not in skip and (not gm.transposed or gm.weight in gathered)]
+    shapes = {gm.node.name: (tuple(inits[gm.weight].dims)[::-1] if gm.transposed else tuple(inits[gm.weight].dims))
+              for gm in gemms}
+    bad = [(gm.node.name, shapes[gm.node.name][0]) for gm in gemms
+           if shapes[gm.node.name][0] % (LM_HEAD_BLOCK if gm.transposed else block_size)]
+    if bad:
+        shown = ", ".join(f"{node} (K = {k})" for node, k in bad[:3])
+        raise QuantizationError(
+            f"quantize.weights.block_size {block_size} does not divide the input dimension K of {len(bad)} GEMMs: "
+            f"{shown}; TensorRT refuses a partial block (\"The quantization axis must divide into whole blocks\"); "
+            f"use a block size dividing every K")
+    ranks = _ranks(model, {gm.node.input[0] for gm in gemms})
+    replacement: dict[int, list[onnx.NodeProto]] = {}
+    new_inits: list[TensorProto] = []
+    done = []
+    taken = set(inits)
+    for gm in gemms:
+        w = _array(inits[gm.weight], base_dir)
+        w_nk = w if gm.transposed else w.T
+        bits, bs = (LM_HEAD_BITS, LM_HEAD_BLOCK) if gm.transposed else (4, block_size)
+        form = rtn_form(np.ascontiguousarray(w_nk), bs, bits, name=f"MatMul {gm.node.name!r}",
+                        clip=None if gm.transposed else (clips or {}).get(gm.node.name))
+        err = np.abs(form.dequantized() - w_nk).reshape(w_nk.shape[0], -1, bs).max(axis=2)
+        amax = np.abs(w_nk).reshape(w_nk.shape[0], -1, bs).max(axis=2)
+        rel = float((err / np.where(amax > 0, amax, 1)).max())
+        prefix, i = f"rtn.{gm.weight}", 1
+        while f"{prefix}.values" in taken:
+            prefix, i = f"rtn.{gm.weight}.{i}", i + 1
+        taken.add(f"{prefix}.values")
+        nodes, ins = block_matmul(form, gm.node.input[0], gm.node.output[0], name=gm.node.name, prefix=prefix,
+                                  x_rank=ranks.get(gm.node.input[0], 0))
+        replacement[id(gm.node)] = nodes
+        new_inits += ins
+        done.append(RTNRewritten(gm.node.name, gm.weight, onnx_form(form), w_nk.shape[1], w_nk.shape[0], rel))
+        del w, w_nk
+    nodes = [m for n in g.node for m in replacement.get(id(n), [n])]
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend(new_inits)
+    _drop_unused(g, {gm.via for gm in gemms if gm.via}, {gm.weight for gm in gemms})
+    raise_opset(model)
     return done

@@ -395,7 +395,7 @@ def _weights_problems(r: Recipe) -> list[Problem]:
                         f"{GGUF_INT4_BLOCK} weights wide for every 4-bit type (Q4_0, Q4_1, Q4_K); set block_size: "
                         f"{GGUF_INT4_BLOCK}"))
     q = r.quantize
-    if (q.exclude.nodes or q.exclude.op_types) and not own.weight_methods:
+    if w.method == "source" and (q.exclude.nodes or q.exclude.op_types):
         out.append(((*at[:1], "exclude"), f"not implemented yet for {q.precision}: every GEMM whose weight is a tensor "
                     "of the GGUF file gets its blocks; drop quantize.exclude"))
     if q.rest_precision != REFERENCE:

@@ -1,5 +1,6 @@
 """Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, weight-only INT4 blocks
-taken from a GGUF file (``quantize.weights.method: source``), or FP16."""
+taken from a GGUF file (``quantize.weights.method: source``) or rounded from the FP32 weights (``rtn``,
+``awq``), or FP16."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,7 +72,11 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     if facts(q.precision).cast:
         return _fp16(model, src, out, q.precision)
     if facts(q.precision).weight_only:
-        return (_decoded_weight_only if facts(q.precision).cpu_decoded else _weight_only)(ctx, model, src, out)
+        if facts(q.precision).cpu_decoded:  # nvfp4
+            return _decoded_weight_only(ctx, model, src, out)
+        if q.weights is not None and q.weights.method != "source":
+            return _rounded(ctx, exp, model, src, out)
+        return _weight_only(ctx, model, src, out)
     _check_opset(model, q.precision)
     targets = qdq.find_targets(model, list(q.quantize_op_types))
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
@@ -258,12 +263,7 @@ def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path
         raise gguf_blocks.GGUFWeightError(
             f"quantize.weights.block_size: {w.block_size}, but {path.name}'s INT4 tensors have other blocks: {shown}; "
             "method source keeps the file's blocks: set block_size to the file's")
-    # ONNX Runtime's graph (validate, served): INT8 blocks as INT4 halves (FP32 MatMulNBits kernels);
-    # TensorRT's: the embedding Gather on the tied lm_head's INT8 blocks (one table, no FP32 copy)
-    cpu = onnx.ModelProto()
-    cpu.CopyFrom(model)
-    halves = int4.split_int8_blocks(cpu, base_dir=str(src.parent))
-    shared = int4.share_tied_table(model, base_dir=str(src.parent))
+    cpu, halves, shared = _runtime_graphs(model, src)
     graph_checks.check_qdq_graph(model, base_dir=str(src.parent))
     rewritten = {t.node for t in done}
     excluded = [t.node for t in targets if t.node not in rewritten]
@@ -274,18 +274,49 @@ def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path
             "rounded_offsets": sum(t.rounded_offsets for t in done), "blocks": sum(t.blocks for t in done),
             "max_weight_error": max(t.max_weight_error for t in done),
             "quantized_fraction": len(done) / (len(done) + len(excluded))}
+    info.update(_runtime_graphs_info(halves, shared))
+    ctx.progress.print(f"  quantize: {len(done)} GEMMs weight-only ("
+                       + ", ".join(f"{n} {k}" for k, n in formats.items())
+                       + f"), {len(excluded)} left FP32; max |weight - GGML's| {info['max_weight_error']:g}")
+    art = _save(QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info),
+                model, src)
+    return _with_cpu_graph(art, cpu if halves or shared else None, out, src)
+
+
+def _runtime_graphs(model: onnx.ModelProto, src: Path) -> tuple[onnx.ModelProto, list[str], object]:
+    """Split a weight-only graph (in place) into what each runtime runs best, both exact:
+
+    * returned, ONNX Runtime's (validate and the served python-onnxruntime model): every INT8 block
+      GEMM as two INT4 halves (:func:`pipeline.quant.int4.split_int8_blocks`: MatMulNBits has FP32
+      kernels at accuracy level 1 for 4 bits only), the embedding Gather on its FP32 table;
+    * ``model``, TensorRT's: the embedding Gather on the tied lm_head's INT8 blocks when they decode to
+      its table exactly (:func:`pipeline.quant.int4.share_tied_table`: one table, no FP32 copy).
+
+    Returns ``(cpu_graph, int8 GEMMs split into halves, SharedTable or None)``."""
+    from pipeline.quant import int4
+
+    cpu = onnx.ModelProto()
+    cpu.CopyFrom(model)
+    halves = int4.split_int8_blocks(cpu, base_dir=str(src.parent))
+    shared = int4.share_tied_table(model, base_dir=str(src.parent))
+    return cpu, halves, shared
+
+
+def _runtime_graphs_info(halves: list[str], shared) -> dict:
+    """The stage summary's record of :func:`_runtime_graphs` (empty when it changed nothing)."""
+    info: dict = {}
     if halves or shared:
         info["cpu_graph"] = {"file": CPU_GRAPH, "int8_gemms_as_int4_halves": halves,
                              "note": "what ONNX Runtime validates and serves: INT8 blocks as two INT4 halves "
                                      "(pipeline.quant.int4.int4_halves), the embedding on its FP32 table"}
     if shared:
         info["engine_graph_tied_table"] = dataclasses.asdict(shared)
-    ctx.progress.print(f"  quantize: {len(done)} GEMMs weight-only ("
-                       + ", ".join(f"{n} {k}" for k, n in formats.items())
-                       + f"), {len(excluded)} left FP32; max |weight - GGML's| {info['max_weight_error']:g}")
-    art = _save(QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info),
-                model, src)
-    if not (halves or shared):
+    return info
+
+
+def _with_cpu_graph(art: QuantizedArtifact, cpu: onnx.ModelProto | None, out: Path, src: Path) -> QuantizedArtifact:
+    """``art`` with ONNX Runtime's graph saved beside it as :data:`CPU_GRAPH` (``cpu`` None: the one graph)."""
+    if cpu is None:
         return art
     path = onnx_io.save_model_atomic(cpu, out.with_name(CPU_GRAPH), base_dir=src.parent)
     onnx_io.require_loadable(str(path), "quantize")
@@ -350,6 +381,64 @@ def _decoded_weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, o
     art = QuantizedArtifact(str(out), q.precision, [t.node for t in done], excluded, info,
                             cpu_onnx_path=str(out.with_name(DECODED_GRAPH)))
     return _save(art, model, src)
+
+
+def _rounded(ctx: StageContext, exp: ExportArtifact, model: onnx.ModelProto, src: Path, out: Path
+             ) -> QuantizedArtifact:
+    """``quantize.weights.method: rtn`` or ``awq``: every weight GEMM (but ``quantize.exclude``'s) as
+    symmetric absmax INT4 blocks of ``block_size`` along K (:func:`pipeline.quant.int4.rewrite_rtn`;
+    a tied lm_head as INT8 blocks of 32), after, for ``awq``, the AWQ scales searched on the
+    calibration batches and folded into the FP32 graph (:func:`pipeline.quant.awq.fold`). Activations
+    stay FP32. ``calibration`` records the method, the GEMM count per ONNX form and, for awq, the
+    search per fold point and its block output error against rtn's.
+
+    Raises:
+        QuantizationError: (exit 2) ``block_size`` does not divide a GEMM's K (names the GEMM and K);
+            too little calibration data (awq); the folded graph is not equivalent (awq); an op of the
+            graph means something else at opset 21.
+    """
+    from collections import Counter
+
+    from pipeline.quant import awq, int4
+
+    q = ctx.recipe.quantize
+    w = q.weights
+    targets = qdq.find_targets(model, ["MatMul"])
+    kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
+    info: dict = {"method": w.method, "block_size": w.block_size}
+    extra: dict = {}
+    clips: dict = {}
+    base = str(src.parent)
+    if w.method == "awq":
+        batches, shortfall = calibration_data(ctx, exp)
+        if shortfall:
+            ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
+        with ctx.progress.step("awq: loading the FP32 weights"):
+            awq.load_weights(model, src)
+        extra["awq"], clips = awq.fold(model, kept, batches, w.block_size, progress=ctx.progress)
+        extra.update(shortfall)
+        info.update(samples=int(sum(_rows(b) for b in batches)), seq_len=q.calibration.seq_len)
+        a = extra["awq"]
+        ctx.progress.print(f"  quantize: awq scaled {a['scaled_points']} of {len(a['fold_points'])} fold points; block "
+                           f"output error {a['block_output_error']:.4g} ({a['block_output_error_clipped']:.4g} with "
+                           f"{a['clipped_blocks']} of {a['blocks']} blocks clipped) vs rtn {a['block_output_error_rtn']:.4g}")
+    with ctx.progress.step(f"quantize: {w.method} INT4 blocks of {w.block_size}"):
+        done = int4.rewrite_rtn(model, block_size=w.block_size, base_dir=base, skip={t.node for t in excluded},
+                                clips=clips)
+    cpu, halves, shared = _runtime_graphs(model, src)
+    graph_checks.check_qdq_graph(model, base_dir=base)
+    counts = Counter(t.onnx_form for t in done)
+    rewritten = {t.node for t in done}
+    info.update(gemm_formats=dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+                max_relative_error=max((t.max_relative_error for t in done), default=0.0),
+                quantized_fraction=len([t for t in kept if t.node in rewritten]) / max(len(targets), 1), **extra,
+                **_runtime_graphs_info(halves, shared))
+    ctx.progress.print(f"  quantize: {len(done)} GEMMs weight-only ("
+                       + ", ".join(f"{n} {k}" for k, n in info["gemm_formats"].items())
+                       + f"), {len(excluded)} left FP32")
+    art = QuantizedArtifact(str(out), q.precision, [t.node for t in done],
+                            [t.node for t in targets if t.node not in rewritten], info)
+    return _with_cpu_graph(_save(art, model, src), cpu if halves or shared else None, out, src)
 
 
 def _has_tied_lm_head(model: onnx.ModelProto) -> bool:
