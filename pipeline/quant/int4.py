@@ -651,6 +651,7 @@ def split_int8_blocks(model: onnx.ModelProto, base_dir: str = "") -> list[str]:
     keep = [t for t in g.initializer if t.name in used or not (t.name.endswith(".values") or t.name.endswith(".scales"))]
     del g.initializer[:]
     g.initializer.extend(keep)
+    return done
 
 
 # --- round to nearest (quantize.weights.method: rtn / awq) -------------------------------------

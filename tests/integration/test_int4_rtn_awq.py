@@ -17,6 +17,9 @@ from pipeline.recipe.load import load_recipe
 from pipeline.run.runner import run_pipeline
 from tiny import seed_export, tiny_recipe
 
+#: tiny-model quantize runs (awq searches every fold point) and a TensorRT-RTX build: over a minute on 2 cores
+pytestmark = pytest.mark.e2e
+
 
 def _int4_recipe(ws, tiny_model, method: str, block: int = 32):
     changes = {"quantize.precision": "int4", "quantize.weights": {"method": method, "block_size": block},
