@@ -223,7 +223,9 @@ class QuantizeConfig(Strict):
         if not weight_only and self.weights is not None:
             raise ValueError(f"weights (weight-only blocks) need precision {' or '.join(precisions.WEIGHT_ONLY)}, "
                              f"not {self.precision!r}")
-        calibrated = weight_only and self.weights is not None and self.weights.method in WEIGHT_METHODS_CALIBRATED
+        own = precisions.facts(self.precision).weight_methods  # a format with its own quantizer (nvfp4): check
+        calibrated = (weight_only and self.weights is not None and self.weights.method in WEIGHT_METHODS_CALIBRATED
+                      and (not own or self.weights.method in own))  # names a method it lacks
         if weight_only and self.calibration is not None and not calibrated:
             raise ValueError(f"precision {self.precision!r} is weight-only: its activations stay FP32 and nothing is "
                              f"calibrated with weights.method {self.weights.method if self.weights else None!r}; drop "
