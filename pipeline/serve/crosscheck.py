@@ -194,7 +194,6 @@ def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log =
     """
     from pipeline.serve import bench as B
     from pipeline.serve.run import start_endpoint
-    from pipeline.serve.tune import OK
 
     exe = B.aiperf_exe()
     if exe is None:
@@ -215,7 +214,7 @@ def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log =
 
     def ours() -> dict:
         m = runner.drive()
-        if m.status != OK:
+        if not m.ok:
             return {"failed": f"{m.status}: {m.detail}"}
         return {"throughput_rps": m.throughput_rps, "requests": m.requests, "duration_s": m.duration_s,
                 "p50_ms": m.p50_ms, "p99_ms": m.p99_ms}

@@ -139,6 +139,11 @@ class Measurement:
     detail: str = ""
     over_slo: str = ""  # which p99 missed its bound, for people
 
+    @property
+    def ok(self) -> bool:
+        """A measurement (status :data:`OK`), not a row saying why there is none."""
+        return self.status == OK
+
     def as_row(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
                 for k, v in dataclasses.asdict(self).items()}
