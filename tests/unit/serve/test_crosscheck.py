@@ -51,11 +51,14 @@ def test_interleave_alternates_ours_first_and_last_and_aiperf_gets_the_previous_
         asked.append(requests)
         return {"throughput_rps": before["throughput_rps"], "requests": requests}
 
-    ours = _runs([{"throughput_rps": 10.0, "requests": 100}, {"throughput_rps": 10.0, "requests": 120},
-                  {"throughput_rps": 10.0, "requests": 90}])
+    ours = _runs([{"throughput_rps": 3.0, "requests": 16}, {"throughput_rps": 10.0, "requests": 100},
+                  {"throughput_rps": 10.0, "requests": 120}, {"throughput_rps": 10.0, "requests": 90}])
     out = X.interleave(2, ours, theirs, log=lambda s: None)
     assert asked == [100, 120] and len(out["ours"]) == 3 and len(out["aiperf"]) == 2
+    assert out["settle"]["throughput_rps"] == 3.0  # the first run after the load: run, not counted
     assert out["ratio"]["mean"] == pytest.approx(1.0) and out["ratio"]["stderr"] == 0.0
+    md = "\n".join(X.render({**out, "point": "concurrency 4", "loadavg_1m": [1.0, 1.0]}))
+    assert "| 1 | ours (settling, not counted) | 16 | 3 |" in md and "| 3 | AIPerf | 100 | 10 |" in md
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 3])
@@ -70,7 +73,7 @@ def test_a_failed_run_stops_the_check_without_a_ratio(fail_at):
             return {"failed": "3 requests failed: 3 x 400 Bad Request"} if len(calls) == fail_at else ok
         return go
 
-    out = X.interleave(1, run("ours"), run("aiperf"), log=lambda s: None)
+    out = X.interleave(1, run("ours"), run("aiperf"), log=lambda s: None, settle=False)
     assert "ratio" not in out and "3 requests failed" in out["failed"]
     assert len(calls) == fail_at and out["failed"].startswith(("ours run", "aiperf run"))
     assert "Cross-check failed" in "\n".join(X.render({**out, "point": "concurrency 4"}))
@@ -142,7 +145,7 @@ def test_cross_check_on_fake_aiperf_outputs_and_its_exit_code(tmp_path, monkeypa
     served = SimpleNamespace(generate_model=None, ensemble_model="enc_ensemble", recipe=None,
                              artifacts={"export": SimpleNamespace(tokenizer_dir=str(tok))},
                              adapter=SimpleNamespace(bench_workload=lambda r, t: SimpleNamespace(requests=texts)))
-    drives = iter([10.0, 8.0, 10.0])
+    drives = iter([5.0, 10.0, 8.0, 10.0])  # the first: the settling run
     runner = SimpleNamespace(point=T.Point(4), check_alive=lambda: None,
                              drive=lambda: T.Measurement(T.OK, throughput_rps=next(drives), requests=40, p50_ms=1.0,
                                                          p99_ms=2.0, duration_s=4.0))
@@ -150,7 +153,7 @@ def test_cross_check_on_fake_aiperf_outputs_and_its_exit_code(tmp_path, monkeypa
     out = X.cross_check(served, server, runner, rounds=2, folder=tmp_path / "xc", log=lambda s: None)
     if errors:
         assert "failed" in out and "2 requests failed: 2 x 400 Bad Request" in out["failed"]
-        assert len(out["ours"]) == 1 and out["aiperf"] == [] and "ratio" not in out
+        assert len(out["ours"]) == 1 and out["aiperf"] == [] and "ratio" not in out and out["settle"]
         assert T.cross_check_exit(out, 0) == EXIT_ENVIRONMENT and T.cross_check_exit(out, 1) == 1
         return
     assert [a["requests"] for a in out["aiperf"]] == [40, 40]
