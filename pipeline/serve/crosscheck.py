@@ -193,6 +193,9 @@ def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log =
     """:func:`interleave` our client (``runner.drive()``, what the server has loaded now) and AIPerf on
     ``server`` at ``runner.point`` (a concurrency), ``rounds`` AIPerf runs, their files in ``folder``.
     A generating recipe is driven through the OpenAI endpoint, started here on a free port and stopped.
+    Each run's ``client_cpu`` (:func:`pipeline.serve.bench.client_cpu`): ours, this process's CPU time
+    over the run (``RUSAGE_SELF``: the client threads, and the endpoint's idle loop; not the server, a
+    child); AIPerf's, its process tree's (warm-up, start-up and shutdown included).
 
     Returns :func:`interleave`'s dict plus ``tool``, ``route``, ``point``, ``command`` (the last AIPerf
     command), ``loadavg_1m`` (start, end); ``{"skipped": why}`` without the ``aiperf`` CLI, at an
@@ -222,11 +225,16 @@ def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log =
     state: dict[str, Any] = {"command": []}
 
     def ours() -> dict:
+        import resource
+        import time
+
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         m = runner.drive()
+        cpu = B.client_cpu(before, resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start)
         if not m.ok:
             return {"failed": f"{m.status}: {m.detail}"}
         return {"throughput_rps": m.throughput_rps, "requests": m.requests, "duration_s": m.duration_s,
-                "p50_ms": m.p50_ms, "p99_ms": m.p99_ms}
+                "p50_ms": m.p50_ms, "p99_ms": m.p99_ms, "client_cpu": cpu}
 
     def theirs(requests: int, _before: dict) -> dict:
         run_folder = folder / f"aiperf_{len(list(folder.glob('aiperf_*'))) + 1}"
@@ -282,7 +290,7 @@ def render(result: dict) -> list[str]:
     head = (f"Cross-check with {result.get('tool', 'AIPerf')} at {result.get('point')}: ours "
             f"({result.get('ours_route')}) and AIPerf ({result.get('route')}), interleaved.")
     what = "TTFT " if result.get("ours_route", "").startswith("streamed") else "latency "
-    lines = [head, "", f"| run | client | requests | requests/s | {what}p50 ms | {what}p99 ms | AIPerf CPU (cores) |",
+    lines = [head, "", f"| run | client | requests | requests/s | {what}p50 ms | {what}p99 ms | client CPU (cores) |",
              "|---|---|---|---|---|---|---|"]
     ours, theirs = result.get("ours", []), result.get("aiperf", [])
     order = [("ours (settling, not counted)", result["settle"])] if result.get("settle") else []
