@@ -628,64 +628,94 @@ AIPERF_METRICS = ("time_to_first_token", "inter_token_latency", "output_token_th
 def bench_aiperf(served: Served, endpoint_url: str, out_dir: Path, log: Log, timeout_s: float = 1800.0) -> dict:
     """Drive the OpenAI endpoint with AIPerf's CLI (streaming completions) at each ``serve.concurrency``:
     ``serve.requests_per_level`` synthetic prompts of the bench's prompt length, ``serve.max_tokens``
-    output tokens, EOS ignored. Offline: ``--tokenizer`` is the served generation model's folder, which
-    AIPerf 0.5 loads with ``AutoTokenizer.from_pretrained`` (no hub). Each run gets its own ``TMPDIR``
-    (:func:`aiperf_tmpdir`), removed after it: AIPerf leaves an empty ``aiperf_mmap_<uuid>/`` and a
-    ``tmp*/aiperf/`` of ZMQ socket files in its temp folder.
+    output tokens, EOS ignored (:func:`aiperf_llm_command`), each run through :func:`run_aiperf`.
 
     Returns ``{"levels": [{"concurrency", "time_to_first_token": {"avg","p50","p90","p99"} ms,
     "inter_token_latency": ..., ..., "client_cpu"}], "command": [...]}``; ``{"skipped": reason}``
     without the CLI; ``{"failed": why, "command", "levels"}`` (the levels before it) when AIPerf exits
     non-zero, writes no export, or reports any request that failed (AIPerf 0.5 then still exits 0).
     """
-    import shutil as _shutil
-    import subprocess
-    import sys
-
-    from pipeline.serve.openai.app import find_model_folder
-
-    exe = _shutil.which("aiperf") or str(Path(sys.executable).with_name("aiperf"))
-    if not Path(exe).is_file():
+    exe = aiperf_exe()
+    if exe is None:
         return {"skipped": "the aiperf CLI is not installed (pip install aiperf)"}
     cfg = served.recipe.serve
-    tokenizer = str(find_model_folder(served.repository, str(served.generate_model)).resolve())
-    isl = len(llm_prompts(served)[0])
     levels: list[dict] = []
     command: list[str] = []
     for c in cfg.concurrency:
         folder = out_dir / f"c{c}"
-        shutil.rmtree(folder, ignore_errors=True)
-        try:
-            tmp = aiperf_tmpdir()
-        except PipelineError as e:
-            log(f"aiperf failed: {e}")
-            return {"failed": str(e), "command": command, "levels": levels}
-        command = [exe, "profile", "--model", str(served.generate_model), "--url", endpoint_url.removesuffix("/v1"),
-                   "--endpoint-type", "completions", "--streaming", "--tokenizer", tokenizer,
-                   "--concurrency", str(c), "--request-count", str(cfg.requests_per_level),
-                   "--isl", str(isl), "--isl-stddev", "0", "--osl", str(cfg.max_tokens), "--osl-stddev", "0",
-                   "--extra-inputs", "ignore_eos:true", "--random-seed", "0", "--ui-type", "none",
-                   "--output-artifact-dir", str(folder)]
+        command = aiperf_llm_command(exe, served, endpoint_url, c, cfg.requests_per_level, folder)
         log(f"aiperf: concurrency {c}: {cfg.requests_per_level} streamed requests x {cfg.max_tokens} tokens")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp)}
-        before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        cpu = client_cpu(before, resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start)
-        export = next(iter(sorted(folder.rglob("profile_export_aiperf.json"))), None)
-        if done.returncode != 0 or export is None:
-            why = f"aiperf exited with status {done.returncode} at concurrency {c}: {_plain_tail(done.stdout + done.stderr)}"
-            log(f"aiperf failed: {why}")
-            return {"failed": why, "command": command, "levels": levels}
-        data = json.loads(export.read_text())
-        if errors := aiperf_errors(data):
-            why = f"aiperf at concurrency {c}: {errors} (its exit status was {done.returncode})"
-            log(f"aiperf failed: {why}")
-            return {"failed": why, "command": command, "levels": levels}
-        levels.append({"concurrency": c, **aiperf_metrics(data), "client_cpu": cpu})
+        done = run_aiperf(command, folder, timeout_s, where=f"concurrency {c}")
+        if "failed" in done:
+            log(f"aiperf failed: {done['failed']}")
+            return {"failed": done["failed"], "command": command, "levels": levels}
+        levels.append({"concurrency": c, **aiperf_metrics(done["export"]), "client_cpu": done["client_cpu"]})
     return {"levels": levels, "command": command}
+
+
+def aiperf_exe() -> str | None:
+    """The ``aiperf`` CLI: on PATH, else beside this Python; None when neither has it."""
+    import sys
+
+    exe = shutil.which("aiperf") or str(Path(sys.executable).with_name("aiperf"))
+    return exe if Path(exe).is_file() else None
+
+
+def aiperf_llm_command(exe: str, served: Served, endpoint_url: str, concurrency: int, requests: int, folder: Path,
+                       *, warmup: int = 0) -> list[str]:
+    """AIPerf's command for streamed ``/v1/completions`` through the OpenAI endpoint (``endpoint_url``,
+    ending in ``/v1``): ``requests`` synthetic prompts of the bench's prompt length (the first validate
+    prompt's), ``serve.max_tokens`` output tokens with EOS ignored, at ``concurrency``, after ``warmup``
+    uncounted requests (0: none). Offline: ``--tokenizer`` is the served generation model's folder,
+    which AIPerf 0.5 loads with ``AutoTokenizer.from_pretrained`` (no hub)."""
+    from pipeline.serve.openai.app import find_model_folder
+
+    cfg = served.recipe.serve
+    tokenizer = str(find_model_folder(served.repository, str(served.generate_model)).resolve())
+    isl = len(llm_prompts(served)[0])
+    return [exe, "profile", "--model", str(served.generate_model), "--url", endpoint_url.removesuffix("/v1"),
+            "--endpoint-type", "completions", "--streaming", "--tokenizer", tokenizer,
+            "--concurrency", str(concurrency), "--request-count", str(requests),
+            *(["--warmup-request-count", str(warmup)] if warmup else []),
+            "--isl", str(isl), "--isl-stddev", "0", "--osl", str(cfg.max_tokens), "--osl-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--random-seed", "0", "--ui-type", "none",
+            "--output-artifact-dir", str(folder)]
+
+
+def run_aiperf(command: list[str], folder: Path, timeout_s: float, *, where: str = "") -> dict:
+    """Run one AIPerf command that writes into ``folder`` (emptied first), in its own ``TMPDIR``
+    (:func:`aiperf_tmpdir`, removed after: AIPerf leaves an empty ``aiperf_mmap_<uuid>/`` and a
+    ``tmp*/aiperf/`` of ZMQ socket files there), offline (``HF_HUB_OFFLINE``).
+
+    Returns ``{"export": <profile_export_aiperf.json>, "client_cpu": :func:`client_cpu`}``, or
+    ``{"failed": why}`` when the temp folder is unusable, AIPerf exits non-zero, writes no export, or
+    reports any failed request (:func:`aiperf_errors`; AIPerf 0.5 then still exits 0): such a run
+    is not a measurement. ``where`` names the run in the reason (e.g. "concurrency 4").
+    """
+    import subprocess
+
+    at = f" at {where}" if where else ""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        tmp = aiperf_tmpdir()
+    except PipelineError as e:
+        return {"failed": str(e)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp)}
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"aiperf did not finish in {timeout_s:g} s{at}"}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    cpu = client_cpu(before, resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start)
+    export = next(iter(sorted(folder.rglob("profile_export_aiperf.json"))), None)
+    if done.returncode != 0 or export is None:
+        return {"failed": f"aiperf exited with status {done.returncode}{at}: {_plain_tail(done.stdout + done.stderr)}"}
+    data = json.loads(export.read_text())
+    if errors := aiperf_errors(data):
+        return {"failed": f"aiperf{at}: {errors} (its exit status was {done.returncode})"}
+    return {"export": data, "client_cpu": cpu}
 
 
 #: Longest AF_UNIX socket path (``sockaddr_un.sun_path`` less its NUL), bytes.

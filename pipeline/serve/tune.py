@@ -139,6 +139,11 @@ class Measurement:
     detail: str = ""
     over_slo: str = ""  # which p99 missed its bound, for people
 
+    @property
+    def ok(self) -> bool:
+        """A measurement (status :data:`OK`), not a row saying why there is none."""
+        return self.status == OK
+
     def as_row(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
                 for k, v in dataclasses.asdict(self).items()}
@@ -148,7 +153,8 @@ class Measurement:
 class Outcome:
     """What the search found. ``rows``: every measurement in order (candidate label, values,
     phase, measurement); ``chosen`` / ``default``: candidates; ``feasible``: some candidate met the SLO;
-    ``decision``: how the best two were decided; ``stopped``: why the search ended."""
+    ``decision``: how the best two were decided; ``stopped``: why the search ended; ``cross_check``:
+    the AIPerf cross-check on the chosen config (:func:`pipeline.serve.crosscheck.cross_check`), when asked for."""
 
     default: Candidate
     chosen: Candidate | None = None
@@ -157,6 +163,7 @@ class Outcome:
     decision: dict = field(default_factory=dict)
     stopped: str = ""
     interrupted: bool = False
+    cross_check: dict | None = None
 
     def samples(self, cand: Candidate) -> list[Measurement]:
         return [r["measurement"] for r in self.rows if r["candidate"] == cand and r["measurement"].status == OK]
@@ -507,7 +514,7 @@ class Runner:
         self.measure_s, self.min_requests = cfg.tune.measure_s, max(cfg.tune.min_requests, point.concurrency or 1)
         self._log_offset = 0
 
-    def _alive(self) -> None:
+    def check_alive(self) -> None:
         from pipeline.triton.server import TritonServerError
 
         code = self.server.process.poll()
@@ -533,22 +540,32 @@ class Runner:
                 try:
                     client.load_model(model, config=override(self.served, role, model, values))
                 except Exception as e:  # InferenceServerException: the reason is in the server log
-                    self._alive()
+                    self.check_alive()
                     return self._refusal(model, e)
-                self._alive()
+                self.check_alive()
         return None
 
     def measure(self, cand: Candidate) -> Measurement:
+        """Load ``cand`` (:meth:`load`), then :meth:`drive` it; a refused config is a :data:`REFUSED` row."""
         refused = self.load(cand)
         if refused is not None:
             return Measurement(REFUSED, detail=refused)
+        return self.drive()
+
+    def drive(self) -> Measurement:
+        """One measurement of what is loaded now: warm-up, then the operating point's load. A request
+        error makes it an :data:`ERRORS` row, not a measurement.
+
+        Raises:
+            TritonServerError: (exit 4) the server died (its log's end).
+        """
         try:
             # generation traffic whenever the recipe generates (also when the search tunes the compute model it calls through BLS)
             return self._measure_llm() if self.served.generate_model else self._measure_encoder()
         except KeyboardInterrupt:
             raise
         except Exception as e:  # a request failed: not a measurement
-            self._alive()
+            self.check_alive()
             return Measurement(ERRORS, detail=f"{type(e).__name__}: {str(e)[:300]}")
 
     def _measure_encoder(self) -> Measurement:
@@ -635,8 +652,12 @@ def operating_point(recipe) -> Point:
     return Point(rate=t.rate) if t.rate is not None else Point(t.concurrency or max(recipe.serve.concurrency))
 
 
-def run(served, *, log: Log = print, outcome: Outcome | None = None, cores: int | None = None) -> tuple[Outcome, Space, dict]:
-    """Start tritonserver on ``served`` (the recipe's own values), search, stop it.
+def run(served, *, log: Log = print, outcome: Outcome | None = None, cores: int | None = None,
+        cross_check_rounds: int | None = None) -> tuple[Outcome, Space, dict]:
+    """Start tritonserver on ``served`` (the recipe's own values), search, stop it. With
+    ``cross_check_rounds``, before it stops, the chosen config is loaded again and our client and
+    AIPerf alternate on it (:func:`pipeline.serve.crosscheck.cross_check`, ``outcome.cross_check``;
+    its files in ``<run dir>/tune_serving/cross_check/``).
 
     Returns the outcome, the space and the environment (Triton version, CPU, load average before
     and after). A Ctrl-C leaves the partial table in ``outcome`` (pass one in) and re-raises.
@@ -662,7 +683,22 @@ def run(served, *, log: Log = print, outcome: Outcome | None = None, cores: int 
         search(sp.default, sp.dimensions, runner.measure, time_limit_s=cfg.tune.time_limit_s,
                repeats=cfg.tune.repeats, cores=sp.cores, valid=sp.valid, log=log, outcome=out)
         env["loadavg_1m_end"] = os.getloadavg()[0]
+        if cross_check_rounds and out.chosen is not None:
+            out.cross_check = cross_check_chosen(served, server, runner, out.chosen, cross_check_rounds, log)
     return out, sp, env
+
+
+def cross_check_chosen(served, server, runner: "Runner", chosen: Candidate, rounds: int, log: Log = print) -> dict:
+    """Load ``chosen`` and run :func:`pipeline.serve.crosscheck.cross_check` on it."""
+    from pipeline.serve.crosscheck import cross_check
+
+    refused = runner.load(chosen)
+    if refused is not None:
+        return {"failed": f"the chosen config did not load again: {refused}"}
+    return cross_check(served, server, runner, rounds=rounds, folder=served.run_dir / "tune_serving" / "cross_check",
+                       log=log)
+
+
 
 
 def cpu_model() -> str:
@@ -781,12 +817,17 @@ def report(out: Outcome, sp: Space, env: dict, served, folder, *, pinned_to=None
     if pinned_to:
         md.append(f"Pinned: {pinned_to}.")
     md += ["", f"**{line}**", ""] + ([f"![throughput vs p99]({plot})", ""] if plot else [])
+    if out.cross_check is not None:
+        from pipeline.serve.crosscheck import render
+
+        md += render(out.cross_check) + [""]
     result = {"recipe": served.recipe.name, "concurrency": c.concurrency, "rate": c.rate, "slo": slo.model_dump(mode="json"),
               "environment": env, "notes": list(sp.notes), "summary": line, "interrupted": out.interrupted,
               "feasible": out.feasible, "stopped": out.stopped,
               "default": out.default.as_dict(), "chosen": out.chosen.as_dict() if out.chosen else None,
               "decision": {k: v for k, v in out.decision.items() if k != "chosen"},
               "ratio_to_default": ratio_to_default(out), "candidates": candidate_rows(out), "plot": plot,
+              "cross_check": out.cross_check,
               "markdown": "\n".join(md)}
     write_json_atomic(folder / "tune.json", {k: v for k, v in result.items() if k != "markdown"}, strict=True)
     (folder / "tune.md").write_text(result["markdown"])
@@ -814,6 +855,12 @@ def add_tune_serving_arguments(parser) -> None:
                         help="override a recipe field for this run (serve.* only changes no pin match)")
     parser.add_argument("--quiet", action="store_true", help="no build progress output")
     parser.add_argument("--note", default="", help="recorded in the pin's `recorded.note` (e.g. the machine was shared)")
+    parser.add_argument("--cross-check", choices=["aiperf"], default=None,
+                        help="after the search, alternate our client and AIPerf on the chosen config at the operating "
+                             "point and report AIPerf/ours throughput (off by default: each AIPerf run adds about a "
+                             "minute of its own start-up on 2 cores)")
+    parser.add_argument("--cross-check-rounds", type=int, default=3, metavar="N",
+                        help="AIPerf runs in the cross-check, each between two of ours (default 3)")
 
 
 def cmd_tune_serving(args) -> int:
@@ -821,9 +868,14 @@ def cmd_tune_serving(args) -> int:
     ``recipes/tuned/<r>.serving.json``. Exit 1 when no candidate meets ``serve.slo`` (nothing
     pinned); 130 on Ctrl-C (the partial table is written, nothing pinned).
 
+    With ``--cross-check aiperf`` the chosen config is then driven by our client and AIPerf in turn
+    (:mod:`pipeline.serve.crosscheck`); the pin does not depend on it, but a cross-check whose runs had
+    request errors (or whose AIPerf failed) exits 4 after pinning, as ``bench`` does for AIPerf.
+
     Raises:
         RecipeError: (exit 2, before any work) the recipe declares no hardware class
-            (``triton.serving.gpu`` or ``serve.cpu_cores``); the pin folder cannot be written.
+            (``triton.serving.gpu`` or ``serve.cpu_cores``); the pin folder cannot be written;
+            ``--cross-check-rounds`` below 1.
         TritonServerError: (exit 4) the server did not start or died mid-search (log tail).
     """
     from pathlib import Path
@@ -835,6 +887,9 @@ def cmd_tune_serving(args) -> int:
     from pipeline.triton import pin
     from pipeline.triton.repository import repository_runtime
 
+    rounds = getattr(args, "cross_check_rounds", 3)
+    if getattr(args, "cross_check", None) and rounds < 1:
+        raise RecipeError(f"--cross-check-rounds {rounds}: the cross-check needs at least 1 AIPerf run")
     recipe, _ = preflight(args)
     if pin.hardware_class(recipe) is None:
         raise RecipeError(f"{args.recipe}: a serving pin matches the DECLARED serving hardware, and this recipe "
@@ -850,14 +905,30 @@ def cmd_tune_serving(args) -> int:
     out = Outcome(sp.default)
     env: dict = {}
     try:
-        out, sp, env = run(served, outcome=out)
+        out, sp, env = run(served, outcome=out, cross_check_rounds=rounds if getattr(args, "cross_check", None) else None)
     except KeyboardInterrupt:
         out.interrupted = True
         report(out, sp, env, served, folder)
         print(f"interrupted: the partial table is in {folder / 'tune.md'}; nothing pinned", file=sys.stderr)
         raise
     published = repository_runtime(recipe.triton.target, served.artifacts["build"])
-    return finish(out, sp, env, served, Path(args.recipe), note=args.note, published_target=published)
+    code = finish(out, sp, env, served, Path(args.recipe), note=args.note, published_target=published)
+    return cross_check_exit(out.cross_check, code)
+
+
+def cross_check_exit(result: dict | None, code: int) -> int:
+    """The exit code after a cross-check: ``code`` (the search's), else 4 (EXIT_ENVIRONMENT) when the
+    cross-check failed (request errors or AIPerf failing: not a measurement), said on stderr."""
+    from pipeline.errors import EXIT_ENVIRONMENT
+
+    if result is None:
+        return code
+    if "failed" in result:
+        print(f"tune-serving: the AIPerf cross-check failed: {result['failed']}", file=sys.stderr)
+        return code or EXIT_ENVIRONMENT
+    if "skipped" in result:
+        print(f"tune-serving: the AIPerf cross-check was not run: {result['skipped']}", file=sys.stderr)
+    return code
 
 
 def finish(out: Outcome, sp: Space, env: dict, served, recipe_path, *, note: str = "",
