@@ -22,7 +22,7 @@ from pipeline.recipe import precisions
 from pipeline.fsutil import user_path
 
 Precision = Literal[precisions.QUANTIZE]  # type: ignore[valid-type]  # the precision table's
-CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
+CalibrationMethod = Literal["max", "percentile", "entropy", "mse", "kl"]
 InstanceKind = Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"]
 #: Model kinds, named after the field's tasks; each has an adapter in pipeline/models/<kind>/
 #: (pipeline.models.registry maps kind -> adapter; tests check the two lists agree).
@@ -88,7 +88,9 @@ class ExportConfig(Strict):
 
 class CalibrationConfig(Strict):
     method: CalibrationMethod = Field("max", description="how each activation's amax is taken over the calibration "
-                                      "batches (pipeline.quant.calibrate.collect_amax)")
+                                      "batches (pipeline.quant.calibrate.collect_amax): max (abs-max), percentile, entropy "
+                                      "(ONNX Runtime's INT8 KL threshold), mse / kl (the clip search on the target format's "
+                                      "grid: squared error or KL divergence, pipeline.quant.calibrate.clip_amax)")
     percentile: float = Field(99.99, gt=90, le=100, description="method percentile: the percentile of |x| used as amax")
     data: DataSource = Field(description="calibration text (pipeline.sources.data); must not overlap validate.data")
     samples: int = Field(ge=1, description="number of calibration sequences")
@@ -156,6 +158,10 @@ class QuantizeConfig(Strict):
         "optimization level computes those exactly on every x86 CPU, so the graph is validated and served at that level "
         "(integer kernels: faster on CPUs with VNNI); full-range INT8 weights run at the basic level (simulated). Costs one "
         "bit of weight precision (pipeline.ort_sessions.optimization_level)")
+    weight_clip: Literal["max", "mse", "kl"] = Field(
+        "max", description="fp8 / int8: each weight's amax: its max, or the clip search (mse: squared error, kl: KL "
+        "divergence of its values after quantization) choosing a clip ratio per tensor "
+        "(pipeline.quant.calibrate.weight_clip_ratio); no op is added")
     quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = Field(
         ["MatMul", "Gemm"], description="op types whose weight input gets Q/DQ (pipeline.quant.qdq.find_targets)")
     rest_precision: Literal[precisions.REST] = Field(  # type: ignore[valid-type]

@@ -77,7 +77,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     if not kept:
         raise QuantizationError("quantize: no weight GEMM is left to quantize after exclusions")
-    fmt = qdq.quant_format(q.precision, q.reduce_range)
+    fmt = qdq.quant_format(q.precision, q.reduce_range, q.weight_clip)
     batches, shortfall = calibration_data(ctx, exp)
     if shortfall:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
