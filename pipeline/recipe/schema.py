@@ -168,6 +168,10 @@ class QuantizeConfig(Strict):
         precisions.REFERENCE, description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
         "(pipeline.quant.autocast); bf16 is validated only through a TensorRT engine")
     smoothquant: SmoothQuantConfig | None = Field(None, description="SmoothQuant before Q/DQ (pipeline.quant.smoothquant)")
+    rotate: bool = Field(False, description="fp8 / int8, Llama-style graphs: fold Hadamard rotations into the FP32 "
+                         "weights before calibration, R1 on the residual stream (RMSNorm scales folded first; the tied "
+                         "embedding stored rotated, one extra 576x576-style MatMul before the lm_head) and R2 per head on "
+                         "v -> o (pipeline.quant.rotate); the FP32 function is unchanged, the V cache holds rotated values")
     accuracy_budget: Gate | None = Field(
         None, description="a gate on a tuning-split metric (kld_mean, relative_perplexity_increase, top1_agreement) "
         "that the automatic exclusion search must meet (pipeline.quant.budget)")
@@ -200,11 +204,13 @@ class QuantizeConfig(Strict):
 
     @model_serializer(mode="wrap")
     def _added_fields_as_before(self, handler):
-        """``weights`` unset dumps as absent, so recipe digests, stage keys and pins
+        """``weights``, ``weight_clip`` and ``rotate`` at their defaults dump as absent, so recipe digests, stage keys and pins
         (:func:`pipeline.quant.pin.match_fields`) of recipes without it are what they were before it existed."""
         data = handler(self)
-        if self.weights is None and isinstance(data, dict):
-            data.pop("weights", None)
+        if isinstance(data, dict):
+            for name, default in (("weights", None), ("weight_clip", "max"), ("rotate", False)):
+                if getattr(self, name) == default:
+                    data.pop(name, None)
         return data
 
     @model_validator(mode="after")
@@ -232,7 +238,19 @@ class QuantizeConfig(Strict):
 
 
 class SmoothQuantConfig(Strict):
-    alpha: float = Field(0.5, ge=0, le=1, description="migration strength (Xiao et al. 2023)")
+    alpha: float = Field(0.5, ge=0, le=1, description="migration strength (Xiao et al. 2023); mode alpha only")
+    mode: Literal["alpha", "search"] = Field(
+        "alpha", description="alpha: one global alpha for every fold point; search: per-channel scales searched per fold "
+        "point (norm -> q/k/v, norm -> gate/up, v -> o, up -> down) against the W8A8 quantizer's output error "
+        "(pipeline.quant.smoothquant)")
+
+    @model_serializer(mode="wrap")
+    def _mode_as_before(self, handler):
+        """``mode`` at ``alpha`` dumps as absent: digests of recipes written before it keep."""
+        data = handler(self)
+        if self.mode == "alpha" and isinstance(data, dict):
+            data.pop("mode", None)
+        return data
 
 
 class TuningConfig(Strict):
