@@ -85,3 +85,27 @@ def test_a_graph_without_an_embedding_is_refused(exported):
     gather.input[1] = gather.output[0] + "_elsewhere"
     with pytest.raises(QuantizationError, match="one embedding Gather"):
         rotate.rotate(model, qdq.find_targets(model, ["MatMul"]))
+
+
+def test_the_quantize_stage_rotates_with_the_same_qdq(exported):
+    """``quantize.rotate: true``: the same GEMMs get Q/DQ, the added MatMul none, and the FP8
+    graph runs; the report records the rotation."""
+    from pipeline.context import Progress, StageContext
+    from pipeline.stages import quantize
+
+    exp, ws = exported
+    path = ws / "recipes" / "tiny-llm.yaml" if (ws / "recipes" / "tiny-llm.yaml").is_file() else next(ws.rglob("*.yaml"))
+    arts = {}
+    for rot in (False, True):
+        recipe = load_recipe(path, {"quantize.rotate": rot, "work_dir": str(ws / f"rot{rot}")})
+        arts[rot] = quantize.run(StageContext(recipe, path, ws / f"rot{rot}" / recipe.name, "quantize",
+                                              Progress(False)), exp)
+    assert arts[True].quantized_nodes == arts[False].quantized_nodes
+    assert arts[True].calibration["rotate"]["lm_head"].startswith("tied: +MatMul")
+    model = onnx.load(arts[True].onnx_path)
+    dq_inputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    mms = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in dq_inputs]
+    assert len(mms) == len(arts[False].quantized_nodes)
+    ids = np.random.default_rng(6).integers(0, 1000, size=(2, 7))
+    out = _run(arts[True].onnx_path, prefill_feeds(exp, ids))
+    assert np.isfinite(out["logits"]).all()
