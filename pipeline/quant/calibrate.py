@@ -426,3 +426,87 @@ def collect_channel_amax(model: onnx.ModelProto, tensors: list[str],
             m = np.abs(value.reshape(-1, value.shape[-1])).max(axis=0).astype(np.float64)
             amax[name] = m if name not in amax else np.maximum(amax[name], m)
     return amax
+
+
+#: the seed of the calibration rows sampled for a scale search (:func:`collect_rows`)
+ROW_SEED = 0
+
+
+def collect_rows(model: onnx.ModelProto, tensors: list[str], batches: list[dict[str, np.ndarray]],
+                 rows: int, seed: int = ROW_SEED) -> dict[str, np.ndarray]:
+    """Sampled rows of activations (last axis = channel): what a fold-point scale search
+    (:mod:`pipeline.quant.fold_search`, AWQ's ``mean |x|`` and the block output error) needs, where
+    amax is not enough.
+
+    The same positions are taken from every tensor: ``rows`` of all ``P`` positions (the product of
+    each output's leading dims, summed over batches), chosen once by ``numpy.random.default_rng(seed)``
+    without replacement and kept in position order, so the result depends on the batches, ``rows``
+    and ``seed`` only. All positions when ``P <= rows``. The graph runs as in
+    :func:`collect_channel_amax` (ONNX Runtime, CPU, the tensors as extra outputs).
+
+    Args:
+        model: FP32 graph with its weights loaded (inline; under 2 GiB serialized).
+        tensors: float activation names, each ``[..., C]`` with the same leading dims per batch.
+        batches: feed dicts for the graph.
+        rows: positions to keep (>= 1).
+
+    Returns:
+        name -> float32 ``[min(rows, P), C]``.
+
+    Raises:
+        QuantizationError: no batch, ``rows`` < 1, a tensor not in the graph, or tensors whose
+            leading dims differ within a batch.
+    """
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    if not batches:
+        raise QuantizationError("activation rows: no calibration batch")
+    if rows < 1:
+        raise QuantizationError(f"activation rows: rows = {rows}, need >= 1")
+    known = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    missing = [t for t in tensors if t not in known]
+    if missing:
+        raise QuantizationError(f"activation rows: tensors {missing[:5]} are not in the graph")
+    aug = onnx.ModelProto()
+    aug.CopyFrom(model)
+    present = {o.name for o in aug.graph.output}
+    aug.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None)
+                            for t in tensors if t not in present)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(aug.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    del aug
+    parts: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
+    pick, start = None, 0
+    for i, feeds in enumerate(batches):
+        values = run_checked(sess, tensors, feeds, user_graph=True,
+                             graph="the FP32 graph with its fold-point inputs as outputs")
+        counts = {int(np.prod(v.shape[:-1])) for v in values}
+        if len(counts) != 1:
+            raise QuantizationError(f"activation rows: batch {i}: the tensors have different leading dims "
+                                    f"({sorted(counts)} positions)")
+        n = counts.pop()
+        if pick is None:  # positions per batch are the same for every tensor; P from the first pass' sizes
+            total = n * len(batches) if all(_rows_like(b, batches[0]) for b in batches) else None
+            pick = _positions(total, rows, seed) if total is not None else None
+        sel = (pick[(pick >= start) & (pick < start + n)] - start) if pick is not None else slice(None)
+        for t, v in zip(tensors, values):
+            parts[t].append(np.ascontiguousarray(v.reshape(-1, v.shape[-1])[sel], np.float32))
+        start += n
+    out = {t: np.concatenate(p) for t, p in parts.items()}
+    if pick is None:  # uneven batches: sample over the concatenation (same positions for every tensor)
+        keep = _positions(start, rows, seed)
+        out = {t: v[keep] for t, v in out.items()}
+    return out
+
+
+def _rows_like(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+
+
+def _positions(total: int, rows: int, seed: int) -> np.ndarray:
+    """Sorted int64 positions: ``rows`` of ``range(total)`` (all when ``total <= rows``)."""
+    if total <= rows:
+        return np.arange(total, dtype=np.int64)
+    return np.sort(np.random.default_rng(seed).choice(total, size=rows, replace=False)).astype(np.int64)

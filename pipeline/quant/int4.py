@@ -475,3 +475,133 @@ def _used_names(g: onnx.GraphProto) -> set[str]:
             for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
                 used |= _used_names(sub) | {o.name for o in sub.output}
     return used
+
+
+# --- round to nearest (quantize.weights.method: rtn / awq) -------------------------------------
+
+#: the tied lm_head of a model without GGUF blocks: INT8, blocks of 32 along K (the form source gives
+#: SmolLM2's Q8_0 table; about 9 bits per weight, a KL cost far below the INT4 GEMMs')
+LM_HEAD_BITS, LM_HEAD_BLOCK = 8, 32
+
+
+def rtn_form(w: np.ndarray, block_size: int, bits: int = 4, *, name: str = "weight") -> DQForm:
+    """Symmetric per-block absmax round-to-nearest of ``w [N, K]`` (GGUF orientation: rows = output
+    features, blocks of ``block_size`` along ``K``, the input features)::
+
+        scale_b = max_{k in b} |w_k| / qmax          (qmax = 7 for INT4, 127 for INT8; float32)
+        values_k = clip(round_half_even(w_k / scale_b), -qmax, qmax)
+
+    so ``values * scale`` is what DequantizeLinear (opset 21, ``block_size``, no zero point) gives. A
+    block of zeros gets scale 1 (values 0): scales stay > 0, as TensorRT requires.
+
+    Returns:
+        The :class:`~pipeline.quant.gguf_blocks.DQForm` (no offsets).
+
+    Raises:
+        QuantizationError: ``block_size`` does not divide ``K`` (names ``name`` and ``K``; TensorRT
+            refuses a partial block: "The quantization axis must divide into whole blocks"), or ``w``
+            is not 2-D or holds NaN / infinite values.
+    """
+    if w.ndim != 2:
+        raise QuantizationError(f"{name}: weight {w.shape} is not 2-D")
+    n, k = w.shape
+    if k % block_size:
+        raise QuantizationError(
+            f"{name}: quantize.weights.block_size {block_size} does not divide its input dimension K = {k} "
+            f"(TensorRT refuses a partial block); use a block size dividing K, e.g. "
+            f"{', '.join(str(b) for b in (32, 64, 128) if k % b == 0) or 'none of 32/64/128 fits'}")
+    if not np.isfinite(w).all():
+        raise QuantizationError(f"{name}: the weight holds NaN or infinite values")
+    qmax = 2 ** (bits - 1) - 1
+    blocks = np.asarray(w, np.float32).reshape(n, k // block_size, block_size)
+    amax = np.abs(blocks).max(axis=2)
+    scales = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
+    values = np.clip(np.rint(blocks / scales[:, :, None]), -qmax, qmax).astype(np.int8).reshape(n, k)
+    return DQForm(bits=bits, block_size=block_size, values=values, scales=scales, offsets=None)
+
+
+def fake_quantize(w: np.ndarray, block_size: int, bits: int = 4) -> np.ndarray:
+    """float32 ``[K, N]``: ``w [K, N]`` (a MatMul's ``B``) after :func:`rtn_form` and its
+    DequantizeLinear, blocks along ``K``: the weight quantizer of the AWQ search
+    (:func:`pipeline.quant.fold_search.search`)."""
+    return rtn_form(np.ascontiguousarray(w.T), block_size, bits).dequantized().T
+
+
+@dataclass(frozen=True)
+class RTNRewritten:
+    """One MatMul now computing with round-to-nearest blocks: ``node``, its former FP32 ``weight``
+    initializer, ``onnx_form`` (``"INT4 block 64"``), ``k`` and ``n``, and the largest
+    ``|DQ weight - FP32 weight| / block absmax`` (at most half a step: ``0.5 / qmax``)."""
+
+    node: str
+    weight: str
+    onnx_form: str
+    k: int
+    n: int
+    max_relative_error: float
+
+
+def rewrite_rtn(model: onnx.ModelProto, *, block_size: int, base_dir: str = "",
+                skip: Collection[str] = ()) -> list[RTNRewritten]:
+    """Rewrite, in place, every MatMul whose ``B`` is a 2-D FP32 initializer ``[K, N]`` into
+    :func:`block_matmul`'s form with :func:`rtn_form` INT4 blocks of ``block_size``; a tied lm_head
+    (``B = Transpose(table)`` of a table a Gather also reads) gets INT8 blocks of
+    :data:`LM_HEAD_BLOCK` instead, in its own ``[K, N]`` values (ONNX Runtime fuses it into an 8-bit
+    ``MatMulNBits``); the Gather keeps the FP32 table. The opset is raised to 21 (:func:`raise_opset`).
+
+    Args:
+        model: the (folded) FP32 graph; external data is read from ``base_dir``.
+        block_size: INT4 weights per scale along ``K``.
+        skip: MatMul names left FP32 (``quantize.exclude``).
+
+    Returns:
+        One :class:`RTNRewritten` per rewritten MatMul, in graph order.
+
+    Raises:
+        QuantizationError: ``block_size`` does not divide a GEMM's ``K`` (names the GEMM and ``K``;
+            checked for every GEMM before anything is rewritten); an op changes meaning at opset 21.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    gathered = {n.input[0] for n in g.node if n.op_type == "Gather"}
+    gemms = [gm for gm in _gemms(model) if gm.node.name not in skip and (not gm.transposed or gm.weight in gathered)]
+    shapes = {gm.node.name: (tuple(inits[gm.weight].dims)[::-1] if gm.transposed else tuple(inits[gm.weight].dims))
+              for gm in gemms}
+    bad = [(gm.node.name, shapes[gm.node.name][0]) for gm in gemms
+           if shapes[gm.node.name][0] % (LM_HEAD_BLOCK if gm.transposed else block_size)]
+    if bad:
+        shown = ", ".join(f"{node} (K = {k})" for node, k in bad[:3])
+        raise QuantizationError(
+            f"quantize.weights.block_size {block_size} does not divide the input dimension K of {len(bad)} GEMMs: "
+            f"{shown}; TensorRT refuses a partial block (\"The quantization axis must divide into whole blocks\"); "
+            f"use a block size dividing every K")
+    ranks = _ranks(model, {gm.node.input[0] for gm in gemms})
+    replacement: dict[int, list[onnx.NodeProto]] = {}
+    new_inits: list[TensorProto] = []
+    done = []
+    taken = set(inits)
+    for gm in gemms:
+        w = _array(inits[gm.weight], base_dir)
+        w_nk = w if gm.transposed else w.T
+        bits, bs = (LM_HEAD_BITS, LM_HEAD_BLOCK) if gm.transposed else (4, block_size)
+        form = rtn_form(np.ascontiguousarray(w_nk), bs, bits, name=f"MatMul {gm.node.name!r}")
+        err = np.abs(form.dequantized() - w_nk).reshape(w_nk.shape[0], -1, bs).max(axis=2)
+        amax = np.abs(w_nk).reshape(w_nk.shape[0], -1, bs).max(axis=2)
+        rel = float((err / np.where(amax > 0, amax, 1)).max())
+        prefix, i = f"rtn.{gm.weight}", 1
+        while f"{prefix}.values" in taken:
+            prefix, i = f"rtn.{gm.weight}.{i}", i + 1
+        taken.add(f"{prefix}.values")
+        nodes, ins = block_matmul(form, gm.node.input[0], gm.node.output[0], name=gm.node.name, prefix=prefix,
+                                  x_rank=ranks.get(gm.node.input[0], 0))
+        replacement[id(gm.node)] = nodes
+        new_inits += ins
+        done.append(RTNRewritten(gm.node.name, gm.weight, onnx_form(form), w_nk.shape[1], w_nk.shape[0], rel))
+        del w, w_nk
+    nodes = [m for n in g.node for m in replacement.get(id(n), [n])]
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend(new_inits)
+    _drop_unused(g, {gm.via for gm in gemms if gm.via}, {gm.weight for gm in gemms})
+    raise_opset(model)
+    return done

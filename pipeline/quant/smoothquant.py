@@ -15,19 +15,19 @@ the same function:
   is ``SiLU(gate) * up``, linear in ``up``'s output channels, so ``W_up[:, j] / s_j``.
 
 GEMMs that share one input (q/k/v after the attention norm, gate/up after the
-MLP norm) share one ``s``: the weight maximum is taken over all of them. An
-input produced by anything else (``o_proj`` after the attention: ``softmax(QK) V``
-is not linear in a per-channel scale of the value projection's *input*, and the
-reshape/transpose mixes heads) is left unsmoothed and reported.
+MLP norm) share one ``s``: the weight maximum is taken over all of them. The fold
+points and the folding are :mod:`pipeline.quant.fold_points`' (shared with the AWQ
+scale search, :mod:`pipeline.quant.fold_search`). ``o_proj``'s input (v -> o, folded
+into ``v_proj``'s output channels) is a fold point there, but this step leaves it out
+by default (``smooth(kinds=...)``), as it always has, so recipes quantize as before;
+an input produced by anything else is left unsmoothed and reported.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from pipeline.errors import QuantizationError
 from pipeline.quant.qdq import Target
@@ -78,11 +78,12 @@ def smoothing_scales(act_amax: np.ndarray, weights: list[np.ndarray], alpha: flo
 
 
 def smooth(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str, np.ndarray],
-           alpha: float) -> SmoothReport:
+           alpha: float, kinds: tuple[str, ...] = ("norm", "linear")) -> SmoothReport:
     """Apply SmoothQuant in place to ``model`` (weights loaded) for the MatMul ``targets``.
 
-    Modified tensors get new initializers (``<name>_smooth<k>``), so a weight or
-    norm scale shared by other nodes is never changed under them.
+    The fold points and the folding are :mod:`pipeline.quant.fold_points`' (one implementation
+    with the AWQ search). Modified tensors get new initializers (``<name>_smooth<k>``), so a weight
+    or norm scale shared by other nodes is never changed under them.
 
     Args:
         model: FP32 graph with its initializers loaded.
@@ -91,6 +92,9 @@ def smooth(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str, np
         act_amax: per-channel abs-max ``[C]`` of each target's input
             (:func:`pipeline.quant.calibrate.collect_channel_amax`).
         alpha: migration strength, ``quantize.smoothquant.alpha``.
+        kinds: the fold kinds used (:data:`pipeline.quant.fold_points.KINDS`); the default leaves
+            v -> o out, as this step always has (``"attention"`` adds it: a KV channel's scale is
+            taken from the largest amax and weight row of the o_proj input rows it feeds).
 
     Returns:
         The :class:`SmoothReport`.
@@ -98,87 +102,28 @@ def smooth(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str, np
     Raises:
         QuantizationError: an input lacks per-channel statistics, or alpha is invalid.
     """
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for n in g.node:
-        for i in n.input:
-            consumers[i].append(n)
-    by_act: dict[str, list[Target]] = defaultdict(list)
-    for t in targets:
-        by_act[t.act].append(t)
-    nodes = {n.name: n for n in g.node}
-    report = SmoothReport()
-    for k, (act, group) in enumerate(by_act.items()):
-        reason = _unsupported(act, group, nodes, consumers, act_amax)
-        fold = None if reason else _fold_site(producer.get(act), inits, producer, consumers, act_amax[act].shape[0])
-        if reason or fold is None:
-            report.skipped[act] = reason or f"produced by {_op(producer.get(act))}: no norm scale or linear layer to fold into"
-            continue
-        weights = [numpy_helper.to_array(inits[t.weight]) for t in group]
-        s = smoothing_scales(act_amax[act], weights, alpha)
-        for t, w in zip(group, weights):
-            _replace_input(g, inits, nodes[t.node], 1, w * s[:, None], f"{t.weight}_smooth{k}")
-        kind, node, idx, arr = fold
-        folded = arr / s if kind == "norm" else arr / s[None, :]
-        _replace_input(g, inits, node, idx, folded.astype(np.float32), f"{node.input[idx]}_smooth{k}")
-        report.folded[act] = f"{kind}:{node.name}"
-        report.scales[act] = s
-    _drop_unused(g)
+    from pipeline.quant import fold_points
+
+    names = {t.node: t for t in targets}
+    missing = [t for t in targets if t.act not in act_amax]
+    if missing:
+        raise QuantizationError(f"smoothquant: input {missing[0].act!r} of {missing[0].node!r} has no per-channel "
+                                "statistics")
+    points, skipped = fold_points.find(model, targets, kinds)
+    report = SmoothReport(skipped=dict(skipped))
+    for k, point in enumerate(points):
+        amax = np.zeros(point.channels)
+        np.maximum.at(amax, point.groups, np.asarray(act_amax[point.act], np.float64))
+        weights = [fold_points.current_weight(model, names[t.node]) for t in point.gemms]
+        if point.channels != len(point.groups):  # tied rows: a site channel takes its rows' maximum
+            tied = np.zeros((point.channels, 1))
+            np.maximum.at(tied[:, 0], point.groups, np.max([np.abs(w).max(axis=1) for w in weights], axis=0))
+            weights = [tied]
+        s = smoothing_scales(amax, weights, alpha)
+        fold_points.apply(model, point, s, f"smooth{k}")
+        report.folded[point.act] = point.describe()
+        report.scales[point.act] = s
     return report
-
-
-def _unsupported(act: str, group: list[Target], nodes: dict, consumers: dict, act_amax: dict) -> str | None:
-    if act not in act_amax:
-        raise QuantizationError(f"smoothquant: input {act!r} of {group[0].node!r} has no per-channel statistics")
-    if any(nodes[t.node].op_type != "MatMul" or t.weight_axis != 1 for t in group):
-        return "not a MatMul with an [in, out] weight"
-    if {n.name for n in consumers[act]} != {t.node for t in group}:
-        return "read by nodes other than the quantized GEMMs (folding would change them)"
-    return None
-
-
-def _fold_site(node: onnx.NodeProto | None, inits: dict, producer: dict, consumers: dict, c: int):
-    """``(kind, node, input index, float32 array)`` to divide by s, or None.
-
-    ``norm``: a Mul by a ``[C]`` initializer (the norm's scale). ``linear``: a Mul
-    of two activations, one of which is a MatMul output read by nothing else,
-    with a ``[K, C]`` initializer weight (``up_proj`` in ``SiLU(gate) * up``).
-    """
-    if node is None or node.op_type != "Mul":
-        return None
-    for idx, name in enumerate(node.input):
-        if name in inits and tuple(inits[name].dims) == (c,):
-            return "norm", node, idx, numpy_helper.to_array(inits[name]).astype(np.float32)
-    if any(name in inits for name in node.input):
-        return None
-    for name in node.input:
-        mm = producer.get(name)
-        if (mm is not None and mm.op_type == "MatMul" and len(consumers[name]) == 1 and mm.input[1] in inits
-                and len(inits[mm.input[1]].dims) == 2 and inits[mm.input[1]].dims[1] == c):
-            return "linear", mm, 1, numpy_helper.to_array(inits[mm.input[1]]).astype(np.float32)
-    return None
-
-
-def _replace_input(g: onnx.GraphProto, inits: dict, node: onnx.NodeProto, idx: int, value: np.ndarray,
-                   name: str) -> None:
-    """Point ``node.input[idx]`` at a new initializer ``name`` (``inits`` stays current)."""
-    tensor = numpy_helper.from_array(value.astype(np.float32), name)
-    g.initializer.append(tensor)
-    inits[name] = tensor
-    node.input[idx] = name
-
-
-def _drop_unused(g: onnx.GraphProto) -> None:
-    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    for i in reversed(range(len(g.initializer))):
-        if g.initializer[i].name not in used:
-            del g.initializer[i]
-
-
-def _op(node: onnx.NodeProto | None) -> str:
-    return "a graph input" if node is None else f"{node.op_type} node {node.name!r}"
 
 
 def prepare(sq, out_dir, progress, src, model: onnx.ModelProto, kept: list[Target],

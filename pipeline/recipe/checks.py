@@ -377,8 +377,7 @@ def _weights_problems(r: Recipe) -> list[Problem]:
     at: Loc = ("quantize", "weights")
     out: list[Problem] = []
     if w.method not in WEIGHT_METHODS_DONE:
-        out.append(((*at, "method"), f"{w.method!r} is not implemented yet; valid now: "
-                    f"{', '.join(WEIGHT_METHODS_DONE)} (a GGUF model source's own blocks)"))
+        out.append(((*at, "method"), f"{w.method!r} is not implemented yet; valid now: {', '.join(WEIGHT_METHODS_DONE)}"))
     if w.method == "source":
         src = r.model.source
         name = getattr(src, "file", None) or getattr(src, "path", None) or ""
@@ -391,7 +390,7 @@ def _weights_problems(r: Recipe) -> list[Problem]:
                         f"{GGUF_INT4_BLOCK} weights wide for every 4-bit type (Q4_0, Q4_1, Q4_K); set block_size: "
                         f"{GGUF_INT4_BLOCK}"))
     q = r.quantize
-    if q.exclude.nodes or q.exclude.op_types:
+    if w.method == "source" and (q.exclude.nodes or q.exclude.op_types):
         out.append(((*at[:1], "exclude"), f"not implemented yet for {q.precision}: every GEMM whose weight is a tensor "
                     "of the GGUF file gets its blocks; drop quantize.exclude"))
     if q.rest_precision != REFERENCE:

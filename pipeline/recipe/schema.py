@@ -128,27 +128,35 @@ class ExcludeConfig(Strict):
                                 "occur in the graph")
 
 
-#: how weight-only (int4) weights are made: ``source`` takes the GGUF file's own blocks; ``rtn`` / ``awq``
-#: (round to nearest / activation-aware) are refused by ``check`` until they exist (pipeline.recipe.checks)
+#: how weight-only (int4) weights are made: ``source`` takes the GGUF file's own blocks; ``rtn`` rounds
+#: the FP32 weights to nearest in symmetric absmax blocks; ``awq`` folds activation-aware per-channel
+#: scales (searched on quantize.calibration) into the FP32 graph first (pipeline.quant.awq)
 WeightMethod = Literal["rtn", "awq", "source"]
 #: methods the quantize stage implements
-WEIGHT_METHODS_DONE = ("source",)
+WEIGHT_METHODS_DONE = ("rtn", "awq", "source")
+#: methods that read calibration data (quantize.calibration)
+WEIGHT_METHODS_CALIBRATED = ("awq",)
 
 
 class WeightsConfig(Strict):
     """Weight-only quantization (``quantize.precision: int4``): blocked INT4 weights, FP32 activations."""
 
     method: WeightMethod = Field(description="source: the model file's own GGUF blocks (Q4_0, Q4_1, Q4_K as INT4; "
-                                 "Q8_0, Q6_K as INT8), carried without re-rounding (pipeline.quant.int4); rtn, awq: "
-                                 "not implemented yet (check refuses them)")
-    block_size: Literal[32, 64, 128] = Field(32, description="weights per scale along the GEMM's input dimension; "
-                                             "source: the file's (32 for every GGUF 4-bit type)")
+                                 "Q8_0, Q6_K as INT8), carried without re-rounding (pipeline.quant.int4); rtn: "
+                                 "symmetric absmax INT4 blocks of the FP32 weights, the tied lm_head INT8 blocks of 32 "
+                                 "(pipeline.quant.int4.rewrite_rtn); awq: per-channel scales searched on "
+                                 "quantize.calibration at the fold points and folded into the FP32 graph, then rtn "
+                                 "(pipeline.quant.awq; needs a calibration section)")
+    block_size: Literal[32, 64, 128] = Field(32, description="weights per scale along the GEMM's input dimension K; "
+                                             "source: the file's (32 for every GGUF 4-bit type); rtn / awq: must "
+                                             "divide every GEMM's K (TensorRT refuses a partial block)")
 
 
 class QuantizeConfig(Strict):
     precision: Precision = Field(description="fp8 / int8: Q/DQ on the weight GEMMs (needs calibration); "
-                                 "int4: weight-only INT4 blocks (needs weights, no calibration); fp16 / fp32: no Q/DQ")
-    calibration: CalibrationConfig | None = Field(None, description="activation ranges; required for fp8 and int8")
+                                 "int4: weight-only INT4 blocks (needs weights; calibration only for weights.method awq); fp16 / fp32: no Q/DQ")
+    calibration: CalibrationConfig | None = Field(None, description="activation ranges; required for fp8 and int8, and for int4 with "
+                                                 "weights.method awq (its scale search)")
     exclude: ExcludeConfig = Field(ExcludeConfig(), description="nodes kept in high precision by hand")
     per_channel_weights: bool = Field(
         False, description="per output channel weight scales (INT8 default in recipes)"
@@ -197,9 +205,16 @@ class QuantizeConfig(Strict):
         if not weight_only and self.weights is not None:
             raise ValueError(f"weights (weight-only blocks) need precision {' or '.join(precisions.WEIGHT_ONLY)}, "
                              f"not {self.precision!r}")
-        if weight_only and self.calibration is not None:
+        calibrated = weight_only and self.weights is not None and self.weights.method in WEIGHT_METHODS_CALIBRATED
+        if weight_only and self.calibration is not None and not calibrated:
             raise ValueError(f"precision {self.precision!r} is weight-only: its activations stay FP32 and nothing is "
-                             "calibrated; drop the calibration section")
+                             f"calibrated with weights.method {self.weights.method if self.weights else None!r}; drop "
+                             f"the calibration section (only weights.method {' or '.join(WEIGHT_METHODS_CALIBRATED)} "
+                             "reads one)")
+        if calibrated and self.calibration is None:
+            raise ValueError(f"weights.method {self.weights.method!r} searches its scales on calibration data: add a "
+                             "calibration section, e.g. calibration: {data: <source disjoint from validate.data>, "
+                             "samples: 16}")
         return self
 
     @model_serializer(mode="wrap")

@@ -1,5 +1,6 @@
 """Stage 2, quantize: explicit Q/DQ (FP8 E4M3, INT8) calibrated on real text, weight-only INT4 blocks
-taken from a GGUF file (``quantize.weights.method: source``), or FP16."""
+taken from a GGUF file (``quantize.weights.method: source``) or rounded from the FP32 weights (``rtn``,
+``awq``), or FP16."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,6 +72,8 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     if facts(q.precision).cast:
         return _fp16(model, src, out, q.precision)
     if facts(q.precision).weight_only:
+        if q.weights is not None and q.weights.method != "source":
+            return _rounded(ctx, exp, model, src, out)
         return _weight_only(ctx, model, src, out)
     _check_opset(model, q.precision)
     targets = qdq.find_targets(model, list(q.quantize_op_types))
@@ -302,6 +305,59 @@ def _weight_only(ctx: StageContext, model: onnx.ModelProto, src: Path, out: Path
                        + ", ".join(f"{n} {k}" for k, n in formats.items())
                        + f"), {len(excluded)} left FP32; max |weight - GGML's| {info['max_weight_error']:g}")
     art = QuantizedArtifact(str(out), ctx.recipe.quantize.precision, [t.node for t in done], excluded, info)
+    return _save(art, model, src)
+
+
+def _rounded(ctx: StageContext, exp: ExportArtifact, model: onnx.ModelProto, src: Path, out: Path
+             ) -> QuantizedArtifact:
+    """``quantize.weights.method: rtn`` or ``awq``: every weight GEMM (but ``quantize.exclude``'s) as
+    symmetric absmax INT4 blocks of ``block_size`` along K (:func:`pipeline.quant.int4.rewrite_rtn`;
+    a tied lm_head as INT8 blocks of 32), after, for ``awq``, the AWQ scales searched on the
+    calibration batches and folded into the FP32 graph (:func:`pipeline.quant.awq.fold`). Activations
+    stay FP32. ``calibration`` records the method, the GEMM count per ONNX form and, for awq, the
+    search per fold point and its block output error against rtn's.
+
+    Raises:
+        QuantizationError: (exit 2) ``block_size`` does not divide a GEMM's K (names the GEMM and K);
+            too little calibration data (awq); the folded graph is not equivalent (awq); an op of the
+            graph means something else at opset 21.
+    """
+    from collections import Counter
+
+    from pipeline.quant import awq, int4
+
+    q = ctx.recipe.quantize
+    w = q.weights
+    targets = qdq.find_targets(model, ["MatMul"])
+    kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
+    info: dict = {"method": w.method, "block_size": w.block_size}
+    extra: dict = {}
+    base = str(src.parent)
+    if w.method == "awq":
+        batches, shortfall = calibration_data(ctx, exp)
+        if shortfall:
+            ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
+        with ctx.progress.step("awq: loading the FP32 weights"):
+            awq.load_weights(model, src)
+        extra["awq"] = awq.fold(model, kept, batches, w.block_size, progress=ctx.progress)
+        extra.update(shortfall)
+        info.update(samples=int(sum(_rows(b) for b in batches)), seq_len=q.calibration.seq_len)
+        a = extra["awq"]
+        ctx.progress.print(f"  quantize: awq scaled {a['scaled_points']} of {len(a['fold_points'])} fold points; block "
+                           f"output error {a['block_output_error']:.4g} vs rtn {a['block_output_error_rtn']:.4g}")
+    with ctx.progress.step(f"quantize: {w.method} INT4 blocks of {w.block_size}"):
+        done = int4.rewrite_rtn(model, block_size=w.block_size, base_dir=base, skip={t.node for t in excluded})
+    graph_checks.check_qdq_graph(model, base_dir=base)
+    counts = Counter(t.onnx_form for t in done)
+    rewritten = {t.node for t in done}
+    info.update(gemm_formats=dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+                max_relative_error=max((t.max_relative_error for t in done), default=0.0),
+                quantized_fraction=len([t for t in kept if t.node in rewritten]) / max(len(targets), 1), **extra)
+    ctx.progress.print(f"  quantize: {len(done)} GEMMs weight-only ("
+                       + ", ".join(f"{n} {k}" for k, n in info["gemm_formats"].items())
+                       + f"), {len(excluded)} left FP32")
+    art = QuantizedArtifact(str(out), q.precision, [t.node for t in done],
+                            [t.node for t in targets if t.node not in rewritten], info)
     return _save(art, model, src)
 
 

@@ -13,6 +13,7 @@ from pipeline.recipe import precisions
 from pipeline.recipe.load import load_recipe
 
 INT4 = ROOT / "recipes" / "int4-llm.yaml"
+CAL = {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 0, "stop": 20}}, "samples": 8}
 
 
 def refusal(path, overrides: dict) -> str:
@@ -55,8 +56,11 @@ def test_weights_at_its_default_leaves_digests_and_the_shipped_pins_as_they_were
     ({"build.targets": ["sm75", "sm89"]}, "build.targets.0: sm75: INT4 needs compute capability >= 8.6; sm75 has "
                                           "compute capability 7.5; drop it, or quantize to a precision sm75 runs "
                                           "(int8, fp16, fp32)"),
-    ({"quantize.weights.method": "rtn"}, "quantize.weights.method: 'rtn' is not implemented yet; valid now: source"),
-    ({"quantize.weights.method": "awq"}, "quantize.weights.method: 'awq' is not implemented yet"),
+    ({"quantize.weights.method": "awq"}, "weights.method 'awq' searches its scales on calibration data: add a "
+                                         "calibration section"),
+    ({"quantize.weights": {"method": "rtn", "block_size": 64}, "quantize.calibration": CAL},
+     "precision 'int4' is weight-only: its activations stay FP32 and nothing is calibrated with weights.method 'rtn'; "
+     "drop the calibration section (only weights.method awq reads one)"),
     ({"quantize.weights.block_size": 128}, "quantize.weights.block_size: 128: method source keeps the GGUF file's "
                                            "blocks, which are 32 weights wide"),
     ({"model.source": {"path": "../tests/data"}}, "model.source: path ../tests/data is not a GGUF file, and "
@@ -69,8 +73,7 @@ def test_weights_at_its_default_leaves_digests_and_the_shipped_pins_as_they_were
     ({"quantize.rest_precision": "fp16"}, "quantize.rest_precision: 'fp16': int4 keeps the activations"),
     ({"quantize.weights": None}, "precision 'int4' needs a weights section, e.g. weights: {method: source, "
                                  "block_size: 32}"),
-    ({"quantize.calibration": {"data": {"type": "corpus", "name": "lee_background", "split": {"start": 0, "stop": 20}},
-                               "samples": 8}}, "precision 'int4' is weight-only"),
+    ({"quantize.calibration": CAL}, "precision 'int4' is weight-only"),
 ])
 def test_check_refuses_naming_the_field(overrides, message):
     assert message in refusal(INT4, overrides)
@@ -92,3 +95,15 @@ def test_build_test_refuses_method_source():
                                             r"from the GGUF file") as err:
         smoke.hf_location(load_recipe(INT4))
     assert err.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_rtn_and_awq_are_valid_without_gguf_blocks():
+    """rtn needs no calibration; awq needs one; both take exclusions; the dumps of these recipes
+    carry the section as written (the shipped int4-llm recipe keeps its digest: no field was added)."""
+    tiny = {"model.source": {"path": "../tests/data"}}
+    r = load_recipe(INT4, {**tiny, "quantize.weights": {"method": "rtn", "block_size": 64}})
+    assert (r.quantize.weights.method, r.quantize.weights.block_size, r.quantize.calibration) == ("rtn", 64, None)
+    r = load_recipe(INT4, {**tiny, "quantize.weights": {"method": "awq", "block_size": 64}, "quantize.calibration": CAL,
+                           "quantize.exclude.nodes": ["*lm_head*"]})
+    assert r.quantize.weights.method == "awq" and r.quantize.calibration.samples == 8
+    assert load_recipe(INT4).quantize.model_dump(mode="json")["weights"] == {"method": "source", "block_size": 32}

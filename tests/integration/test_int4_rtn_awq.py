@@ -1,0 +1,85 @@
+"""``quantize.weights.method: rtn`` and ``awq`` through the quantize stage on the tiny random Llama
+(GQA, hidden 32, no GGUF blocks): INT4 blocks every GEMM, INT8 blocks the tied lm_head, ONNX
+Runtime runs the result; AWQ's block output error is at most RTN's; a block size that does not
+divide K is refused (exit 2) naming the GEMM and K, with nothing written."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+from pipeline.errors import EXIT_BAD_INPUT, QuantizationError
+from pipeline.models.text_generation.model import prefill_feeds
+from pipeline.ort_sessions import ort_session
+from pipeline.recipe.load import load_recipe
+from pipeline.run.runner import run_pipeline
+from tiny import seed_export, tiny_recipe
+
+
+def _int4_recipe(ws, tiny_model, method: str, block: int = 32):
+    changes = {"quantize.precision": "int4", "quantize.weights": {"method": method, "block_size": block},
+               "quantize.exclude": {"nodes": []}, "triton.target": "python-onnxruntime"}
+    path = tiny_recipe(ws, tiny_model, **changes)
+    if method != "awq":
+        import yaml
+
+        data = yaml.safe_load(path.read_text())
+        data["quantize"].pop("calibration")
+        path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _quantize(tmp_path_factory, tiny_model, tiny_export, method: str, block: int = 32):
+    ws = tmp_path_factory.mktemp(f"int4-{method}")
+    path = _int4_recipe(ws, tiny_model, method, block)
+    seed_export(ws, tiny_export)
+    result = run_pipeline(load_recipe(path), path, quiet=True, only=["export", "quantize"])
+    return result.artifacts["export"], result.artifacts["quantize"], ws
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, tiny_export):
+    return {m: _quantize(tmp_path_factory, tiny_model, tiny_export, m) for m in ("rtn", "awq")}
+
+
+def _logits(path, feeds):
+    return ort_session(str(path)).run(["logits"], feeds)[0]
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_every_gemm_is_an_int4_block(runs, method):
+    exp, art, _ = runs[method]
+    model = onnx.load(art.onnx_path)
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    inits = {t.name: t for t in model.graph.initializer}
+    types = Counter((inits[n.input[0]].data_type, next(a.i for a in n.attribute if a.name == "block_size")) for n in dq)
+    # 2 blocks x 7 projections as INT4 blocks of 32, and the tied lm_head as INT8 blocks of 32
+    assert types == {(onnx.TensorProto.INT4, 32): 14, (onnx.TensorProto.INT8, 32): 1}
+    assert all(len(n.input) == 2 for n in dq)  # no zero point
+    assert all((onnx.numpy_helper.to_array(inits[n.input[1]]) > 0).all() for n in dq)
+    assert art.calibration["gemm_formats"] == {"INT4 block 32": 14, "INT8 block 32": 1}
+    assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 21
+    feeds = prefill_feeds(exp, np.random.default_rng(2).integers(0, 1000, size=(2, 11)))
+    ref, got = _logits(exp.onnx_path, feeds), _logits(art.onnx_path, feeds)
+    assert np.isfinite(got).all() and 0 < np.abs(got - ref).max() < 0.5 * np.abs(ref).max()
+
+
+def test_awq_block_output_error_is_at_most_rtn(runs):
+    info = runs["awq"][1].calibration["awq"]
+    points = info["fold_points"]
+    assert Counter(p["kind"] for p in points.values()) == {"norm": 4, "linear": 2, "attention": 2}
+    assert all(p["loss"] <= p["baseline"] for p in points.values())
+    assert info["block_output_error"] <= info["block_output_error_rtn"]
+    assert info["scaled_points"] >= 1 and info["block_output_error"] < info["block_output_error_rtn"]
+    assert info["equivalence_max_relative_difference"] <= 1e-4
+    # rtn has no search and no calibration
+    assert "awq" not in runs["rtn"][1].calibration and runs["rtn"][1].calibration["method"] == "rtn"
+
+
+def test_block_not_dividing_k_is_refused(tmp_path_factory, tiny_model, tiny_export):
+    with pytest.raises(QuantizationError) as err:  # hidden 32: block 64 does not divide q_proj's K
+        _quantize(tmp_path_factory, tiny_model, tiny_export, "rtn", block=64)
+    assert err.value.exit_code == EXIT_BAD_INPUT
+    assert "block_size 64 does not divide the input dimension K" in str(err.value) and "(K = 32)" in str(err.value)
