@@ -95,9 +95,9 @@ class ReplayRunner:
     logits, bit for bit, without running the reference graph again (about half of a row's time)."""
 
     def __init__(self, onnx_path: str, folder: Path):
-        from pipeline import runners
+        from pipeline.runners.base import OrtRunner
 
-        self.inner = runners.OrtRunner(onnx_path)
+        self.inner = OrtRunner(onnx_path)
         self.name = self.inner.name + " (replayed)"
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
@@ -186,7 +186,7 @@ def load_export(args, recipe_path: Path):
 def _pm(v, se, scale=1.0, fmt="{:.4f}") -> str:
     if v is None:
         return "n/a"
-    return fmt.format(v * scale) + (" ± " + fmt.format(se * scale) if se is not None else "")
+    return fmt.format(v * scale) + (" ± " + fmt.replace("+", "").format(se * scale) if se is not None else "")
 
 
 def table(results: dict) -> str:

@@ -95,7 +95,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
         try:
             model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
                 q.smoothquant, ctx.stage_dir, ctx.progress, src, model, kept, batches,
-                pin.channel_amax(pinned) if pinned else None)
+                pin.channel_amax(pinned) if pinned else None, fmt, q.per_channel_weights)
         except QuantizationError as e:
             if pinned is None:
                 raise
