@@ -33,7 +33,7 @@ from pipeline.recipe.schema import ExcludeConfig
 class QFormat:
     """An 8-bit format: activations use ``qmax``, weights ``weight_qmax`` (``None``: ``qmax``);
     ``weight_clip``: how each weight's amax is chosen (``max``, or the clip search's loss,
-    :func:`pipeline.quant.calibrate.weight_clip_ratio`; recipe ``quantize.weight_clip``)."""
+    :func:`pipeline.quant.clip.weight_clip_ratio`; recipe ``quantize.weight_clip``)."""
 
     name: str
     onnx_type: int
@@ -185,13 +185,13 @@ def quantize_weight(w: np.ndarray, fmt: QFormat, axis: int | None) -> tuple[np.n
     or subnormals.
 
     With ``fmt.weight_clip`` other than ``max``, every amax is the max times the clip search's
-    ratio (:func:`pipeline.quant.calibrate.weight_clip_ratio`); values beyond it saturate.
+    ratio (:func:`pipeline.quant.clip.weight_clip_ratio`); values beyond it saturate.
     """
     reduce = None if axis is None else tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w).max(axis=reduce)
     amax = np.where(amax > 0, amax, 1.0)
     if fmt.weight_clip != "max":
-        from pipeline.quant.calibrate import weight_clip_ratio
+        from pipeline.quant.clip import weight_clip_ratio
 
         amax = amax * weight_clip_ratio(w, fmt, fmt.weight_clip, axis)
     if axis is not None and fmt.name == "fp8":

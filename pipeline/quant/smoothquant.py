@@ -138,7 +138,7 @@ def w8a8_quantizers(fmt, per_channel: bool):
     rounded to the format's grid (E4M3 or INT8)."""
     from dataclasses import replace
 
-    from pipeline.quant import calibrate, qdq
+    from pipeline.quant import clip, qdq
 
     wfmt = replace(fmt, weight_clip="max").weights()
 
@@ -148,7 +148,7 @@ def w8a8_quantizers(fmt, per_channel: bool):
 
     def act(x: np.ndarray) -> np.ndarray:
         amax = float(np.abs(x).max())
-        return calibrate._fake_quant(x, amax if amax > 0 else 1.0, fmt).astype(np.float32)
+        return clip.fake_quant(x, amax if amax > 0 else 1.0, fmt).astype(np.float32)
 
     return weight, act
 

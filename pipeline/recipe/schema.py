@@ -90,7 +90,7 @@ class CalibrationConfig(Strict):
     method: CalibrationMethod = Field("max", description="how each activation's amax is taken over the calibration "
                                       "batches (pipeline.quant.calibrate.collect_amax): max (abs-max), percentile, entropy "
                                       "(ONNX Runtime's INT8 KL threshold), mse / kl (the clip search on the target format's "
-                                      "grid: squared error or KL divergence, pipeline.quant.calibrate.clip_amax)")
+                                      "grid: squared error or KL divergence, pipeline.quant.clip.clip_amax)")
     percentile: float = Field(99.99, gt=90, le=100, description="method percentile: the percentile of |x| used as amax")
     data: DataSource = Field(description="calibration text (pipeline.sources.data); must not overlap validate.data")
     samples: int = Field(ge=1, description="number of calibration sequences")
@@ -169,7 +169,7 @@ class QuantizeConfig(Strict):
     weight_clip: Literal["max", "mse", "kl"] = Field(
         "max", description="fp8 / int8: each weight's amax: its max, or the clip search (mse: squared error, kl: KL "
         "divergence of its values after quantization) choosing a clip ratio per tensor "
-        "(pipeline.quant.calibrate.weight_clip_ratio); no op is added")
+        "(pipeline.quant.clip.weight_clip_ratio); no op is added")
     quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = Field(
         ["MatMul", "Gemm"], description="op types whose weight input gets Q/DQ (pipeline.quant.qdq.find_targets)")
     rest_precision: Literal[precisions.REST] = Field(  # type: ignore[valid-type]
