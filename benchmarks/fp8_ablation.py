@@ -19,6 +19,8 @@ interrupted run resumes where it stopped. ``--table`` prints the Markdown table 
     .venv/bin/python benchmarks/fp8_ablation.py [--recipe recipes/fp8-llm.yaml] [--rows max clip:mse ...]
         [--work-dir /tmp/fp8abl] [--export-dir DIR] [--results benchmarks/results/fp8_ablation.json]
     .venv/bin/python benchmarks/fp8_ablation.py --table
+    .venv/bin/python benchmarks/fp8_ablation.py --recipe recipes/int8-llm.yaml --set validate.max_windows=80 \
+        --results benchmarks/results/int8_ablation.json --rows max smooth:search
 
 ``--export-dir``: a finished export stage folder (``stage.json`` beside ``model.onnx``) to reuse;
 without it the export stage runs once into ``<work-dir>/<recipe>/export``. Run time: about 4-6
@@ -132,7 +134,7 @@ def run_row(name: str, args, exp, results: dict) -> dict:
 
     work = Path(args.work_dir) / "rows" / name.replace(":", "_")
     over = {"work_dir": str(work), "output_dir": str(work / "repo"), "validate.generation": None,
-            **row_overrides(name)}
+            **args.set, **row_overrides(name)}
     recipe = load_recipe(args.recipe, over)
     run_dir = work / recipe.name
     progress = Progress(not args.quiet)
@@ -212,7 +214,10 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep each row's quantized graph")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--table", action="store_true", help="print the results file's table and exit")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="a recipe override for every row, e.g. validate.max_windows=80 (int8-llm on the whole split)")
     args = ap.parse_args()
+    args.set = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     res_path = Path(args.results)
     results = json.loads(res_path.read_text()) if res_path.is_file() else {"recipe": args.recipe, "rows": {}}
     if args.table:
