@@ -193,10 +193,12 @@ def _pm(v, se, scale=1.0, fmt="{:.4f}") -> str:
 
 def table(results: dict) -> str:
     """The Markdown table of a results file (rows in the order run)."""
-    lines = ["| row | kld_mean ± se | relative perplexity ± se | GEMMs kept | extra ops / bytes vs export | tune time |",
+    base = results["rows"].get("max")
+    lines = ["| row | kld_mean ± se | relative perplexity ± se | GEMMs kept | extra ops / bytes vs row max | tune time |",
              "|---|---:|---:|---:|---|---:|"]
     for e in results["rows"].values():
-        extra = f"{e['extra_ops']:+d} ops, {e['graph_bytes'] - e['export_bytes']:+,} B"
+        ops0, bytes0 = (base["extra_ops"], base["graph_bytes"]) if base else (0, e["export_bytes"])
+        extra = f"{e['extra_ops'] - ops0:+d} ops, {e['graph_bytes'] - bytes0:+,} B"
         lines.append(f"| {e['row']} | {_pm(e['kld_mean'], e['kld_mean_stderr'])} | "
                      f"{_pm(e['relative_perplexity_increase'], e['relative_perplexity_increase_stderr'], 100, '{:+.2f}')} % | "
                      f"{e['gemms_high_precision']} / {e['gemms']} | {extra} | {e['tune_s']:.0f} s |")
