@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT))
 ROWS: dict[str, tuple[dict, str]] = {
     "max": ({}, "none"),
     "clip:mse": ({"quantize.calibration.method": "mse"}, "none (activation amax only)"),
-    "clip:kl": ({"quantize.calibration.method": "entropy"}, "none (activation amax only)"),
+    "clip:kl": ({"quantize.calibration.method": "kl"}, "none (activation amax only)"),
+    "clip:entropy": ({"quantize.calibration.method": "entropy"}, "none (ONNX Runtime's INT8 KL threshold)"),
     "wclip:mse": ({"quantize.weight_clip": "mse"}, "none (weight scales only)"),
     "wclip:mse+clip:mse": ({"quantize.weight_clip": "mse", "quantize.calibration.method": "mse"}, "none"),
     "smooth:alpha0.5": ({"quantize.smoothquant": {"alpha": 0.5}}, "none (folded into norms and weights)"),
