@@ -16,8 +16,10 @@ Runtime's own calibrator does, so the values match it bit for bit.
 histogram methods (entropy = KL-divergence threshold, Migacz, "8-bit
 Inference with TensorRT", GTC 2017), computed by its HistogramCollector from
 our histograms, which equal the ones it would build over all batches at once.
-``mse`` picks, from the |x| histogram, the amax that minimises the expected
-squared quantization error of the target format (clipping plus rounding).
+``mse`` and ``kl`` are one clip search (:func:`pipeline.quant.clip.clip_amax`): from the |x| histogram, the
+amax that minimises the expected squared quantization error of the target format
+(clipping plus rounding), or the KL divergence of the histogram after quantization. The
+same search clips weights (:func:`pipeline.quant.clip.weight_clip_ratio`, recipe ``quantize.weight_clip``).
 """
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ from onnx import helper
 from pipeline import onnx_io
 from pipeline.errors import QuantizationError
 from pipeline.ort_sessions import run_checked
+from pipeline.quant.clip import CLIP_LOSSES, clip_amax, fake_quant as _fake_quant, weight_clip_ratio  # noqa: F401
 from pipeline.quant.qdq import QFormat
 
-METHODS = ("max", "percentile", "entropy", "mse")
+METHODS = ("max", "percentile", "entropy", "mse", "kl")
 NUM_BINS = 2048  # histogram bins (ORT's default 128 leaves entropy one threshold candidate: the max)
 ENTROPY_QUANTIZED_BINS = 128
-_ABS_HIST = {"percentile", "mse"}  # histograms of |x| over [min |x|, max |x|]; entropy: of x, symmetric
+_ABS_HIST = {"percentile", "mse", "kl"}  # histograms of |x| over [min |x|, max |x|]; entropy: of x, symmetric
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,8 @@ class CalibrationStats:
         if any(s.hist is None for s in self.tensors.values()):
             raise QuantizationError(f"calibration method {self.method!r} needs histograms; these stats hold "
                                     "ranges only (collect_stats with ranges=...)")
-        if self.method == "mse":
-            return {t: mse_amax(s.hist, s.edges, fmt) for t, s in self.tensors.items()}
+        if self.method in CLIP_LOSSES:
+            return {t: clip_amax(s.hist, s.edges, fmt, self.method) for t, s in self.tensors.items()}
         return _ort_thresholds(self, percentile)
 
 
@@ -277,27 +280,8 @@ def _node_inputs(node: onnx.NodeProto) -> set[str]:
 
 
 def mse_amax(hist: np.ndarray, edges: np.ndarray, fmt: QFormat, candidates: int = 128) -> float:
-    """amax minimising expected squared error of |x| under the histogram.
-
-    ``hist``/``edges`` describe the symmetric value histogram (ORT layout);
-    each candidate clips at amax and rounds to the format's grid.
-    """
-    centers = np.abs((edges[:-1] + edges[1:]) / 2)
-    weights = hist.astype(np.float64)
-    top = float(centers[weights > 0].max()) if (weights > 0).any() else float(np.abs(edges).max())
-    best, best_err = top, np.inf
-    for amax in np.linspace(top / candidates, top, candidates):
-        err = float(np.sum(weights * (centers - _fake_quant(centers, amax, fmt)) ** 2))
-        if err < best_err:
-            best, best_err = amax, err
-    return best
-
-
-def _fake_quant(x: np.ndarray, amax: float, fmt: QFormat) -> np.ndarray:
-    scale = amax / fmt.qmax
-    y = np.clip(x / scale, -fmt.qmax, fmt.qmax)
-    y = np.round(y) if fmt.np_type is np.int8 else y.astype(fmt.np_type).astype(np.float64)
-    return y * scale
+    """:func:`pipeline.quant.clip.clip_amax` with the squared-error loss (calibration method ``mse``)."""
+    return clip_amax(hist, edges, fmt, "mse", candidates)
 
 
 def collect_channel_amax(model: onnx.ModelProto, tensors: list[str],

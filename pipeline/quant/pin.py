@@ -44,8 +44,9 @@ from pipeline.errors import QuantizationError, RecipeError
 
 #: bump when pipeline/quant/budget.py, sensitivity.py or calibrate.py change what a search or a
 #: calibration produces for the same inputs (every pin is then stale and says so). 3: the FP32
-#: reference session runs without weight prepacking (its GEMMs differ in the last bits)
-SEARCH_VERSION = 3
+#: reference session runs without weight prepacking (its GEMMs differ in the last bits). 4: the
+#: clip search (calibration ``mse``/``kl``, ``weight_clip``) and the transforms in ``match``
+SEARCH_VERSION = 4
 FORMAT = 1
 #: what `make build` prints and the report shows for each way the quantize stage got its result
 PINNED, SEARCHED = "pinned", "searched"
@@ -68,8 +69,26 @@ def _digest(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-#: quantize fields added after pins were written -> their default (left out of the digest at it)
-_ADDED_FIELDS = {"reduce_range": False}
+#: quantize fields added after pins were written -> their default (left out of the digest at it;
+#: the schema also drops the later ones from its dumps at their default, so stage keys keep too)
+_ADDED_FIELDS = {"reduce_range": False, "weight_clip": "max", "rotate": False}
+
+
+def transforms(q) -> str:
+    """What the quantize section does to the graph before and around Q/DQ, as the pin records it in
+    ``match`` (``clip:max,wclip:max`` for a plain calibration; ``smooth:alpha0.5`` / ``smooth:search``,
+    ``rotate:r1r2``): a stale pin's message names the method it was made with."""
+    parts = []
+    if q.calibration is not None:
+        parts.append(f"clip:{q.calibration.method}")
+    if getattr(q, "weight_clip", None) is not None and q.calibration is not None:
+        parts.append(f"wclip:{q.weight_clip}")
+    sq = q.smoothquant
+    if sq is not None:
+        parts.append("smooth:search" if getattr(sq, "mode", "alpha") == "search" else f"smooth:alpha{sq.alpha:g}")
+    if getattr(q, "rotate", False):
+        parts.append("rotate:r1r2")
+    return ",".join(parts) or "none"
 
 
 def match_fields(recipe, inputs: dict[str, dict[str, str]]) -> dict[str, str | int]:
@@ -87,6 +106,7 @@ def match_fields(recipe, inputs: dict[str, dict[str, str]]) -> dict[str, str | i
     for k in ("max_trials", "time_limit_s"):
         (q.get("tuning") or {}).pop(k, None)
     fields: dict[str, str | int] = {"search_version": SEARCH_VERSION, "quantize": _digest(q),
+                                    "transforms": transforms(recipe.quantize),
                                     "model": inputs.get("model_file", {}).get("sha256", "")}
     for use in ("quantize.calibration.data", "quantize.tuning.data"):
         if use in inputs:
@@ -144,13 +164,17 @@ def lookup(recipe, recipe_path: str | Path, inputs: dict, *, ignore: str = "") -
     pin = read(path, retune=tune_command(recipe_path))
     changed = [k for k in sorted(set(fields) | set(pin["match"])) if pin["match"].get(k) != fields.get(k)]
     if changed:
+        made = pin["match"].get("transforms") or (f"search version {pin['match'].get('search_version', '?')}, "
+                                                  "before transforms were recorded")
         return PinLookup(path, fields, reason=f"{path} is stale: {', '.join(_what(k) for k in changed)} changed "
-                                              f"since it was tuned ({tune_command(recipe_path)} re-tunes)")
+                                              f"since it was tuned (made with {made}; this recipe: "
+                                              f"{fields['transforms']}, search version {SEARCH_VERSION}; "
+                                              f"{tune_command(recipe_path)} re-tunes)")
     return PinLookup(path, fields, pinned=pin)
 
 
 _WHAT = {"search_version": "the search/calibration code (SEARCH_VERSION)", "model": "the model file",
-         "quantize": "the quantize section"}
+         "quantize": "the quantize section", "transforms": "the transforms"}
 
 
 def _what(key: str) -> str:

@@ -31,13 +31,16 @@ from pipeline.recipe.schema import ExcludeConfig
 
 @dataclass(frozen=True)
 class QFormat:
-    """An 8-bit format: activations use ``qmax``, weights ``weight_qmax`` (``None``: ``qmax``)."""
+    """An 8-bit format: activations use ``qmax``, weights ``weight_qmax`` (``None``: ``qmax``);
+    ``weight_clip``: how each weight's amax is chosen (``max``, or the clip search's loss,
+    :func:`pipeline.quant.clip.weight_clip_ratio`; recipe ``quantize.weight_clip``)."""
 
     name: str
     onnx_type: int
     np_type: type
     qmax: float
     weight_qmax: float | None = None
+    weight_clip: str = "max"
 
     def weights(self) -> "QFormat":
         """The format the weights are quantized in (``qmax`` = :attr:`weight_qmax` when set)."""
@@ -50,16 +53,17 @@ FORMATS = {
 }
 
 
-def quant_format(precision: str, reduce_range: bool = False) -> QFormat:
+def quant_format(precision: str, reduce_range: bool = False, weight_clip: str = "max") -> QFormat:
     """The Q/DQ format of ``precision`` (``fp8`` / ``int8``); ``reduce_range``: INT8 weights
     within +-:data:`pipeline.ort_sessions.SATURATION_SAFE_INT8` (7 bits), which ONNX Runtime's
-    integer kernels multiply exactly on every x86 CPU (recipe ``quantize.reduce_range``).
+    integer kernels multiply exactly on every x86 CPU (recipe ``quantize.reduce_range``);
+    ``weight_clip``: ``max`` or a clip-search loss (recipe ``quantize.weight_clip``).
 
     Raises:
         KeyError: ``precision`` has no Q/DQ format.
         ValueError: ``reduce_range`` with a precision other than ``int8``.
     """
-    fmt = FORMATS[precision]
+    fmt = FORMATS[precision] if weight_clip == "max" else replace(FORMATS[precision], weight_clip=weight_clip)
     if not reduce_range:
         return fmt
     if precision != "int8":
@@ -179,10 +183,17 @@ def quantize_weight(w: np.ndarray, fmt: QFormat, axis: int | None) -> tuple[np.n
     0.02685; ONNX Runtime's per-axis FP8 DequantizeLinear matched numpy to 2e-8 in
     both. The cause is the scale's mantissa per channel, not the axis, ORT, saturation
     or subnormals.
+
+    With ``fmt.weight_clip`` other than ``max``, every amax is the max times the clip search's
+    ratio (:func:`pipeline.quant.clip.weight_clip_ratio`); values beyond it saturate.
     """
     reduce = None if axis is None else tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w).max(axis=reduce)
     amax = np.where(amax > 0, amax, 1.0)
+    if fmt.weight_clip != "max":
+        from pipeline.quant.clip import weight_clip_ratio
+
+        amax = amax * weight_clip_ratio(w, fmt, fmt.weight_clip, axis)
     if axis is not None and fmt.name == "fp8":
         amax = _pow2_channel_amax(amax)
     scale = scale_from_amax(amax, fmt, "weight")
@@ -264,7 +275,7 @@ def quantized_weight(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: 
     (keyed by weight, format and axis) when it holds them; ``values``: ``w``'s float32 values
     when the caller holds them (else read from ``w``, or from ``base_dir`` when external)."""
     axis = t.weight_axis if per_channel else None
-    key = (w.name, fmt.name, fmt.weights().qmax, axis)
+    key = (w.name, fmt.name, fmt.weights().qmax, fmt.weight_clip, axis)
     if cache is not None and key in cache:
         q, scale = cache[key]
     else:

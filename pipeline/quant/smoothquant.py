@@ -126,9 +126,97 @@ def smooth(model: onnx.ModelProto, targets: list[Target], act_amax: dict[str, np
     return report
 
 
+#: calibration rows (token positions) sampled per fold point for ``mode: search``
+SEARCH_ROWS = 1024
+
+
+def w8a8_quantizers(fmt, per_channel: bool):
+    """The W8A8 fake quantizers of the fold-point search (:func:`pipeline.quant.fold_search.search`):
+    ``(weights [C, out] -> float32, activations [N, C] -> float32)``. Weights as the Q/DQ graph
+    stores them (:func:`pipeline.quant.qdq.quantize_weight`, per tensor or per output channel, amax
+    = max); activations per tensor with amax = the rows' own max (calibration method ``max``),
+    rounded to the format's grid (E4M3 or INT8)."""
+    from dataclasses import replace
+
+    from pipeline.quant import clip, qdq
+
+    wfmt = replace(fmt, weight_clip="max").weights()
+
+    def weight(w: np.ndarray) -> np.ndarray:
+        return qdq.dequantized(*qdq.quantize_weight(w, wfmt, 1 if per_channel else None)[:2],
+                               1 if per_channel else None)
+
+    def act(x: np.ndarray) -> np.ndarray:
+        amax = float(np.abs(x).max())
+        return clip.fake_quant(x, amax if amax > 0 else 1.0, fmt).astype(np.float32)
+
+    return weight, act
+
+
+def search_and_fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, np.ndarray]], fmt,
+                    per_channel: bool, *, rows: int = SEARCH_ROWS, scales: dict[str, np.ndarray] | None = None,
+                    progress=None) -> tuple[dict, dict[str, np.ndarray]]:
+    """``quantize.smoothquant.mode: search``: at every fold point (all four kinds, v -> o with one
+    scale per KV channel under GQA), per-channel scales searched by the one fold-point search
+    (:func:`pipeline.quant.fold_search.search`, SmoothQuant's family: one alpha per fold point, the
+    no-scaling baseline always a candidate) against the block output error of the W8A8 quantizer
+    (:func:`w8a8_quantizers`), then folded (:func:`pipeline.quant.fold_points.apply`). Points are
+    searched and folded in graph order, each on the weights the earlier folds left (a site such as
+    ``up_proj`` is also a GEMM of another point); the activation rows are the FP32 graph's (the
+    folds before a point never change its input, only its own does).
+
+    Args:
+        model: FP32 graph, weights loaded (modified in place).
+        targets: the weight GEMMs to quantize; a fold point whose GEMMs are not all among them is left.
+        batches: calibration feeds (rows are sampled with a fixed seed, :func:`pipeline.quant.calibrate.collect_rows`).
+        fmt: the Q/DQ format (:func:`pipeline.quant.qdq.quant_format`); per_channel: the recipe's weights.
+        scales: pinned site scales by activation (the pin's ``channel_amax`` in this mode): folded
+            as given, nothing searched.
+
+    Returns:
+        ``(report, site scales by activation, float32 [G])``.
+
+    Raises:
+        QuantizationError: pinned scales that do not fit a fold point (or one missing).
+    """
+    import contextlib
+
+    from pipeline.quant import calibrate, fold_points, fold_search
+
+    step = progress.step if progress is not None else (lambda _text: contextlib.nullcontext())
+    wanted = {t.node for t in targets}
+    points, skipped = fold_points.find(model, targets)
+    points = [p for p in points if {t.node for t in p.gemms} <= wanted]
+    by_node = {t.node: t for t in targets}
+    qw, qa = w8a8_quantizers(fmt, per_channel)
+    found: dict[str, np.ndarray] = {}
+    report: dict = {"mode": "search", "rows": rows, "grid": list(fold_search.GRID), "family": "smoothquant",
+                    "loss": "block output error, W8A8", "fold_points": {}, "skipped": skipped}
+    if scales is None:
+        with step(f"smoothquant search: activation rows at {len(points)} fold points"):
+            acts = calibrate.collect_rows(model, sorted({p.act for p in points}), batches, rows)
+    with step(f"smoothquant search: {len(fold_search.GRID)} alphas at {len(points)} fold points ({fmt.name} W8A8)"):
+        for k, p in enumerate(points):
+            if scales is not None:
+                if p.act not in scales or scales[p.act].shape != (p.channels,):
+                    raise QuantizationError(f"smoothquant search: no pinned scales [{p.channels}] for {p.act!r}")
+                s = np.asarray(scales[p.act], np.float32)
+                info = {"pinned": True}
+            else:
+                weights = [fold_points.current_weight(model, by_node[t.node]) for t in p.gemms]
+                res = fold_search.search(acts.pop(p.act), weights, qw, qa, family="smoothquant", groups=p.groups)
+                s, info = res.scales, res.summary()
+            if np.any(s != 1.0):
+                fold_points.apply(model, p, s, f"sqs{k}")
+            found[p.act] = s
+            report["fold_points"][p.act] = {"kind": p.kind, "site": p.site.name, **info}
+    report["scaled_points"] = int(sum(np.any(s != 1.0) for s in found.values()))
+    return report, found
+
+
 def prepare(sq, out_dir, progress, src, model: onnx.ModelProto, kept: list[Target],
-            batches: list[dict[str, np.ndarray]], channel_amax: dict[str, np.ndarray] | None = None
-            ) -> tuple[onnx.ModelProto, list[Target], str, dict, dict[str, np.ndarray]]:
+            batches: list[dict[str, np.ndarray]], channel_amax: dict[str, np.ndarray] | None = None,
+            fmt=None, per_channel: bool = False) -> tuple[onnx.ModelProto, list[Target], str, dict, dict[str, np.ndarray]]:
     """The SmoothQuant step of quantization (``sq``: the recipe's ``quantize.smoothquant``; ``out_dir``:
     where the smoothed graph goes; ``progress``: the console). It never sees the stage.
 
@@ -140,7 +228,9 @@ def prepare(sq, out_dir, progress, src, model: onnx.ModelProto, kept: list[Targe
 
     Args:
         channel_amax: a pinned per-channel amax (:mod:`pipeline.quant.pin`): used instead of
-            collecting it over ``batches``.
+            collecting it over ``batches``; with ``mode: search`` the pinned site scales instead
+            (folded as given, :func:`search_and_fold`).
+        fmt, per_channel: the Q/DQ format and ``quantize.per_channel_weights`` (``mode: search``'s quantizer).
 
     Returns:
         ``(model, kept targets re-found in it, graph path to calibrate, info for the artifact,
@@ -161,11 +251,17 @@ def prepare(sq, out_dir, progress, src, model: onnx.ModelProto, kept: list[Targe
     load_external_data_for_model(model, str(Path(src).parent))
     mm = [t for t in kept if t.weight_axis == 1 and t.node in {n.name for n in model.graph.node if n.op_type == "MatMul"}]
     acts = sorted({t.act for t in mm})
-    with progress.step(f"smoothquant: per-channel amax of {len(acts)} GEMM inputs, alpha {sq.alpha}"):
-        chan = channel_amax if channel_amax is not None else calibrate.collect_channel_amax(model, acts, batches)
-        report = smooth(model, mm, chan, sq.alpha)
+    if getattr(sq, "mode", "alpha") == "search":
+        if fmt is None:
+            raise QuantizationError("quantize.smoothquant.mode: search needs the Q/DQ format (fp8 or int8)")
+        info, chan = search_and_fold(model, mm, batches, fmt, per_channel, scales=channel_amax, progress=progress)
+    else:
+        with progress.step(f"smoothquant: per-channel amax of {len(acts)} GEMM inputs, alpha {sq.alpha}"):
+            chan = channel_amax if channel_amax is not None else calibrate.collect_channel_amax(model, acts, batches)
+            report = smooth(model, mm, chan, sq.alpha)
+        info = {"alpha": sq.alpha, **report.summary()}
     path = Path(out_dir) / "smoothed_fp32.onnx"
     onnx_io.save_model_atomic(model, path)
     names = {t.node for t in kept}
     kept = [t for t in qdq.find_targets(model, [n for n in ("MatMul", "Gemm", "Conv")]) if t.node in names]
-    return model, kept, str(path), {"alpha": sq.alpha, **report.summary()}, chan
+    return model, kept, str(path), info, chan

@@ -22,7 +22,7 @@ from pipeline.recipe import precisions
 from pipeline.fsutil import user_path
 
 Precision = Literal[precisions.QUANTIZE]  # type: ignore[valid-type]  # the precision table's
-CalibrationMethod = Literal["max", "percentile", "entropy", "mse"]
+CalibrationMethod = Literal["max", "percentile", "entropy", "mse", "kl"]
 InstanceKind = Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"]
 #: Model kinds, named after the field's tasks; each has an adapter in pipeline/models/<kind>/
 #: (pipeline.models.registry maps kind -> adapter; tests check the two lists agree).
@@ -88,7 +88,9 @@ class ExportConfig(Strict):
 
 class CalibrationConfig(Strict):
     method: CalibrationMethod = Field("max", description="how each activation's amax is taken over the calibration "
-                                      "batches (pipeline.quant.calibrate.collect_amax)")
+                                      "batches (pipeline.quant.calibrate.collect_amax): max (abs-max), percentile, entropy "
+                                      "(ONNX Runtime's INT8 KL threshold), mse / kl (the clip search on the target format's "
+                                      "grid: squared error or KL divergence, pipeline.quant.clip.clip_amax)")
     percentile: float = Field(99.99, gt=90, le=100, description="method percentile: the percentile of |x| used as amax")
     data: DataSource = Field(description="calibration text (pipeline.sources.data); must not overlap validate.data")
     samples: int = Field(ge=1, description="number of calibration sequences")
@@ -167,12 +169,20 @@ class QuantizeConfig(Strict):
         "optimization level computes those exactly on every x86 CPU, so the graph is validated and served at that level "
         "(integer kernels: faster on CPUs with VNNI); full-range INT8 weights run at the basic level (simulated). Costs one "
         "bit of weight precision (pipeline.ort_sessions.optimization_level)")
+    weight_clip: Literal["max", "mse", "kl"] = Field(
+        "max", description="fp8 / int8: each weight's amax: its max, or the clip search (mse: squared error, kl: KL "
+        "divergence of its values after quantization) choosing a clip ratio per tensor "
+        "(pipeline.quant.clip.weight_clip_ratio); no op is added")
     quantize_op_types: list[Literal["MatMul", "Gemm", "Conv"]] = Field(
         ["MatMul", "Gemm"], description="op types whose weight input gets Q/DQ (pipeline.quant.qdq.find_targets)")
     rest_precision: Literal[precisions.REST] = Field(  # type: ignore[valid-type]
         precisions.REFERENCE, description="precision written into the graph for everything but the Q/DQ GEMMs and the I/O "
         "(pipeline.quant.autocast); bf16 is validated only through a TensorRT engine")
     smoothquant: SmoothQuantConfig | None = Field(None, description="SmoothQuant before Q/DQ (pipeline.quant.smoothquant)")
+    rotate: bool = Field(False, description="fp8 / int8, Llama-style graphs: fold Hadamard rotations into the FP32 "
+                         "weights before calibration, R1 on the residual stream (RMSNorm scales folded first; the tied "
+                         "embedding stored rotated, one extra 576x576-style MatMul before the lm_head) and R2 per head on "
+                         "v -> o (pipeline.quant.rotate); the FP32 function is unchanged, the V cache holds rotated values")
     accuracy_budget: Gate | None = Field(
         None, description="a gate on a tuning-split metric (kld_mean, relative_perplexity_increase, top1_agreement) "
         "that the automatic exclusion search must meet (pipeline.quant.budget)")
@@ -239,11 +249,13 @@ class QuantizeConfig(Strict):
 
     @model_serializer(mode="wrap")
     def _added_fields_as_before(self, handler):
-        """``weights`` unset dumps as absent, so recipe digests, stage keys and pins
+        """``weights``, ``weight_clip`` and ``rotate`` at their defaults dump as absent, so recipe digests, stage keys and pins
         (:func:`pipeline.quant.pin.match_fields`) of recipes without it are what they were before it existed."""
         data = handler(self)
-        if self.weights is None and isinstance(data, dict):
-            data.pop("weights", None)
+        if isinstance(data, dict):
+            for name, default in (("weights", None), ("weight_clip", "max"), ("rotate", False)):
+                if getattr(self, name) == default:
+                    data.pop(name, None)
         return data
 
     @model_validator(mode="after")
@@ -271,7 +283,19 @@ class QuantizeConfig(Strict):
 
 
 class SmoothQuantConfig(Strict):
-    alpha: float = Field(0.5, ge=0, le=1, description="migration strength (Xiao et al. 2023)")
+    alpha: float = Field(0.5, ge=0, le=1, description="migration strength (Xiao et al. 2023); mode alpha only")
+    mode: Literal["alpha", "search"] = Field(
+        "alpha", description="alpha: one global alpha for every fold point; search: per-channel scales searched per fold "
+        "point (norm -> q/k/v, norm -> gate/up, v -> o, up -> down) against the W8A8 quantizer's output error "
+        "(pipeline.quant.smoothquant)")
+
+    @model_serializer(mode="wrap")
+    def _mode_as_before(self, handler):
+        """``mode`` at ``alpha`` dumps as absent: digests of recipes written before it keep."""
+        data = handler(self)
+        if self.mode == "alpha" and isinstance(data, dict):
+            data.pop("mode", None)
+        return data
 
 
 class TuningConfig(Strict):

@@ -82,7 +82,7 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     if not kept:
         raise QuantizationError("quantize: no weight GEMM is left to quantize after exclusions")
-    fmt = qdq.quant_format(q.precision, q.reduce_range)
+    fmt = qdq.quant_format(q.precision, q.reduce_range, q.weight_clip)
     batches, shortfall = calibration_data(ctx, exp)
     if shortfall:
         ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
@@ -90,16 +90,19 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
     retune = pin.tune_command(ctx.recipe_path)
     bound = pinned is not None and pin.check_consumers(pinned, targets, ctx.pin.path, retune)
     cal_src, extra, chan = src, {}, {}
+    if q.rotate:  # Hadamard R1/R2 folded into the FP32 weights; calibration runs on the rotated graph
+        model, kept, src, rot_info = _rotated(ctx, model, src, targets, kept)
+        cal_src, extra = src, {"rotate": rot_info}
     if q.smoothquant is not None:  # weights loaded, FP32 graph smoothed
         try:
             model, kept, cal_src, smooth_info, chan = smoothquant.prepare(
                 q.smoothquant, ctx.stage_dir, ctx.progress, src, model, kept, batches,
-                pin.channel_amax(pinned) if pinned else None)
+                pin.channel_amax(pinned) if pinned else None, fmt, q.per_channel_weights)
         except QuantizationError as e:
             if pinned is None:
                 raise
             raise QuantizationError(f"{ctx.pin.path}: channel_amax: {e}; re-tune ({retune})") from None  # does not fit
-        extra = {"smoothquant": smooth_info} if smooth_info else {}
+        extra.update({"smoothquant": smooth_info} if smooth_info else {})
     acts = sorted({t.act for t in kept})
     if pinned is not None:
         amax = _pinned_amax(pinned, acts, ctx.pin.path, retune)
@@ -142,6 +145,33 @@ def run(ctx: StageContext, exp: ExportArtifact) -> QuantizedArtifact:
                             calibration_feeds_path=str(feeds_path))
     art = _save(art, model, Path(cal_src))
     return _save_cpu_graph(art) if q.reduce_range else art
+
+
+ROTATED = "rotated_fp32.onnx"
+
+
+def _rotated(ctx: StageContext, model: onnx.ModelProto, src: Path, targets: list[qdq.Target],
+             kept: list[qdq.Target]) -> tuple[onnx.ModelProto, list[qdq.Target], Path, dict]:
+    """``quantize.rotate``: R1 and R2 folded into the FP32 graph (:func:`pipeline.quant.rotate.rotate`),
+    saved as ``<stage>/rotated_fp32.onnx`` and read back lazily, so what follows (SmoothQuant,
+    calibration, the search, Q/DQ) sees it as the exported graph. The GEMMs to quantize are the same
+    nodes as before (the MatMul added before a tied lm_head is not one of them).
+
+    Raises:
+        QuantizationError: the graph is not Llama-shaped (:func:`pipeline.quant.rotate.rotate`).
+    """
+    from pipeline.quant import rotate
+
+    load_external_data_for_model(model, str(src.parent))
+    with ctx.progress.step("rotate: Hadamard R1 (residual stream) and R2 (v -> o) folded into the weights"):
+        report = rotate.rotate(model, targets)
+    path = ctx.stage_dir / ROTATED
+    onnx_io.save_model_atomic(model, path)
+    del model
+    model = onnx.load(str(path), load_external_data=False)
+    names = {t.node for t in kept}
+    kept = [t for t in qdq.find_targets(model, list(ctx.recipe.quantize.quantize_op_types)) if t.node in names]
+    return model, kept, path, report.summary()
 
 
 #: the CPU graph of a 7-bit INT8 quantize stage (QuantizedArtifact.cpu_onnx_path)
