@@ -15,6 +15,9 @@ from pipeline.recipe.load import load_recipe
 from pipeline.run.runner import run_pipeline
 from tiny import seed_export, tiny_recipe
 
+#: a tiny-model export and quantize-stage runs: over a minute on 2 cores (make test runs it; make test-fast does not)
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, tiny_model, tiny_export):
