@@ -51,7 +51,7 @@ def calibrated(ctx, exp) -> tuple:
     import onnx
 
     from pipeline.quant import calibrate, qdq, smoothquant
-    from pipeline.stages import quantize
+    from pipeline.stages.quantize import calibration
 
     q = ctx.recipe.quantize
     src = Path(exp.onnx_path)
@@ -59,7 +59,7 @@ def calibrated(ctx, exp) -> tuple:
     targets = qdq.find_targets(model, list(q.quantize_op_types))
     kept, excluded = qdq.apply_exclusions(model, targets, q.exclude)
     fmt = qdq.FORMATS[q.precision]
-    batches, _ = quantize.calibration_data(ctx, exp)
+    batches, _ = calibration.calibration_data(ctx, exp)
     model, kept, cal_src, *_ = smoothquant.prepare(q.smoothquant, ctx.stage_dir, ctx.progress, src, model, kept, batches)
     amax = calibrate.collect_amax(cal_src, sorted({x.act for x in kept}), batches, q.calibration.method, fmt,
                                   q.calibration.percentile, scratch_dir=ctx.stage_dir)
@@ -68,7 +68,7 @@ def calibrated(ctx, exp) -> tuple:
 
 def main() -> int:
     from pipeline.context import Progress, StageContext
-    from pipeline.stages import quantize
+    from pipeline.stages.quantize import tuning
     from pipeline.quant import budget
     from pipeline.recipe.load import load_recipe
     from pipeline.stages import export
@@ -116,7 +116,7 @@ def main() -> int:
     t = time.perf_counter()
     status, result = "met", None
     try:
-        chosen, result, sens = budget.tune(q, quantize.tuning_feeds(ctx, exp), quantize.score_logits,
+        chosen, result, sens = budget.tune(q, tuning.tuning_feeds(ctx, exp), tuning.score_logits,
                                            budget.reference_session(exp.onnx_path), model, kept, len(excluded),
                                            amax, fmt, weights_dir=weights_dir, out_dir=ctx.stage_dir,
                                            progress=ctx.progress)
