@@ -24,7 +24,7 @@ def test_shipped_recipe_is_valid():
     assert r.quantize.precision == "fp8"
     ppl, kld = r.validate_.gates
     assert (ppl.label, ppl.metric, ppl.max, ppl.min) == ("max_relative_perplexity_increase",
-                                                         "relative_perplexity_increase", 0.020, None)
+                                                         "relative_perplexity_increase", 0.014, None)
     assert (kld.metric, kld.max) == ("kld_mean", 0.025)
     assert r.validate_.data.describe() == "built-in corpus lee_background, documents [220, 300)"
     assert r.quantize.calibration.data.describe() == "built-in corpus lee_background, documents [0, 200)"
@@ -110,8 +110,8 @@ def test_missing_file_and_non_mapping(tmp_path):
     "old, new, where",
     [
         ("    nodes: []", "    nodes: []\n    nodes: []", "'quantize.exclude.nodes'"),
-        ("    - {metric: relative_perplexity_increase, max: 0.020}",
-         "    - {metric: relative_perplexity_increase, max: 0.020, max: 9}", "'validate.gates.0.max'"),
+        ("    - {metric: relative_perplexity_increase, max: 0.014}",
+         "    - {metric: relative_perplexity_increase, max: 0.014, max: 9}", "'validate.gates.0.max'"),
         ("name: fp8-llm", "name: fp8-llm\nname: other", "'name'"),
         ("        batch:          {min: 1, opt: 4,   max: 8}",
          "        batch:          {min: 1, opt: 4,   max: 8, max: 16}", "'build.profiles.0.dims.batch.max'"),
