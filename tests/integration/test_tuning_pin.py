@@ -170,7 +170,8 @@ def test_locked_refuses_a_stale_pin_naming_the_input(tuned, capsys):
     assert main(["build", str(path), "--locked", "--quiet", *stale]) == 2
     err = capsys.readouterr().err
     assert "--locked" in err and "stale" in err and "the quantize section changed" in err
-    assert f"(python -m pipeline tune {path} re-tunes)" in " ".join(err.split())
+    assert f"python -m pipeline tune {path} re-tunes)" in " ".join(err.split())
+    assert "made with clip:max,wclip:max" in " ".join(err.split())  # the method the pin was made with
     assert main(["build", str(path), "--locked", "--quiet", "--set", "quantize.tuning.max_trials=7"]) == 0
 
 

@@ -127,7 +127,8 @@ def test_validate_writes_strict_metrics_and_the_cached_run_agrees(tmp_path, monk
     monkeypatch.setattr(validate, "measure", lambda ctx, exp, q: (dict(measured), {}))
     monkeypatch.setattr(validate, "_metrics_key", lambda ctx, exp, q: "key")
     ctx = type("Ctx", (), {"recipe": load_recipe(ROOT / "recipes" / "fp8-encoder.yaml"), "stage_dir": tmp_path})()
-    q = type("Q", (), {"onnx_path": "quantize/model.onnx"})()  # what the note names
+    q = type("Q", (), {"onnx_path": "quantize/model.onnx", "ort_path": "quantize/model.onnx",  # what the note names
+                   "precision": "fp8"})()
     fresh = validate.run(ctx, None, q)
     stored = _strict_load(tmp_path / "metrics.json")["metrics"]
     assert stored == {**measured, "spearman_drop_max": None}
