@@ -38,7 +38,7 @@ from onnx import helper
 from pipeline import onnx_io
 from pipeline.errors import QuantizationError
 from pipeline.ort_sessions import run_checked
-from pipeline.quant.clip import CLIP_LOSSES, clip_amax, fake_quant as _fake_quant, weight_clip_ratio  # noqa: F401
+from pipeline.quant.clip import CLIP_LOSSES, clip_amax
 from pipeline.quant.qdq import QFormat
 
 METHODS = ("max", "percentile", "entropy", "mse", "kl")
@@ -303,24 +303,10 @@ def collect_channel_amax(model: onnx.ModelProto, tensors: list[str],
     Raises:
         QuantizationError: no batch, or a tensor is not in the graph.
     """
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
 
     if not batches:
         raise QuantizationError("per-channel calibration: no calibration batch")
-    known = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
-    missing = [t for t in tensors if t not in known]
-    if missing:
-        raise QuantizationError(f"per-channel calibration: tensors {missing[:5]} are not in the graph")
-    aug = onnx.ModelProto()
-    aug.CopyFrom(model)
-    present = {o.name for o in aug.graph.output}
-    aug.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None)
-                            for t in tensors if t not in present)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(aug.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    del aug
+    sess = _session_with_outputs(model, tensors, "per-channel calibration")
     amax: dict[str, np.ndarray] = {}
     for feeds in batches:
         for name, value in zip(tensors, run_checked(sess, tensors, feeds, user_graph=True,
@@ -359,26 +345,12 @@ def collect_rows(model: onnx.ModelProto, tensors: list[str], batches: list[dict[
         QuantizationError: no batch, ``rows`` < 1, a tensor not in the graph, or tensors whose
             leading dims differ within a batch.
     """
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
 
     if not batches:
         raise QuantizationError("activation rows: no calibration batch")
     if rows < 1:
         raise QuantizationError(f"activation rows: rows = {rows}, need >= 1")
-    known = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
-    missing = [t for t in tensors if t not in known]
-    if missing:
-        raise QuantizationError(f"activation rows: tensors {missing[:5]} are not in the graph")
-    aug = onnx.ModelProto()
-    aug.CopyFrom(model)
-    present = {o.name for o in aug.graph.output}
-    aug.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None)
-                            for t in tensors if t not in present)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(aug.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    del aug
+    sess = _session_with_outputs(model, tensors, "activation rows")
     parts: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
     pick, start = None, 0
     for i, feeds in enumerate(batches):
@@ -412,3 +384,27 @@ def _positions(total: int, rows: int, seed: int) -> np.ndarray:
     if total <= rows:
         return np.arange(total, dtype=np.int64)
     return np.sort(np.random.default_rng(seed).choice(total, size=rows, replace=False)).astype(np.int64)
+
+
+def _session_with_outputs(model: onnx.ModelProto, tensors: list[str], what: str):
+    """An ONNX Runtime CPU session of ``model`` (a copy) with each of ``tensors`` (float32) added as a
+    graph output, at ONNX Runtime's default level, warnings off.
+
+    Raises:
+        QuantizationError: a tensor is not an output of a node nor a graph input (names up to 5, after ``what``).
+    """
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    known = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    missing = [t for t in tensors if t not in known]
+    if missing:
+        raise QuantizationError(f"{what}: tensors {missing[:5]} are not in the graph")
+    aug = onnx.ModelProto()
+    aug.CopyFrom(model)
+    present = {o.name for o in aug.graph.output}
+    aug.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None)
+                            for t in tensors if t not in present)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(aug.SerializeToString(), opts, providers=["CPUExecutionProvider"])

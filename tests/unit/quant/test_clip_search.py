@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.quant import calibrate, qdq
+from pipeline.quant import calibrate, clip, qdq
 
 
 def _abs_hist(x: np.ndarray):
@@ -60,7 +60,7 @@ def test_clipping_lowers_the_loss_it_chose_by():
     amax = calibrate.clip_amax(hist, edges, fmt, "mse")
 
     def err(a):
-        return float(np.mean((np.abs(x) - calibrate._fake_quant(np.abs(x), a, fmt)) ** 2))
+        return float(np.mean((np.abs(x) - clip.fake_quant(np.abs(x), a, fmt)) ** 2))
     assert err(amax) < err(float(np.abs(x).max()))
 
 
@@ -80,7 +80,7 @@ def _spiky_weight(rng) -> np.ndarray:
 def test_weight_clip_keeps_max_without_outliers(axis):
     plain = np.random.default_rng(3).uniform(-0.1, 0.1, (512, 64)).astype(np.float32)
     fmt = qdq.quant_format("int8", weight_clip="kl")
-    assert calibrate.weight_clip_ratio(plain, fmt, "kl", axis) == 1.0
+    assert clip.weight_clip_ratio(plain, fmt, "kl", axis) == 1.0
     q, scale = qdq.quantize_weight(plain, fmt, axis)
     q0, scale0 = qdq.quantize_weight(plain, qdq.FORMATS["int8"], axis)
     np.testing.assert_array_equal(scale, scale0)
@@ -91,7 +91,7 @@ def test_weight_clip_keeps_max_without_outliers(axis):
 def test_weight_clip_clips_outliers(loss):
     w = _spiky_weight(np.random.default_rng(3))
     fmt = qdq.quant_format("int8", weight_clip=loss)
-    ratio = calibrate.weight_clip_ratio(w, fmt, loss)
+    ratio = clip.weight_clip_ratio(w, fmt, loss)
     assert ratio < 0.97
     q, scale = qdq.quantize_weight(w, fmt, None)
     _, scale0 = qdq.quantize_weight(w, qdq.FORMATS["int8"], None)
