@@ -262,6 +262,14 @@ def write_plot(llm: dict, path: Path) -> str:
         ax.set_title(f"{title} vs throughput")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> str:
+    """Write a matplotlib figure as a PNG at 100 dpi (the folder made first), close it, and return the
+    file name the report links."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

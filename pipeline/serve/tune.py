@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.serve.report import save_figure
+
 Log = Callable[[str], None]
 
 #: measurement statuses
@@ -775,11 +777,7 @@ def write_plot(out: Outcome, slo_ms: float, path, llm: bool) -> str:
     ax.set_title("tune-serving: throughput vs p99")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, path)
 
 
 def report(out: Outcome, sp: Space, env: dict, served, folder, *, pinned_to=None, note: str = "") -> dict:
