@@ -223,6 +223,7 @@ def test_tiny_bert_encoder_passes_through_the_encoder_export(tmp_path):
     assert reports[-1]["masked_inputs"] == ["attention_mask"] and reports[-1]["undefined_in_both"] == 0
 
 
+@pytest.mark.e2e  # a tiny-Llama export stage run (~16 s): make test runs it, make test-fast does not
 def test_export_stage_checks_a_fully_masked_row_on_the_tiny_llama(tmp_path):
     """The export stage (run_pipeline, export only) on the tiny random Llama: the first
     point with batch >= 2 is also run with one row of attention_mask all zeros."""

@@ -16,6 +16,9 @@ from pipeline.run.runner import run_pipeline
 from pipeline.ort_sessions import ort_session
 from tiny import seed_export, tiny_recipe
 
+#: a tiny-model FP8 quantize run (~14 s of setup): make test runs it, make test-fast does not
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def tiny_fp8(tmp_path_factory, tiny_model, tiny_export):

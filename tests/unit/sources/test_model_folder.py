@@ -45,6 +45,7 @@ def test_no_tokenizer_json_is_refused_by_check_and_by_the_export_stage(tmp_path,
     assert err.value.exit_code == 2
 
 
+@pytest.mark.e2e  # a tiny-model export (~12 s): make test runs it, make test-fast does not
 def test_no_tokenizer_config_takes_eos_from_the_model_config(tmp_path, tiny_model, capsys):
     folder = without(tiny_model, tmp_path / "m", "tokenizer_config.json", "special_tokens_map.json")
     expected = json.loads((tiny_model / "generation_config.json").read_text())["eos_token_id"]
