@@ -453,3 +453,19 @@ def graph_specs(model: onnx.ModelProto) -> tuple[list["TensorSpec"], list["Tenso
 
     inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
     return inputs, [spec(v) for v in model.graph.output]
+
+
+def graph_index(g: onnx.GraphProto) -> tuple[dict[str, onnx.TensorProto], dict[str, onnx.NodeProto],
+                                             dict[str, list[onnx.NodeProto]]]:
+    """The lookups a graph rewrite needs, built once: initializer name -> initializer, tensor name -> the
+    node that produces it, tensor name -> the nodes that read it (graph order; a missing name reads as
+    an empty list). Reads no weight data."""
+    from collections import defaultdict
+
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for n in g.node:
+        for i in n.input:
+            consumers[i].append(n)
+    return inits, producer, consumers

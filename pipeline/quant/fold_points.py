@@ -42,6 +42,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from pipeline import onnx_io
 from pipeline.errors import QuantizationError
 from pipeline.quant.qdq import Target
 
@@ -96,12 +97,7 @@ def find(model: onnx.ModelProto, targets: list[Target], kinds: tuple[str, ...] =
     if bad:
         raise QuantizationError(f"fold points: unknown kinds {bad}; valid: {', '.join(KINDS)}")
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for n in g.node:
-        for i in n.input:
-            consumers[i].append(n)
+    inits, producer, consumers = onnx_io.graph_index(g)
     nodes = {n.name: n for n in g.node}
     by_act: dict[str, list[Target]] = defaultdict(list)
     for t in targets:

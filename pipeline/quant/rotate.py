@@ -35,13 +35,13 @@ placement is the caller's (the added MatMul is not a weight GEMM target).
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from pipeline import onnx_io
 from pipeline.errors import QuantizationError
 from pipeline.quant.qdq import Target
 
@@ -141,12 +141,7 @@ def rotate(model: onnx.ModelProto, targets: list[Target], *, r1: bool = True, r2
             residual stream otherwise), or no Hadamard matrix of the hidden size / head_dim.
     """
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for n in g.node:
-        for i in n.input:
-            consumers[i].append(n)
+    inits, producer, consumers = onnx_io.graph_index(g)
     by_node = {t.node: t for t in targets}
     out_of = {n.name: n.output[0] for n in g.node}
     arrays: dict[str, np.ndarray] = {}
