@@ -37,7 +37,7 @@ EQUIVALENCE_RTOL = 1e-4
 
 
 def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, np.ndarray]], block_size: int,
-         *, rows: int = ROWS, clip: bool = True, progress=None) -> tuple[dict, dict[str, np.ndarray]]:
+         *, rows: int = ROWS, clip: bool = True, pad: bool = False, progress=None) -> tuple[dict, dict[str, np.ndarray]]:
     """Search and fold AWQ scales into ``model`` (FP32, weights loaded) in place.
 
     Args:
@@ -50,6 +50,9 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
 
         clip: also search per-block clip ratios of every fold GEMM's scaled weight
             (:func:`pipeline.quant.int4.clip_search`, AWQ's weight clipping).
+        pad: a fold GEMM's ``K`` that ``block_size`` does not divide is quantized zero-padded to whole
+            blocks, as :func:`pipeline.quant.int4.rewrite_rtn` with ``pad`` stores it (the search's
+            quantizer and the clip ratios ``[N, K' / block_size]`` then match the served weights).
 
     Returns:
         ``(report, clips)``: the JSON-ready report: per fold point its kind, site, alpha, loss and
@@ -60,7 +63,7 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
         ratios for :func:`pipeline.quant.int4.rewrite_rtn`.
 
     Raises:
-        QuantizationError: a block size not dividing a fold GEMM's K (names it); the folded graph
+        QuantizationError: a block size not dividing a fold GEMM's K without ``pad`` (names it); the folded graph
             differs from the unfolded one beyond :data:`EQUIVALENCE_RTOL` (names the output).
     """
     import contextlib
@@ -80,19 +83,20 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
         for p in points:
             weights = [fold_points.current_weight(model, by_node[t.node]) for t in p.gemms]
             for t, w in zip(p.gemms, weights):
-                if w.shape[0] % block_size:
+                if w.shape[0] % block_size and not pad:
                     raise QuantizationError(f"MatMul {t.node!r}: quantize.weights.block_size {block_size} does not "
                                             f"divide its input dimension K = {w.shape[0]} (TensorRT refuses a partial "
-                                            "block); use a block size dividing every K")
+                                            f"block); {int4.pad_hint(w.shape[0])}")
             x = acts.pop(p.act)
-            res = fold_search.search(x, weights, lambda w: int4.fake_quantize(w, block_size),
+            res = fold_search.search(x, weights, lambda w: int4.fake_quantize(w, block_size, pad=pad),
                                      family="awq", groups=p.groups)
             results.append((p, res))
             if clip:  # on the folded operands: X / s and diag(s) W
                 xs, rs = x / res.row_scales[None, :], res.row_scales[:, None]
                 for t, w in zip(p.gemms, weights):
-                    clips[t.node] = int4.clip_search(xs, w * rs, block_size)
-                    q = int4.rtn_form(np.ascontiguousarray((w * rs).T), block_size, clip=clips[t.node]).dequantized().T
+                    clips[t.node] = int4.clip_search(xs, w * rs, block_size, pad=pad)
+                    q = int4.rtn_form(np.ascontiguousarray((w * rs).T), block_size, clip=clips[t.node],
+                                      pad=pad).dequantized().T[:w.shape[0]]
                     d = xs @ (w * rs) - xs @ q
                     clipped += float(np.einsum("ij,ij->", d, d, dtype=np.float64))
     for k, (p, res) in enumerate(results):

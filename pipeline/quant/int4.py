@@ -661,8 +661,21 @@ def split_int8_blocks(model: onnx.ModelProto, base_dir: str = "") -> list[str]:
 LM_HEAD_BITS, LM_HEAD_BLOCK = 8, 32
 
 
+def padded_k(k: int, block_size: int) -> int:
+    """``K' = ceil(K / block_size) * block_size``: the rows a zero-padded weight stores (SmolLM2's K = 576
+    at block 128: 640)."""
+    return -(-k // block_size) * block_size
+
+
+def pad_hint(k: int) -> str:
+    """The block sizes dividing ``k`` and the padding option, for a refusal's message."""
+    fits = ", ".join(str(b) for b in (32, 64, 128) if k % b == 0) or "none of 32/64/128"
+    return (f"use a block size dividing K ({fits}), or set quantize.weights.pad: true (method rtn / awq: the weight "
+            f"stored zero-padded to whole blocks and the activation zero-padded by a Pad before the MatMul)")
+
+
 def rtn_form(w: np.ndarray, block_size: int, bits: int = 4, *, name: str = "weight",
-             clip: np.ndarray | None = None) -> DQForm:
+             clip: np.ndarray | None = None, pad: bool = False) -> DQForm:
     """Symmetric per-block absmax round-to-nearest of ``w [N, K]`` (GGUF orientation: rows = output
     features, blocks of ``block_size`` along ``K``, the input features)::
 
@@ -671,27 +684,33 @@ def rtn_form(w: np.ndarray, block_size: int, bits: int = 4, *, name: str = "weig
 
     so ``values * scale`` is what DequantizeLinear (opset 21, ``block_size``, no zero point) gives. A
     block of zeros gets scale 1 (values 0): scales stay > 0, as TensorRT requires. ``clip``: float32
-    ``[N, K / block_size]`` ratios in (0, 1] multiplying each block's absmax (:func:`clip_search`);
-    None: 1.
+    ``[N, K' / block_size]`` ratios in (0, 1] multiplying each block's absmax (:func:`clip_search`);
+    None: 1. ``pad``: where ``block_size`` does not divide ``K``, ``w`` is first zero-padded to
+    ``K' =`` :func:`padded_k` columns: the padded values are 0 and the last block's scale is its real
+    weights' absmax (zeros do not change a max), so the form's first ``K`` columns are what rounding
+    ``w`` in blocks with a short last one would give.
 
     Returns:
-        The :class:`~pipeline.quant.gguf_blocks.DQForm` (no offsets).
+        The :class:`~pipeline.quant.gguf_blocks.DQForm` (no offsets), values ``[N, K']`` (``K' = K``
+        unless padded).
 
     Raises:
-        QuantizationError: ``block_size`` does not divide ``K`` (names ``name`` and ``K``; TensorRT
-            refuses a partial block: "The quantization axis must divide into whole blocks"), or ``w``
-            is not 2-D or holds NaN / infinite values.
+        QuantizationError: ``block_size`` does not divide ``K`` and ``pad`` is False (names ``name`` and
+            ``K``; TensorRT refuses a partial block: "The quantization axis must divide into whole
+            blocks"), or ``w`` is not 2-D or holds NaN / infinite values.
     """
     if w.ndim != 2:
         raise QuantizationError(f"{name}: weight {w.shape} is not 2-D")
     n, k = w.shape
-    if k % block_size:
+    if k % block_size and not pad:
         raise QuantizationError(
             f"{name}: quantize.weights.block_size {block_size} does not divide its input dimension K = {k} "
-            f"(TensorRT refuses a partial block); use a block size dividing K, e.g. "
-            f"{', '.join(str(b) for b in (32, 64, 128) if k % b == 0) or 'none of 32/64/128 fits'}")
+            f"(TensorRT refuses a partial block); {pad_hint(k)}")
     if not np.isfinite(w).all():
         raise QuantizationError(f"{name}: the weight holds NaN or infinite values")
+    if k % block_size:
+        w = np.pad(np.asarray(w, np.float32), ((0, 0), (0, padded_k(k, block_size) - k)))
+        k = w.shape[1]
     qmax = 2 ** (bits - 1) - 1
     blocks = np.asarray(w, np.float32).reshape(n, k // block_size, block_size)
     if clip is not None and (clip.shape != blocks.shape[:2] or not ((clip > 0) & (clip <= 1)).all()):
@@ -717,7 +736,7 @@ CLIP_GRID: tuple[float, ...] = tuple(round(1 - i / 20, 2) for i in range(11))
 
 
 def clip_search(x: np.ndarray, w: np.ndarray, block_size: int, bits: int = 4,
-                grid: tuple[float, ...] = CLIP_GRID) -> np.ndarray:
+                grid: tuple[float, ...] = CLIP_GRID, *, pad: bool = False) -> np.ndarray:
     """Per-block clip ratios of ``w [K, N]`` (a MatMul's ``B``) for :func:`rtn_form`: for each block
     ``b`` of output column ``o`` the ratio ``r`` in ``grid`` minimising that block's share of the
     output error on the calibration rows ``x [R, K]``::
@@ -726,17 +745,24 @@ def clip_search(x: np.ndarray, w: np.ndarray, block_size: int, bits: int = 4,
 
     (``Q_r``: :func:`rtn_form` with ``amax * r``; cross-block terms left out, as in AWQ's weight
     clipping, Lin et al. 2024, ``auto_clip``). Ratio 1 (plain rtn) is tried first and kept on ties,
-    so no block's error grows.
+    so no block's error grows. ``pad``: a ``K`` that ``block_size`` does not divide is zero-padded
+    (rows of ``w``, columns of ``x``) to :func:`padded_k`, as :func:`rtn_form` pads; the zero columns
+    of ``x`` add nothing to any error.
 
     Returns:
-        float32 ``[N, K / block_size]`` ratios in (0, 1].
+        float32 ``[N, K' / block_size]`` ratios in (0, 1] (``K' = K`` unless padded).
 
     Raises:
-        QuantizationError: shapes that do not fit, or ``block_size`` not dividing ``K``.
+        QuantizationError: shapes that do not fit, or ``block_size`` not dividing ``K`` without ``pad``.
     """
     k, n = w.shape
-    if x.ndim != 2 or x.shape[1] != k or k % block_size:
+    if x.ndim != 2 or x.shape[1] != k or (k % block_size and not pad):
         raise QuantizationError(f"clip search: rows {x.shape} and weight {w.shape} do not fit blocks of {block_size}")
+    if k % block_size:
+        kp = padded_k(k, block_size)
+        x = np.pad(np.asarray(x, np.float32), ((0, 0), (0, kp - k)))
+        w = np.pad(np.asarray(w, np.float32), ((0, kp - k), (0, 0)))
+        k = kp
     qmax = 2 ** (bits - 1) - 1
     nb = k // block_size
     xb = np.asarray(x, np.float32).reshape(-1, nb, block_size)
@@ -754,11 +780,13 @@ def clip_search(x: np.ndarray, w: np.ndarray, block_size: int, bits: int = 4,
     return best
 
 
-def fake_quantize(w: np.ndarray, block_size: int, bits: int = 4) -> np.ndarray:
+def fake_quantize(w: np.ndarray, block_size: int, bits: int = 4, *, pad: bool = False) -> np.ndarray:
     """float32 ``[K, N]``: ``w [K, N]`` (a MatMul's ``B``) after :func:`rtn_form` and its
     DequantizeLinear, blocks along ``K``: the weight quantizer of the AWQ search
-    (:func:`pipeline.quant.fold_search.search`)."""
-    return rtn_form(np.ascontiguousarray(w.T), block_size, bits).dequantized().T
+    (:func:`pipeline.quant.fold_search.search`). ``pad``: as :func:`rtn_form`; the padded rows
+    (zeros) are dropped again."""
+    k = w.shape[0]
+    return rtn_form(np.ascontiguousarray(w.T), block_size, bits, pad=pad).dequantized().T[:k]
 
 
 @dataclass(frozen=True)
@@ -766,7 +794,8 @@ class RTNRewritten:
     """One MatMul now computing with round-to-nearest blocks: ``node``, its former FP32 ``weight``
     initializer, ``onnx_form`` (``"INT4 block 64"``), ``k`` and ``n``, and the largest
     ``|DQ weight - FP32 weight| / block absmax`` (at most half a step, ``0.5 / qmax``, where no block is
-    clipped)."""
+    clipped); ``padded_k``: the rows the stored weight has when zero-padded (:func:`padded_k`), else
+    None."""
 
     node: str
     weight: str
@@ -774,10 +803,12 @@ class RTNRewritten:
     k: int
     n: int
     max_relative_error: float
+    padded_k: int | None = None
 
 
 def rewrite_rtn(model: onnx.ModelProto, *, block_size: int, base_dir: str = "",
-                skip: Collection[str] = (), clips: dict[str, np.ndarray] | None = None) -> list[RTNRewritten]:
+                skip: Collection[str] = (), clips: dict[str, np.ndarray] | None = None,
+                pad: bool = False) -> list[RTNRewritten]:
     """Rewrite, in place, every MatMul whose ``B`` is a 2-D FP32 initializer ``[K, N]`` into
     :func:`block_matmul`'s form with :func:`rtn_form` INT4 blocks of ``block_size``; a tied lm_head
     (``B = Transpose(table)`` of a table a Gather also reads) gets INT8 blocks of
@@ -789,13 +820,21 @@ def rewrite_rtn(model: onnx.ModelProto, *, block_size: int, base_dir: str = "",
         block_size: INT4 weights per scale along ``K``.
         skip: MatMul names left FP32 (``quantize.exclude``).
         clips: MatMul name -> per-block clip ratios (:func:`clip_search`); others: 1.
+        pad: a GEMM ``x [.., K] @ W [K, N]`` whose ``K`` the block does not divide stores ``W``
+            zero-padded to ``K' =`` :func:`padded_k` rows (:func:`rtn_form` with ``pad``: INT4 zeros,
+            the last block's scale from its real rows) and reads ``Pad(x)`` (zeros appended on the
+            last axis, ``K -> K'``; one Pad per activation, shared by the GEMMs reading it: q/k/v,
+            gate/up). Exact: ``Pad(x) @ [W_q; 0] = x @ W_q`` (the zero rows contribute 0), so the
+            graph computes the unpadded dequantized GEMM; TensorRT and ONNX Runtime's MatMulNBits see
+            whole blocks. Costs ``(K' - K) * N / 2`` bytes of INT4 values per padded GEMM.
 
     Returns:
         One :class:`RTNRewritten` per rewritten MatMul, in graph order.
 
     Raises:
-        QuantizationError: ``block_size`` does not divide a GEMM's ``K`` (names the GEMM and ``K``;
-            checked for every GEMM before anything is rewritten); an op changes meaning at opset 21.
+        QuantizationError: ``block_size`` does not divide a GEMM's ``K`` and ``pad`` is False (names
+            the GEMM and ``K``; checked for every GEMM before anything is rewritten); a padded GEMM's
+            input has no known rank; an op changes meaning at opset 21.
     """
     g = model.graph
     inits = {t.name: t for t in g.initializer}
@@ -805,36 +844,55 @@ def rewrite_rtn(model: onnx.ModelProto, *, block_size: int, base_dir: str = "",
               for gm in gemms}
     bad = [(gm.node.name, shapes[gm.node.name][0]) for gm in gemms
            if shapes[gm.node.name][0] % (LM_HEAD_BLOCK if gm.transposed else block_size)]
-    if bad:
+    if bad and not pad:
         shown = ", ".join(f"{node} (K = {k})" for node, k in bad[:3])
         raise QuantizationError(
             f"quantize.weights.block_size {block_size} does not divide the input dimension K of {len(bad)} GEMMs: "
             f"{shown}; TensorRT refuses a partial block (\"The quantization axis must divide into whole blocks\"); "
-            f"use a block size dividing every K")
+            f"{pad_hint(bad[0][1])}")
     ranks = _ranks(model, {gm.node.input[0] for gm in gemms})
+    unranked = [gm.node for gm in gemms if (gm.node.name, shapes[gm.node.name][0]) in bad
+                and not ranks.get(gm.node.input[0])]
+    if unranked:
+        raise QuantizationError(f"MatMul {unranked[0].name!r}: the rank of its input {unranked[0].input[0]!r} is "
+                                "unknown (shape inference gave none); quantize.weights.pad's Pad needs it")
     replacement: dict[int, list[onnx.NodeProto]] = {}
     new_inits: list[TensorProto] = []
     done = []
     taken = set(inits)
+    padded: dict[tuple[str, int], str] = {}  # (activation, K') -> its Pad's output
     for gm in gemms:
         w = _array(inits[gm.weight], base_dir)
         w_nk = w if gm.transposed else w.T
         bits, bs = (LM_HEAD_BITS, LM_HEAD_BLOCK) if gm.transposed else (4, block_size)
         form = rtn_form(np.ascontiguousarray(w_nk), bs, bits, name=f"MatMul {gm.node.name!r}",
-                        clip=None if gm.transposed else (clips or {}).get(gm.node.name))
-        err = np.abs(form.dequantized() - w_nk).reshape(w_nk.shape[0], -1, bs).max(axis=2)
-        amax = np.abs(w_nk).reshape(w_nk.shape[0], -1, bs).max(axis=2)
+                        clip=None if gm.transposed else (clips or {}).get(gm.node.name), pad=pad)
+        k, kp = w_nk.shape[1], form.values.shape[1]
+        w_pad = np.pad(w_nk, ((0, 0), (0, kp - k))) if kp != k else w_nk
+        err = np.abs(form.dequantized() - w_pad).reshape(w_nk.shape[0], -1, bs).max(axis=2)
+        amax = np.abs(w_pad).reshape(w_nk.shape[0], -1, bs).max(axis=2)
         rel = float((err / np.where(amax > 0, amax, 1)).max())
         prefix, i = f"rtn.{gm.weight}", 1
         while f"{prefix}.values" in taken:
             prefix, i = f"rtn.{gm.weight}.{i}", i + 1
         taken.add(f"{prefix}.values")
-        nodes, ins = block_matmul(form, gm.node.input[0], gm.node.output[0], name=gm.node.name, prefix=prefix,
+        x, pre = gm.node.input[0], []
+        if kp != k:
+            if (x, kp) not in padded:
+                r = ranks[x]
+                padded[(x, kp)] = f"{x}/padded_to_{kp}"
+                pads = np.array([0] * (2 * r - 1) + [kp - k], np.int64)  # begins of every axis, then ends
+                new_inits.append(numpy_helper.from_array(pads, f"{gm.node.name}/pads"))
+                pre = [helper.make_node("Pad", [x, f"{gm.node.name}/pads"], [padded[(x, kp)]], name=f"{gm.node.name}/Pad",
+                                        mode="constant")]
+            x = padded[(x, kp)]
+        nodes, ins = block_matmul(form, x, gm.node.output[0], name=gm.node.name, prefix=prefix,
                                   x_rank=ranks.get(gm.node.input[0], 0))
-        replacement[id(gm.node)] = nodes
+        replacement[id(gm.node)] = pre + nodes
         new_inits += ins
-        done.append(RTNRewritten(gm.node.name, gm.weight, onnx_form(form), w_nk.shape[1], w_nk.shape[0], rel))
-        del w, w_nk
+        done.append(RTNRewritten(gm.node.name, gm.weight, onnx_form(form), k, w_nk.shape[0], rel,
+                                 kp if kp != k else None))
+        del w, w_nk, w_pad
     nodes = [m for n in g.node for m in replacement.get(id(n), [n])]
     del g.node[:]
     g.node.extend(nodes)

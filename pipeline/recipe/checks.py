@@ -394,6 +394,11 @@ def _weights_problems(r: Recipe) -> list[Problem]:
             out.append(((*at, "block_size"), f"{w.block_size}: method source keeps the GGUF file's blocks, which are "
                         f"{GGUF_INT4_BLOCK} weights wide for every 4-bit type (Q4_0, Q4_1, Q4_K); set block_size: "
                         f"{GGUF_INT4_BLOCK}"))
+    if w.pad and (w.method == "source" or own.weight_methods):
+        why = (f"GGUF blocks are {GGUF_INT4_BLOCK} wide and divide every K" if w.method == "source"
+               else f"{r.quantize.precision}'s quantizer has no padding")
+        out.append(((*at, "pad"), f"true: zero padding of K is for precision int4 with method rtn or awq ({why}); "
+                    "drop pad"))
     q = r.quantize
     if w.method == "source" and (q.exclude.nodes or q.exclude.op_types):
         out.append(((*at[:1], "exclude"), f"not implemented yet for {q.precision}: every GEMM whose weight is a tensor "

@@ -149,8 +149,21 @@ class WeightsConfig(Strict):
                                  "rtn (int4 only; needs a calibration section)")
     block_size: Literal[16, 32, 64, 128] = Field(32, description="weights per scale along the GEMM's input dimension K; "
                                                  "source: the file's (32 for every GGUF 4-bit type); rtn / awq: must "
-                                                 "divide every GEMM's K (TensorRT refuses a partial block); nvfp4: 16, "
-                                                 "the format's own (its default there), and only there")
+                                                 "divide every GEMM's K (TensorRT refuses a partial block) unless pad; "
+                                                 "nvfp4: 16, the format's own (its default there), and only there")
+    pad: bool = Field(False, description="int4 rtn / awq: a GEMM whose K the block size does not divide stores its "
+                      "weight zero-padded to whole blocks (K' = ceil(K / block_size) * block_size rows, INT4 zeros) and "
+                      "reads its activation through a Pad (zeros appended, K -> K'; shared by the GEMMs on one input); "
+                      "exact (the zero rows add 0), costs (K' - K) * N / 2 bytes per padded GEMM (SmolLM2 at block 128: "
+                      "K = 576 -> 640). false: such a block size is refused (pipeline.quant.int4.rewrite_rtn)")
+
+    @model_serializer(mode="wrap")
+    def _pad_as_before(self, handler):
+        """``pad`` at false dumps as absent: digests, stage keys and pins of recipes written before it keep."""
+        data = handler(self)
+        if not self.pad and isinstance(data, dict):
+            data.pop("pad", None)
+        return data
 
 
 class QuantizeConfig(Strict):

@@ -21,8 +21,9 @@ from tiny import seed_export, tiny_recipe
 pytestmark = pytest.mark.e2e
 
 
-def _int4_recipe(ws, tiny_model, method: str, block: int = 32):
-    changes = {"quantize.precision": "int4", "quantize.weights": {"method": method, "block_size": block},
+def _int4_recipe(ws, tiny_model, method: str, block: int = 32, pad: bool = False):
+    weights = {"method": method, "block_size": block, **({"pad": True} if pad else {})}
+    changes = {"quantize.precision": "int4", "quantize.weights": weights,
                "quantize.exclude": {"nodes": []}, "triton.target": "python-onnxruntime"}
     path = tiny_recipe(ws, tiny_model, **changes)
     if method != "awq":
@@ -34,9 +35,9 @@ def _int4_recipe(ws, tiny_model, method: str, block: int = 32):
     return path
 
 
-def _quantize(tmp_path_factory, tiny_model, tiny_export, method: str, block: int = 32):
+def _quantize(tmp_path_factory, tiny_model, tiny_export, method: str, block: int = 32, pad: bool = False):
     ws = tmp_path_factory.mktemp(f"int4-{method}")
-    path = _int4_recipe(ws, tiny_model, method, block)
+    path = _int4_recipe(ws, tiny_model, method, block, pad)
     seed_export(ws, tiny_export)
     result = run_pipeline(load_recipe(path), path, quiet=True, only=["export", "quantize"])
     return result.artifacts["export"], result.artifacts["quantize"], ws
@@ -89,14 +90,38 @@ def test_block_not_dividing_k_is_refused(tmp_path_factory, tiny_model, tiny_expo
         _quantize(tmp_path_factory, tiny_model, tiny_export, "rtn", block=64)
     assert err.value.exit_code == EXIT_BAD_INPUT
     assert "block_size 64 does not divide the input dimension K" in str(err.value) and "(K = 32)" in str(err.value)
+    assert "quantize.weights.pad: true" in str(err.value)
 
 
-def test_onnx_runtime_fuses_every_gemm_at_accuracy_level_1(runs, tmp_path):
-    """validate's session: each INT4 / INT8 block GEMM of the awq graph is a MatMulNBits at accuracy
-    level 1 (FP32 activations), no INT4 DequantizeLinear left unfused."""
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory, tiny_model, tiny_export):
+    """awq at block 64 with ``pad``: hidden 32, so q/k/v, o and gate/up (K = 32) are padded to 64; down (K = 64) is not."""
+    return _quantize(tmp_path_factory, tiny_model, tiny_export, "awq", block=64, pad=True)
+
+
+def test_padded_awq_graph_pads_each_activation_once_and_runs(padded):
+    exp, art, _ = padded
+    model = onnx.load(art.onnx_path)
+    pads = [n for n in model.graph.node if n.op_type == "Pad"]
+    assert len(pads) == 2 * 3 and len({n.input[0] for n in pads}) == 6  # per layer: q/k/v, o, gate/up
+    assert art.calibration["gemm_formats"] == {"INT4 block 64": 14, "INT8 block 32": 1}
+    assert art.calibration["padding"] == {"gemms": 12, "rows_added": 12 * 32,
+                                          "bytes_added": 2 * 32 * (32 + 16 + 16 + 32 + 64 + 64) // 2,
+                                          "int4_value_bytes": 2 * 64 * (32 + 16 + 16 + 32 + 64 + 64 + 32) // 2}
+    assert art.calibration["awq"]["blocks"] == 2 * (32 + 16 + 16 + 32 + 64 + 64 + 32)  # N x K'/64
+    feeds = prefill_feeds(exp, np.random.default_rng(2).integers(0, 1000, size=(2, 11)))
+    ref, got = _logits(exp.onnx_path, feeds), _logits(art.onnx_path, feeds)
+    assert np.isfinite(got).all() and 0 < np.abs(got - ref).max() < 0.5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("which", ["awq", "awq padded"])
+def test_onnx_runtime_fuses_every_gemm_at_accuracy_level_1(runs, padded, which, tmp_path):
+    """validate's session: each INT4 / INT8 block GEMM of the awq graph (and of the zero-padded one,
+    its MatMuls reading Pad outputs) is a MatMulNBits at accuracy level 1 (FP32 activations), no INT4
+    DequantizeLinear left unfused."""
     from pipeline import ort_sessions
 
-    _, art, _ = runs["awq"]
+    _, art, _ = padded if which == "awq padded" else runs["awq"]
     assert ort_sessions.optimization_level(art.onnx_path) == "all"
     opts = ort_sessions.session_options("all", config=ort_sessions.session_config(art.onnx_path))
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -109,13 +134,14 @@ def test_onnx_runtime_fuses_every_gemm_at_accuracy_level_1(runs, tmp_path):
                 if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) == onnx.TensorProto.INT4]
 
 
-def test_tensorrt_rtx_builds_the_awq_graph(runs, tmp_path):
+@pytest.mark.parametrize("which", ["awq", "awq padded"])
+def test_tensorrt_rtx_builds_the_awq_graph(runs, padded, which, tmp_path):
     from pipeline.stages import build
     from pipeline.trt import backends as engine_backends
 
     if engine_backends.import_problem(engine_backends.TENSORRT_RTX) is not None:
         pytest.skip(engine_backends.import_problem(engine_backends.TENSORRT_RTX))
-    exp, art, ws = runs["awq"]
+    exp, art, ws = padded if which == "awq padded" else runs["awq"]
     r = load_recipe(ws / "tiny-llm.yaml", {"build.backend": "tensorrt-rtx", "build.targets": ["sm89"]})
     b = build.build_from_onnx(r, art.onnx_path, exp.inputs, tmp_path / "build", quantized_nodes=art.quantized_nodes,
                               source_onnx=exp.onnx_path)

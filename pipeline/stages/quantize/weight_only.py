@@ -181,7 +181,9 @@ def rounded(ctx: StageContext, exp: ExportArtifact, model: onnx.ModelProto, src:
     search per fold point and its block output error against rtn's.
 
     Raises:
-        QuantizationError: (exit 2) ``block_size`` does not divide a GEMM's K (names the GEMM and K);
+        QuantizationError: (exit 2) ``block_size`` does not divide a GEMM's K and ``pad`` is false
+            (names the GEMM and K; with ``pad``, ``calibration.padding`` records the GEMMs padded and the
+            bytes the zero rows add);
             too little calibration data (awq); the folded graph is not equivalent (awq); an op of the
             graph means something else at opset 21.
     """
@@ -203,7 +205,7 @@ def rounded(ctx: StageContext, exp: ExportArtifact, model: onnx.ModelProto, src:
             ctx.progress.print(f"[yellow]quantize: {shortfall['shortfall']}[/yellow]")
         with ctx.progress.step("awq: loading the FP32 weights"):
             awq.load_weights(model, src)
-        extra["awq"], clips = awq.fold(model, kept, batches, w.block_size, progress=ctx.progress)
+        extra["awq"], clips = awq.fold(model, kept, batches, w.block_size, pad=w.pad, progress=ctx.progress)
         extra.update(shortfall)
         info.update(samples=int(sum(rows(b) for b in batches)), seq_len=q.calibration.seq_len)
         a = extra["awq"]
@@ -212,7 +214,13 @@ def rounded(ctx: StageContext, exp: ExportArtifact, model: onnx.ModelProto, src:
                            f"{a['clipped_blocks']} of {a['blocks']} blocks clipped) vs rtn {a['block_output_error_rtn']:.4g}")
     with ctx.progress.step(f"quantize: {w.method} INT4 blocks of {w.block_size}"):
         done = int4.rewrite_rtn(model, block_size=w.block_size, base_dir=base, skip={t.node for t in excluded},
-                                clips=clips)
+                                clips=clips, pad=w.pad)
+    if w.pad:  # what the zero rows cost: INT4 values, two per byte (the scales are one per block either way)
+        grown = [t for t in done if t.padded_k]
+        extra["padding"] = {"gemms": len(grown), "rows_added": sum(t.padded_k - t.k for t in grown),
+                            "bytes_added": sum((t.padded_k - t.k) * t.n // 2 for t in grown),
+                            "int4_value_bytes": sum((t.padded_k or t.k) * t.n // 2 for t in done
+                                                    if t.onnx_form.startswith("INT4"))}
     cpu, halves, shared = runtime_graphs(model, src)
     graph_checks.check_qdq_graph(model, base_dir=base)
     counts = Counter(t.onnx_form for t in done)

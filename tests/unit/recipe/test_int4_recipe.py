@@ -74,6 +74,8 @@ def test_weights_at_its_default_leaves_digests_and_the_shipped_pins_as_they_were
     ({"quantize.weights": None}, "precision 'int4' needs a weights section, e.g. weights: {method: source, "
                                  "block_size: 32}"),
     ({"quantize.calibration": CAL}, "precision 'int4' is weight-only"),
+    ({"quantize.weights.pad": True}, "quantize.weights.pad: true: zero padding of K is for precision int4 with method "
+                                     "rtn or awq (GGUF blocks are 32 wide and divide every K); drop pad"),
 ])
 def test_check_refuses_naming_the_field(overrides, message):
     assert message in refusal(INT4, overrides)
@@ -107,3 +109,17 @@ def test_rtn_and_awq_are_valid_without_gguf_blocks():
                            "quantize.exclude.nodes": ["*lm_head*"]})
     assert r.quantize.weights.method == "awq" and r.quantize.calibration.samples == 8
     assert load_recipe(INT4).quantize.model_dump(mode="json")["weights"] == {"method": "source", "block_size": 32}
+
+
+def test_pad_is_opt_in_and_absent_from_dumps_at_false():
+    """``weights.pad`` false (the default) leaves the dump, so the shipped int4 recipe's digest, and
+    every dump of a recipe written before it, are what they were; true is carried."""
+    assert "pad" not in load_recipe(INT4).quantize.model_dump(mode="json")["weights"]
+    r = load_recipe(INT4, {"model.source": {"path": "../tests/data"},
+                           "quantize.weights": {"method": "rtn", "block_size": 128, "pad": True}})
+    assert r.quantize.weights.pad and r.quantize.model_dump(mode="json")["weights"] == {
+        "method": "rtn", "block_size": 128, "pad": True}
+    off = load_recipe(INT4, {"model.source": {"path": "../tests/data"},
+                             "quantize.weights": {"method": "rtn", "block_size": 128, "pad": False}})
+    assert off.digest == load_recipe(INT4, {"model.source": {"path": "../tests/data"},
+                                            "quantize.weights": {"method": "rtn", "block_size": 128}}).digest
