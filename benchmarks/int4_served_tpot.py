@@ -4,8 +4,9 @@ Issue 37 asks for "``make bench --no-aiperf`` TPOT at concurrency 1 against fp8-
 runs each recipe on its own server at its own time, so on shared cores its two TPOTs are not side by
 side. This script builds what is missing of both recipes (cache hits otherwise), prepares the serve
 copies ``serve`` / ``bench`` use (:func:`pipeline.serve.run.prepare_for_server`: python-onnxruntime
-on the wheel's server, the serving pin applied where it matches), starts ONE tritonserver holding
-both repositories, and alternates: each round sends ``--requests`` streamed generations to fp8-llm's
+on the wheel's server, the serving pin applied where it matches), starts one tritonserver per recipe
+(:func:`pipeline.serve.run.launch`; both stay up, the idle one costs no CPU, and two repositories
+in one server would hold fp8-llm's models twice), and alternates: each round sends ``--requests`` streamed generations to fp8-llm's
 generation model, one at a time (concurrency 1), then as many to int4-llm's, each of
 ``serve.max_tokens`` tokens with EOS ignored, from the validate stage's first prompt
 (:func:`pipeline.serve.bench.llm_prompts`; both recipes share the tokenizer and the prompt).
@@ -51,8 +52,8 @@ def main() -> int:
     from pipeline.serve.client import StreamClient
     from pipeline.serve.prepare import built_artifacts
     from pipeline.serve.run import prepare_for_server
+    from pipeline.serve.run import launch
     from pipeline.serve.tune import cpu_model
-    from pipeline.triton.server import start_server
 
     served = {}
     for name in RECIPES:
@@ -64,20 +65,19 @@ def main() -> int:
     max_tokens = served["fp8-llm"].recipe.serve.max_tokens
     models = {n: str(s.generate_model) for n, s in served.items()}
     load = [os.getloadavg()[0]]
-    server = start_server([s.repository for s in served.values()],
-                          models=[m for s in served.values() for m in s.models], explicit=True, timeout_s=900,
-                          workdir=served["int4-llm"].run_dir / "server" / f"tpot-{os.getpid()}")
     rounds: list[dict] = []
-    try:
-        env = {**environment(server), "cpu_model": cpu_model()}
-        with StreamClient(server.grpc_url) as client:
+    with launch(served["fp8-llm"]) as fp8_server, launch(served["int4-llm"]) as int4_server:
+        servers = {"fp8-llm": fp8_server, "int4-llm": int4_server}
+        env = {**environment(fp8_server), "cpu_model": cpu_model()}
+        clients = {n: StreamClient(servers[n].grpc_url) for n in RECIPES}
+        try:
             for name in RECIPES:  # warm-up, not counted
-                client.generate(models[name], input_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
+                clients[name].generate(models[name], input_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
             for r in range(args.rounds):
                 row: dict = {}
                 for name in RECIPES:
-                    gens = [client.generate(models[name], input_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
-                            for _ in range(args.requests)]
+                    gens = [clients[name].generate(models[name], input_ids=prompt, max_tokens=max_tokens,
+                                                   ignore_eos=True) for _ in range(args.requests)]
                     row[name] = {"tpot_ms": float(np.median([g.tpot_ms for g in gens])),
                                  "ttft_ms": float(np.median([g.ttft_ms for g in gens])),
                                  "tokens": [len(g.tokens) for g in gens]}
@@ -85,8 +85,9 @@ def main() -> int:
                 rounds.append(row)
                 print(f"round {r + 1}: TPOT fp8-llm {row['fp8-llm']['tpot_ms']:.1f} ms, int4-llm "
                       f"{row['int4-llm']['tpot_ms']:.1f} ms, fp8 / int4 {row['ratio']:.3f}", flush=True)
-    finally:
-        server.stop()
+        finally:
+            for c in clients.values():
+                c.close()
     load.append(os.getloadavg()[0])
     ratios = [r["ratio"] for r in rounds]
     summary = {"ratio_mean": float(np.mean(ratios)), "ratio_stderr": float(np.std(ratios, ddof=1) / math.sqrt(len(ratios))),
