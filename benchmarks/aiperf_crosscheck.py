@@ -3,14 +3,16 @@
 Builds what is missing (cache hits otherwise), starts tritonserver on the repository ``serve`` and
 ``bench`` use (the serving pin applied to the serve copy where it matches), and alternates our client
 and AIPerf at ``serve.tune.concurrency`` (default: the largest of ``serve.concurrency``), ours first
-and last (:mod:`pipeline.serve.crosscheck`): AIPerf / ours requests/s per round, their mean with its
-standard error and their range. No search: ``tune-serving --cross-check aiperf`` runs the same check on
-the config its search chose.
+and last, both on AIPerf's route and both at ``--client-nice`` (:mod:`pipeline.serve.crosscheck`):
+AIPerf / ours requests/s per round, their mean with its standard error and their range. No search:
+``tune-serving --cross-check aiperf`` runs the same check on the config its search chose.
 
     .venv/bin/python benchmarks/aiperf_crosscheck.py recipes/int8-encoder.yaml --rounds 3
     .venv/bin/python benchmarks/aiperf_crosscheck.py recipes/fp8-llm.yaml --set serve.tune.concurrency=8
+    .venv/bin/python benchmarks/aiperf_crosscheck.py recipes/int8-encoder.yaml --rounds 1 --client-nice 0
 
-Writes ``<run dir>/cross_check/cross_check.json`` and ``.md``. Exit 4 when a run had request errors
+Writes ``<run dir>/cross_check/cross_check.json`` and ``.md`` (``cross_check_nice<N>/`` for another
+``--client-nice``). Exit 4 when a run had request errors
 or AIPerf failed (not a measurement), as ``bench``.
 """
 from __future__ import annotations
@@ -25,10 +27,15 @@ def main() -> int:
     parser.add_argument("recipe", help="path to a recipe YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
     parser.add_argument("--rounds", type=int, default=3, help="AIPerf runs, each between two of ours (default 3)")
+    parser.add_argument("--client-nice", type=int, default=None, metavar="N",
+                        help="both clients lower their CPU priority by N (AIPerf under nice -n N, our load threads "
+                             "each by N); 0: neither (default: tune-serving's, pipeline.serve.crosscheck.CLIENT_NICE)")
     parser.add_argument("--quiet", action="store_true", help="no build progress output")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.client_nice is not None and not 0 <= args.client_nice <= 19:
+        parser.error(f"--client-nice must be 0 to 19; got {args.client_nice}")
 
     from pipeline.errors import EXIT_ENVIRONMENT
     from pipeline.fsutil import write_json_atomic
@@ -42,12 +49,13 @@ def main() -> int:
     served = prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet),
                                 Path(args.recipe))
     print(served.note)
-    folder = served.run_dir / "cross_check"
+    nice = crosscheck.CLIENT_NICE if args.client_nice is None else args.client_nice
+    folder = served.run_dir / ("cross_check" if nice == crosscheck.CLIENT_NICE else f"cross_check_nice{nice}")
     sp = tune.space(served, cores=tune.cores_here(), max_instances=recipe.serve.tune.max_instances)
     with launch(served) as server:
         env = {**environment(server), "cpu_model": tune.cpu_model()}
         runner = tune.Runner(served, server, sp, tune.operating_point(recipe))
-        result = crosscheck.cross_check(served, server, runner, rounds=args.rounds, folder=folder)
+        result = crosscheck.cross_check(served, server, runner, rounds=args.rounds, folder=folder, nice=nice)
     result = {"recipe": recipe.name, "served_config": sp.default.label(), "environment": env, **result}
     md = [f"## AIPerf cross-check, {recipe.name}: tritonserver {env.get('tritonserver')}, {env.get('cpu_model')}, "
           f"{env.get('cpus')} CPUs", "", f"Served config: {sp.default.label()}.", "", *crosscheck.render(result)]

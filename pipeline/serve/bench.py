@@ -63,14 +63,17 @@ Log = Callable[[str], None]
 
 
 def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: Callable[[Any, int], Any], *,
-                min_duration_s: float | None = None) -> tuple[list, float]:
+                min_duration_s: float | None = None, nice: int = 0,
+                cpu_s: list[float] | None = None) -> tuple[list, float]:
     """Run ``work(connection, i)`` for i in 0..count-1 on ``concurrency`` threads.
 
     Each thread opens its connection (``connect()``; closed after with
     ``.close()``) before the clock starts. Returns the results in index order
     and the wall time in s from the start to the last answer. With ``min_duration_s``
     (``tune-serving``'s measurements) the threads go on past ``count`` requests, i = count,
-    count + 1, ..., until that many seconds have passed since the start.
+    count + 1, ..., until that many seconds have passed since the start. ``nice`` > 0: each
+    thread first lowers its own CPU priority by that much (:func:`lower_thread_priority`); ``cpu_s``:
+    each thread appends its own CPU time (``time.thread_time``, connect and close included), s.
 
     Raises:
         The first exception a worker raised (the others finish their request first).
@@ -87,8 +90,10 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
         return min_duration_s is not None and (not started or time.perf_counter() - started[0] < min_duration_s)
 
     def worker() -> None:
-        connection = None
+        connection, cpu_start = None, time.thread_time()
         try:
+            if nice:
+                lower_thread_priority(nice)
             connection = connect()
             ready.wait()
             while not errors:
@@ -105,6 +110,8 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
         finally:
             if connection is not None:
                 connection.close()
+            if cpu_s is not None:
+                cpu_s.append(time.thread_time() - cpu_start)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, count))]
     ready = threading.Barrier(len(threads) + 1)
@@ -122,6 +129,21 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
     if errors:
         raise errors[0]
     return [results[i] for i in sorted(results)], duration
+
+
+def lower_thread_priority(by: int) -> int:
+    """Raise the calling thread's nice value by ``by`` (Linux: ``setpriority(PRIO_PROCESS, tid)``
+    sets one thread's; raising it needs no privilege; the kernel caps it at 19). Returns the new value.
+    A client's threads niced as ``nice -n <by>`` nices a client process leave the CPU to the server
+    first: the AIPerf cross-check runs both clients so (:data:`pipeline.serve.crosscheck.CLIENT_NICE`).
+
+    Raises:
+        OSError: the platform has no per-thread priorities (not Linux) or refused.
+    """
+    tid = threading.get_native_id()
+    value = os.getpriority(os.PRIO_PROCESS, tid) + by
+    os.setpriority(os.PRIO_PROCESS, tid, value)
+    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def open_loop(rate_rps: float, count: int, connect: Callable[[], Any], work: Callable[[Any, int], Any], *,
@@ -430,6 +452,19 @@ def llm_prompts(served: Served) -> list[list[int]]:
     return [r["input_ids"].tolist() for r in workload.requests]
 
 
+def llm_prompt_texts(served: Served) -> tuple[list[str], list[int]]:
+    """:func:`llm_prompts` as text for an HTTP client (the AIPerf cross-check's route): each prompt's ids
+    decoded with the served generation model's tokenizer.json (special tokens kept), and the number
+    of tokens each text encodes to again with it, as the OpenAI endpoint counts a text prompt."""
+    from tokenizers import Tokenizer
+
+    from pipeline.serve.openai.app import find_model_folder
+
+    tok = Tokenizer.from_file(str(find_model_folder(served.repository, str(served.generate_model)) / "tokenizer.json"))
+    texts = [tok.decode(p, skip_special_tokens=False) for p in llm_prompts(served)]
+    return texts, [len(tok.encode(t).ids) for t in texts]
+
+
 def bench_encoder(served: Served, server: TritonServer, log: Log) -> dict:
     """Concurrency sweep of the front model (an ensemble: one response per request) with the
     kind's bench workload (:meth:`ModelAdapter.bench_workload`: validate's held-out samples)."""
@@ -682,10 +717,11 @@ def aiperf_llm_command(exe: str, served: Served, endpoint_url: str, concurrency:
             "--output-artifact-dir", str(folder)]
 
 
-def run_aiperf(command: list[str], folder: Path, timeout_s: float, *, where: str = "") -> dict:
+def run_aiperf(command: list[str], folder: Path, timeout_s: float, *, where: str = "", nice: int = 0) -> dict:
     """Run one AIPerf command that writes into ``folder`` (emptied first), in its own ``TMPDIR``
     (:func:`aiperf_tmpdir`, removed after: AIPerf leaves an empty ``aiperf_mmap_<uuid>/`` and a
-    ``tmp*/aiperf/`` of ZMQ socket files there), offline (``HF_HUB_OFFLINE``).
+    ``tmp*/aiperf/`` of ZMQ socket files there), offline (``HF_HUB_OFFLINE``). ``nice`` > 0: under
+    ``nice -n <nice>`` (its worker processes inherit it).
 
     Returns ``{"export": <profile_export_aiperf.json>, "client_cpu": :func:`client_cpu`}``, or
     ``{"failed": why}`` when the temp folder is unusable, AIPerf exits non-zero, writes no export, or
@@ -703,7 +739,8 @@ def run_aiperf(command: list[str], folder: Path, timeout_s: float, *, where: str
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp)}
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+        done = subprocess.run(["nice", "-n", str(nice), *command] if nice else command, capture_output=True,
+                              text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"failed": f"aiperf did not finish in {timeout_s:g} s{at}"}
     finally:

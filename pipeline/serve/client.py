@@ -287,3 +287,156 @@ def parse_statistics(stats: dict) -> dict:
             out["batches"][size] = out["batches"].get(size, 0) + int(compute.get("count", 0))
             out["compute_infer_ns"] += int(compute.get("ns", 0))
     return out
+
+
+# ---------------------------------------------------------------- HTTP routes (AIPerf's, for the cross-check)
+
+def kserve_json_body(inputs: dict[str, np.ndarray]) -> dict:
+    """The KServe v2 JSON inference request for ``inputs`` (name -> array, batch axis included):
+    ``{"inputs": [{"name", "shape", "datatype", "data"}]}`` with ``data`` the row-major values (BYTES
+    as UTF-8 strings), no ``outputs`` (Triton then returns every output as JSON numbers)
+    (https://kserve.github.io/website/docs/concepts/architecture/data-plane/v2-protocol). For one
+    BYTES ``[1, 1]`` text input it is the body AIPerf's template endpoint sends
+    (:func:`pipeline.serve.crosscheck.kserve_template`)."""
+    body = []
+    for name, array in inputs.items():
+        a = np.asarray(array)
+        data = [v.decode() if isinstance(v, bytes) else str(v) for v in a.reshape(-1)] if a.dtype == np.object_ \
+            else a.reshape(-1).tolist()
+        body.append({"name": name, "shape": list(a.shape), "datatype": WIRE_TYPES[a.dtype], "data": data})
+    return {"inputs": body}
+
+
+def completions_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool) -> dict:
+    """The streamed ``/v1/completions`` request AIPerf 0.5's ``completions`` endpoint sends with
+    ``--streaming``, ``--osl`` and ``--extra-inputs ignore_eos:true``: ``{"prompt": [text], "model",
+    "stream": true, "max_tokens"[, "ignore_eos": true]}`` (no ``stream_options``: AIPerf counts output
+    tokens itself)."""
+    return {"prompt": [prompt], "model": model, "stream": True, "max_tokens": int(max_tokens),
+            **({"ignore_eos": True} if ignore_eos else {})}
+
+
+def _http_client(base_url: str, timeout_s: float):
+    import httpx
+
+    # one keep-alive connection; no proxy from the environment (the server is local, as AIPerf's aiohttp)
+    return httpx.Client(base_url=base_url, timeout=httpx.Timeout(timeout_s), trust_env=False,
+                        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+
+
+class KServeHTTP:
+    """One HTTP/1.1 keep-alive connection (httpx) to Triton's KServe v2 JSON route
+    ``POST /v2/models/<model>/infer``: the encoder route AIPerf's template endpoint drives.
+
+        with KServeHTTP(server.http_url) as c:      # "127.0.0.1:8000"
+            ms = c.infer_ms("enc_ensemble", {"text": np.array([[b"a sentence"]], dtype=np.object_)})
+    """
+
+    def __init__(self, http_url: str, timeout_s: float = 300.0):
+        self.client = _http_client(f"http://{http_url}", timeout_s)
+
+    def infer_ms(self, model: str, inputs: dict[str, np.ndarray]) -> float:
+        """One inference (:func:`kserve_json_body`); its latency in ms from the send to the whole
+        response read. The JSON answer is parsed after (as AIPerf reads ``outputs[0].data``).
+
+        Raises:
+            ServeClientError: a transport error, a status other than 200, or an answer without outputs.
+        """
+        import httpx
+
+        content = json.dumps(kserve_json_body(inputs)).encode()
+        start = time.perf_counter()
+        try:
+            r = self.client.post(f"/v2/models/{model}/infer", content=content,
+                                 headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as e:
+            raise ServeClientError(f"{model}: {type(e).__name__}: {e}") from e
+        ms = (time.perf_counter() - start) * 1e3
+        if r.status_code != 200:
+            raise ServeClientError(f"{model}: HTTP {r.status_code}: {r.text[:300]}")
+        try:
+            outputs = r.json()["outputs"]
+            outputs[0]["data"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ServeClientError(f"{model}: the answer has no outputs[0].data: {r.text[:300]}") from None
+        return ms
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "KServeHTTP":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CompletionsHTTP:
+    """One HTTP/1.1 keep-alive connection (httpx) to an OpenAI-compatible endpoint's streamed
+    ``POST /v1/completions`` (server-sent events): the generation route AIPerf drives.
+
+        with CompletionsHTTP(endpoint.url, count=tokenizer.encode) as c:   # url ends in /v1
+            g = c.generate("smollm2_generate", "Once upon a time", max_tokens=32, ignore_eos=True)
+
+    ``count``: text -> its token ids, for :attr:`Generation.tokens` (the output counted by the served
+    tokenizer, as AIPerf counts it client-side); None leaves ``tokens`` empty.
+    """
+
+    def __init__(self, base_url: str, count=None, timeout_s: float = 300.0):
+        self.client = _http_client(base_url.rstrip("/"), timeout_s)
+        self.count = count
+
+    def generate(self, model: str, prompt: str, *, max_tokens: int, ignore_eos: bool = False) -> Generation:
+        """Send :func:`completions_body` and read its stream to ``data: [DONE]``.
+
+        Returns a :class:`Generation`: ``sent`` before the send; ``times``: the arrival of each event
+        with non-empty text (so TTFT is the first content chunk's); ``text``; ``finish_reason``;
+        ``tokens``: ``count(text)`` (ids of the whole text re-tokenized; their number, not a per-chunk
+        record).
+
+        Raises:
+            ServeClientError: a transport error, a status other than 200, an error event, or a stream
+                with no text.
+        """
+        import httpx
+
+        gen = Generation(sent=time.perf_counter(), model=model)
+        try:
+            with self.client.stream("POST", "/completions",
+                                    json=completions_body(model, prompt, max_tokens, ignore_eos=ignore_eos)) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise ServeClientError(f"{model}: HTTP {r.status_code}: {r.text[:300]}")
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise ServeClientError(f"{model}: error event: {json.dumps(event['error'])[:300]}")
+                    for choice in event.get("choices") or []:  # one prompt: one choice (none in a usage chunk)
+                        if choice.get("text"):
+                            gen.times.append(time.perf_counter())
+                            gen.text += choice["text"]
+                        if choice.get("finish_reason"):
+                            gen.finish_reason = choice["finish_reason"]
+        except httpx.HTTPError as e:
+            raise ServeClientError(f"{model}: {type(e).__name__}: {e}") from e
+        except ValueError as e:  # an event that is not JSON
+            raise ServeClientError(f"{model}: a server-sent event is not JSON: {e}") from e
+        if not gen.times:
+            raise ServeClientError(f"{model}: the stream ended without text (finish_reason {gen.finish_reason!r})")
+        if self.count is not None:
+            gen.tokens = list(self.count(gen.text))
+        return gen
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "CompletionsHTTP":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -7,15 +7,26 @@ tritonserver, ours first and last::
     ours_0, AIPerf_1, ours_1, AIPerf_2, ours_2, ..., AIPerf_n, ours_n
 
 Ours is :meth:`pipeline.serve.tune.Runner.drive` (bench's closed loop at ``serve.tune.concurrency``,
-gRPC straight to Triton). AIPerf sends as many requests as the ours run before it did, at the same
-concurrency, after the same number of warm-up requests:
+the search's own measurement) on AIPerf's route, so the server does the same work for both clients
+(the search itself stays on gRPC). AIPerf sends as many requests as the ours run before it did, at
+the same concurrency, after the same number of warm-up requests:
 
-* generation (fp8-llm): streamed ``/v1/completions`` through the project's OpenAI-compatible endpoint
-  (:func:`pipeline.serve.bench.aiperf_llm_command`: synthetic prompts of the validate prompt's
-  length, ``serve.max_tokens`` tokens with EOS ignored);
-* encoders (int8-encoder): AIPerf's ``template`` endpoint on Triton's KServe v2 HTTP route
-  ``/v2/models/<ensemble>/infer``, with a Jinja2 request body (:func:`kserve_template`) and the
-  sentences of bench's workload, in bench's order (``--dataset-sampling-strategy sequential``).
+* generation (fp8-llm): streamed ``/v1/completions`` through the project's OpenAI-compatible endpoint.
+  AIPerf: :func:`pipeline.serve.bench.aiperf_llm_command` (synthetic prompts of the validate prompt's
+  length, ``serve.max_tokens`` tokens with EOS ignored); ours: :class:`pipeline.serve.client.CompletionsHTTP`
+  with AIPerf's request body (:func:`pipeline.serve.client.completions_body`) and the validate
+  prompts as text (:func:`pipeline.serve.bench.llm_prompt_texts`), TTFT at the first content chunk;
+* encoders (int8-encoder): KServe v2 JSON on Triton's HTTP route ``/v2/models/<ensemble>/infer``,
+  the sentences of bench's workload in bench's order. AIPerf: its ``template`` endpoint with a Jinja2
+  request body (:func:`kserve_template`, ``--dataset-sampling-strategy sequential``); ours:
+  :class:`pipeline.serve.client.KServeHTTP` with the same body (:func:`pipeline.serve.client.kserve_json_body`).
+
+After the first AIPerf run its request bodies (its ``inputs.json``) are compared with ours
+(:func:`body_differences`; for the LLM the prompt aside, whose token counts are given instead).
+
+Both clients run at :data:`CLIENT_NICE` (``client_nice``): AIPerf under ``nice -n``, our load threads
+each raising their own nice value by as much (:func:`pipeline.serve.bench.lower_thread_priority`), so
+on a CPU-bound server with few cores neither client's CPU comes out of the server's share first.
 
 Round i's ratio is AIPerf_i's requests/s over the mean of the ours runs either side of it (which
 cancels a linear drift of the shared machine's load). Reported: the mean ratio with its standard
@@ -39,6 +50,8 @@ Log = Callable[[str], None]
 
 #: |AIPerf / ours - 1| allowed for the two clients to "agree" (issue 39: within 10 %).
 TOLERANCE = 0.10
+#: How much both clients lower their CPU priority (nice value, added to this process's).
+CLIENT_NICE = 10
 
 
 def aiperf_throughput(export: dict) -> float:
@@ -186,25 +199,61 @@ def aiperf_encoder_command(exe: str, *, http_url: str, model: str, input_name: s
             "--random-seed", "0", "--ui-type", "none", "--output-artifact-dir", str(folder)]
 
 
+# ---------------------------------------------------------------- the requests AIPerf sent
+
+def aiperf_payloads(folder: Path) -> list[dict]:
+    """The request bodies of one AIPerf run (its ``inputs.json`` under ``folder``: one entry per
+    dataset session, its first turn's payload); empty when there is none."""
+    found = next(iter(sorted(folder.rglob("inputs.json"))), None)
+    if found is None:
+        return []
+    return [d["payloads"][0] for d in json.loads(found.read_text()).get("data", []) if d.get("payloads")]
+
+
+def body_differences(aiperf: list[dict], ours: list[dict], *, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Where AIPerf's request bodies differ from ours: ``aiperf[i]`` against ``ours[i % len(ours)]``,
+    top-level fields in ``ignore`` left out; one line per differing body (the first 3), empty: the same."""
+    out = []
+    for i, theirs in enumerate(aiperf):
+        mine = ours[i % len(ours)]
+        a = {k: v for k, v in theirs.items() if k not in ignore}
+        b = {k: v for k, v in mine.items() if k not in ignore}
+        if a != b:
+            out.append(f"request {i}: AIPerf {json.dumps(a)[:200]}, ours {json.dumps(b)[:200]}")
+    return out[:3]
+
+
+def _span(values: list[int]) -> list[int] | None:
+    return [min(values), max(values)] if values else None
+
+
 # ---------------------------------------------------------------- on a running server
 
 def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log = print,
-                timeout_s: float = 900.0) -> dict:
-    """:func:`interleave` our client (``runner.drive()``, what the server has loaded now) and AIPerf on
-    ``server`` at ``runner.point`` (a concurrency), ``rounds`` AIPerf runs, their files in ``folder``.
-    A generating recipe is driven through the OpenAI endpoint, started here on a free port and stopped.
-    Each run's ``client_cpu`` (:func:`pipeline.serve.bench.client_cpu`): ours, this process's CPU time
-    over the run (``RUSAGE_SELF``: the client threads, and the endpoint's idle loop; not the server, a
-    child); AIPerf's, its process tree's (warm-up, start-up and shutdown included).
+                timeout_s: float = 900.0, nice: int = CLIENT_NICE) -> dict:
+    """:func:`interleave` our client (``runner.drive(<AIPerf's route>, nice=nice)``, what the server
+    has loaded now) and AIPerf (under ``nice -n <nice>``) on ``server`` at ``runner.point`` (a
+    concurrency), ``rounds`` AIPerf runs, their files in ``folder``. A generating recipe is driven
+    through the OpenAI endpoint, started here (in this process, on a free port) and stopped.
+    Each run's ``client_cpu`` in cores: ours, the load threads' own CPU time over the run (warm-up
+    included; ``process_cores``: this whole process's, ``RUSAGE_SELF``, which for the LLM includes
+    the OpenAI endpoint's thread: server work); AIPerf's, its process tree's
+    (:func:`pipeline.serve.bench.client_cpu`; warm-up, start-up and shutdown included).
 
-    Returns :func:`interleave`'s dict plus ``tool``, ``route``, ``point``, ``command`` (the last AIPerf
-    command), ``loadavg_1m`` (start, end); ``{"skipped": why}`` without the ``aiperf`` CLI, at an
-    offered rate (open loop: both would report the rate), or for a workload that is not one text.
+    Returns :func:`interleave`'s dict plus ``tool``, ``route`` and ``ours_route`` (now the same),
+    ``client_nice``, ``point``, ``command`` (the last AIPerf command), ``requests_compared`` (after
+    the first AIPerf run: ``bodies``, ``differences`` (:func:`body_differences`) and, for the LLM,
+    ``prompt_tokens`` ``{"ours", "aiperf"}`` [min, max] by the served tokenizer), ``loadavg_1m``
+    (start, end); ``{"skipped": why}`` without the ``aiperf`` CLI, at an offered rate (open loop: both
+    would report the rate), or for a workload that is not one text.
 
     Raises:
         TritonServerError: (exit 4) the server died.
     """
+    import numpy as np
+
     from pipeline.serve import bench as B
+    from pipeline.serve.client import completions_body, kserve_json_body
     from pipeline.serve.run import start_endpoint
 
     exe = B.aiperf_exe()
@@ -229,10 +278,13 @@ def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log =
         import time
 
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        m = runner.drive()
-        cpu = B.client_cpu(before, resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start)
+        m = runner.drive(state["url"] if generates else server.http_url, nice=nice)
+        wall = time.perf_counter() - start
+        process = B.client_cpu(before, resource.getrusage(resource.RUSAGE_SELF), wall)
         if not m.ok:
             return {"failed": f"{m.status}: {m.detail}"}
+        cpu = {"cpu_s": runner.client_cpu_s, "wall_s": wall, "cores": runner.client_cpu_s / wall if wall > 0 else None,
+               "cpus": os.cpu_count(), "process_cores": process["cores"]}
         return {"throughput_rps": m.throughput_rps, "requests": m.requests, "duration_s": m.duration_s,
                 "p50_ms": m.p50_ms, "p99_ms": m.p99_ms, "client_cpu": cpu}
 
@@ -247,10 +299,12 @@ def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log =
                                          concurrency=c, requests=requests, warmup=2 * point.warm_up,
                                          folder=run_folder)
         state["command"] = cmd
-        done = B.run_aiperf(cmd, run_folder, timeout_s, where=f"concurrency {c}")
+        done = B.run_aiperf(cmd, run_folder, timeout_s, where=f"concurrency {c}", nice=nice)
         if "failed" in done:
             runner.check_alive()  # a dead server is exit 4 with its log, not an AIPerf failure
             return done
+        if "requests_compared" not in state:
+            state["requests_compared"] = compare(aiperf_payloads(run_folder))
         export = done["export"]
         try:
             rps = aiperf_throughput(export)
@@ -263,23 +317,38 @@ def cross_check(served, server, runner, *, rounds: int, folder: Path, log: Log =
                 "output_token_throughput": (export.get("output_token_throughput") or {}).get("avg"),
                 "client_cpu": done["client_cpu"]}
 
+    def compare(payloads: list[dict]) -> dict:
+        if not generates:
+            mine = [kserve_json_body({input_name: np.array([[t]], dtype=np.object_)}) for t in texts]
+            return {"bodies": len(payloads), "differences": body_differences(payloads, mine)}
+        from tokenizers import Tokenizer
+
+        from pipeline.serve.openai.app import find_model_folder
+
+        tok = Tokenizer.from_file(str(find_model_folder(served.repository, str(served.generate_model))
+                                      / "tokenizer.json"))
+        mine = [completions_body(str(served.generate_model), "", served.recipe.serve.max_tokens, ignore_eos=True)]
+        theirs_tokens = [len(tok.encode(t).ids) for p in payloads for t in (p.get("prompt") or [])[:1]]
+        return {"bodies": len(payloads), "differences": body_differences(payloads, mine, ignore=("prompt",)),
+                "prompt_tokens": {"ours": _span(B.llm_prompt_texts(served)[1]), "aiperf": _span(theirs_tokens)}}
+
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("aiperf_*"):
         shutil.rmtree(old, ignore_errors=True)
     load_start = os.getloadavg()[0]
     route = ("streamed /v1/completions through the OpenAI endpoint" if generates
-             else f"template endpoint, HTTP /v2/models/{served.ensemble_model}/infer")
-    log(f"cross-check: our client vs AIPerf ({route}) at {point}, {rounds} AIPerf runs, interleaved")
+             else f"KServe v2 JSON, HTTP /v2/models/{served.ensemble_model}/infer")
+    log(f"cross-check: our client vs AIPerf, both on {route}, both at nice +{nice}, at {point}, "
+        f"{rounds} AIPerf runs, interleaved")
     if generates:
         with start_endpoint(served, server, port=0) as endpoint:
             state["url"] = endpoint.url
             result = interleave(rounds, ours, theirs, log)
     else:
         result = interleave(rounds, ours, theirs, log)
-    ours_route = ("streamed generations, gRPC to " + str(served.generate_model) if generates
-                  else f"gRPC to {served.ensemble_model}")
-    return {"tool": f"aiperf {B._version('aiperf')}", "route": route, "ours_route": ours_route, "point": str(point),
-            "concurrency": c, **result, "command": state["command"],
+    return {"tool": f"aiperf {B._version('aiperf')}", "route": route, "ours_route": route, "client_nice": nice,
+            "point": str(point), "concurrency": c, **result, "command": state["command"],
+            **({"requests_compared": state["requests_compared"]} if "requests_compared" in state else {}),
             "loadavg_1m": [load_start, os.getloadavg()[0]]}
 
 
@@ -287,9 +356,23 @@ def render(result: dict) -> list[str]:
     """Markdown lines for a :func:`cross_check` result."""
     if "skipped" in result:
         return [f"Cross-check with AIPerf: not run: {result['skipped']}."]
-    head = (f"Cross-check with {result.get('tool', 'AIPerf')} at {result.get('point')}: ours "
-            f"({result.get('ours_route')}) and AIPerf ({result.get('route')}), interleaved.")
-    what = "TTFT " if result.get("ours_route", "").startswith("streamed") else "latency "
+    if result.get("ours_route") == result.get("route"):
+        head = (f"Cross-check with {result.get('tool', 'AIPerf')} at {result.get('point')}: ours and AIPerf, both "
+                f"on {result.get('route')}, interleaved")
+    else:
+        head = (f"Cross-check with {result.get('tool', 'AIPerf')} at {result.get('point')}: ours "
+                f"({result.get('ours_route')}) and AIPerf ({result.get('route')}), interleaved")
+    nice = result.get("client_nice")
+    head += f"; both clients at nice +{nice}." if nice else "."
+    compared = result.get("requests_compared")
+    if compared:
+        diff = compared.get("differences") or []
+        head += (f" AIPerf's {compared.get('bodies')} request bodies "
+                 + (f"differ from ours: {'; '.join(diff)}." if diff else "have our fields and values")
+                 + (f" (the prompt aside; prompt tokens ours {compared['prompt_tokens'].get('ours')}, AIPerf "
+                    f"{compared['prompt_tokens'].get('aiperf')})" if compared.get("prompt_tokens") else "")
+                 + ("" if diff else "."))
+    what = "TTFT " if result.get("route", "").startswith("streamed") else "latency "
     lines = [head, "", f"| run | client | requests | requests/s | {what}p50 ms | {what}p99 ms | client CPU (cores) |",
              "|---|---|---|---|---|---|---|"]
     ours, theirs = result.get("ours", []), result.get("aiperf", [])
@@ -313,6 +396,8 @@ def render(result: dict) -> list[str]:
                  f"rounds; per round {r['min']:.3f}-{r['max']:.3f}); "
                  f"{'within' if r['within_tolerance'] else 'NOT within'} {100 * r['tolerance']:g} %.** "
                  f"1-min load average {result['loadavg_1m'][0]:.2f} at start, {result['loadavg_1m'][1]:.2f} at end.")
+    lines += ["", "Client CPU: ours, its load threads' own CPU time over the run; AIPerf, its process tree's "
+                  "(start-up and shutdown included)."]
     return lines
 
 

@@ -515,6 +515,10 @@ class Runner:
         cfg = served.recipe.serve
         self.measure_s, self.min_requests = cfg.tune.measure_s, max(cfg.tune.min_requests, point.concurrency or 1)
         self._log_offset = 0
+        #: CPU time (s) the last :meth:`drive`'s client threads took (warm-up included; their own
+        #: ``time.thread_time``: on the HTTP route all of the client's work; on gRPC not the gRPC
+        #: library's own threads).
+        self.client_cpu_s = 0.0
 
     def check_alive(self) -> None:
         from pipeline.triton.server import TritonServerError
@@ -554,37 +558,54 @@ class Runner:
             return Measurement(REFUSED, detail=refused)
         return self.drive()
 
-    def drive(self) -> Measurement:
+    def drive(self, http_url: str | None = None, *, nice: int = 0) -> Measurement:
         """One measurement of what is loaded now: warm-up, then the operating point's load. A request
         error makes it an :data:`ERRORS` row, not a measurement.
+
+        Args:
+            http_url: None (the search): gRPC straight to Triton. Else the AIPerf cross-check's route,
+                AIPerf's own: an encoder's KServe v2 JSON requests to Triton's HTTP address
+                (``host:port``; :class:`pipeline.serve.client.KServeHTTP`), or a generation model's
+                streamed ``/v1/completions`` through the OpenAI endpoint at this base URL (ending in
+                ``/v1``; :class:`pipeline.serve.client.CompletionsHTTP`).
+            nice: the load threads lower their CPU priority by this much
+                (:func:`pipeline.serve.bench.lower_thread_priority`).
 
         Raises:
             TritonServerError: (exit 4) the server died (its log's end).
         """
+        self.client_cpu_s = 0.0
         try:
             # generation traffic whenever the recipe generates (also when the search tunes the compute model it calls through BLS)
-            return self._measure_llm() if self.served.generate_model else self._measure_encoder()
+            return (self._measure_llm(http_url, nice) if self.served.generate_model
+                    else self._measure_encoder(http_url, nice))
         except KeyboardInterrupt:
             raise
         except Exception as e:  # a request failed: not a measurement
             self.check_alive()
             return Measurement(ERRORS, detail=f"{type(e).__name__}: {str(e)[:300]}")
 
-    def _measure_encoder(self) -> Measurement:
+    def _measure_encoder(self, http_url: str | None = None, nice: int = 0) -> Measurement:
         import tritonclient.grpc as grpcclient
 
         from pipeline.serve.bench import closed_loop
-        from pipeline.serve.client import infer_ms
+        from pipeline.serve.client import KServeHTTP, infer_ms
         from pipeline.serve.stats import latency_level
 
         served, slo = self.served, self.served.recipe.serve.slo
         model = str(served.ensemble_model)
         feeds = served.adapter.bench_workload(served.recipe, served.artifacts["export"].tokenizer_dir).requests
-        connect = lambda: grpcclient.InferenceServerClient(self.server.grpc_url)  # noqa: E731
-        work = lambda conn, i: infer_ms(conn, model, feeds[i % len(feeds)])  # noqa: E731
-        warm = self.point.warm_up
-        closed_loop(2 * warm, warm, connect, work)  # warm-up: every instance's first calls, not counted
-        latencies, duration, late = self._load(connect, work)
+        if http_url is None:
+            connect = lambda: grpcclient.InferenceServerClient(self.server.grpc_url)  # noqa: E731
+            work = lambda conn, i: infer_ms(conn, model, feeds[i % len(feeds)])  # noqa: E731
+        else:
+            connect = lambda: KServeHTTP(http_url)  # noqa: E731
+            work = lambda conn, i: conn.infer_ms(model, feeds[i % len(feeds)])  # noqa: E731
+        warm, cpu = self.point.warm_up, []
+        # warm-up: every instance's first calls, not counted
+        closed_loop(2 * warm, warm, connect, work, nice=nice, cpu_s=cpu)
+        latencies, duration, late = self._load(connect, work, nice=nice, cpu_s=cpu)
+        self.client_cpu_s = sum(cpu)
         level = latency_level(latencies, duration, slo.latency_ms)
         p99 = level["latency_ms"]["p99"]
         return Measurement(OK, goodput_rps=level["goodput_rps"], throughput_rps=level["inferences_per_s"],
@@ -593,35 +614,52 @@ class Runner:
                            over_slo="" if p99 <= slo.latency_ms else f"p99 {p99:.4g} ms > latency_ms {slo.latency_ms:g}",
                            detail=self._late(late))
 
-    def _load(self, connect, work) -> tuple[list, float, int]:
+    def _load(self, connect, work, *, nice: int = 0, cpu_s: list[float] | None = None) -> tuple[list, float, int]:
         """The measurement's load: the closed loop at the concurrency for at least ``measure_s``, or
-        the open loop at the rate for ``rate x measure_s`` requests (and ``min_requests``)."""
+        the open loop at the rate for ``rate x measure_s`` requests (and ``min_requests``). ``nice``
+        and ``cpu_s``: :func:`pipeline.serve.bench.closed_loop`'s (the closed loop only)."""
         from pipeline.serve.bench import closed_loop, open_loop
 
         if self.point.rate is not None:
             count = max(self.min_requests, math.ceil(self.point.rate * self.measure_s))
             return open_loop(self.point.rate, count, connect, work)
         results, duration = closed_loop(self.min_requests, int(self.point.concurrency or 1), connect, work,
-                                        min_duration_s=self.measure_s)
+                                        min_duration_s=self.measure_s, nice=nice, cpu_s=cpu_s)
         return results, duration, 0
 
     @staticmethod
     def _late(late: int) -> str:
         return f"{late} sends started over 10 ms late (the offered rate was not reached)" if late else ""
 
-    def _measure_llm(self) -> Measurement:
-        from pipeline.serve.bench import closed_loop, llm_prompts
-        from pipeline.serve.client import StreamClient
+    def _measure_llm(self, http_url: str | None = None, nice: int = 0) -> Measurement:
+        from pipeline.serve.bench import closed_loop, llm_prompt_texts, llm_prompts
+        from pipeline.serve.client import CompletionsHTTP, StreamClient
         from pipeline.serve.stats import llm_level
 
         served, cfg = self.served, self.served.recipe.serve
-        model, prompts = str(served.generate_model), llm_prompts(served)
-        connect = lambda: StreamClient(self.server.grpc_url)  # noqa: E731
-        work = lambda client, i: client.generate(model, input_ids=prompts[i % len(prompts)],  # noqa: E731
-                                                 max_tokens=cfg.max_tokens, ignore_eos=True)
-        warm = self.point.warm_up
-        closed_loop(warm, warm, connect, lambda client, i: client.generate(model, input_ids=prompts[0], max_tokens=2))
-        gens, duration, late = self._load(connect, work)
+        model = str(served.generate_model)
+        if http_url is None:
+            prompts = llm_prompts(served)
+            connect = lambda: StreamClient(self.server.grpc_url)  # noqa: E731
+            work = lambda client, i: client.generate(model, input_ids=prompts[i % len(prompts)],  # noqa: E731
+                                                     max_tokens=cfg.max_tokens, ignore_eos=True)
+            warm_up = lambda client, i: client.generate(model, input_ids=prompts[0], max_tokens=2)  # noqa: E731
+        else:  # the same prompts as text: the endpoint tokenizes them, as it does AIPerf's
+            from tokenizers import Tokenizer
+
+            from pipeline.serve.openai.app import find_model_folder
+
+            texts, _ = llm_prompt_texts(served)
+            tok = Tokenizer.from_file(str(find_model_folder(served.repository, model) / "tokenizer.json"))
+            count = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+            connect = lambda: CompletionsHTTP(http_url, count)  # noqa: E731
+            work = lambda client, i: client.generate(model, texts[i % len(texts)],  # noqa: E731
+                                                     max_tokens=cfg.max_tokens, ignore_eos=True)
+            warm_up = lambda client, i: client.generate(model, texts[0], max_tokens=2)  # noqa: E731
+        warm, cpu = self.point.warm_up, []
+        closed_loop(warm, warm, connect, warm_up, nice=nice, cpu_s=cpu)
+        gens, duration, late = self._load(connect, work, nice=nice, cpu_s=cpu)
+        self.client_cpu_s = sum(cpu)
         level = llm_level(gens, duration, cfg.slo)
         ttft, tpot = level["ttft_ms"]["p99"], level["tpot_ms"]["p99"]
         misses = [f"p99 TTFT {ttft:.4g} ms > ttft_ms {cfg.slo.ttft_ms:g}"] if ttft > cfg.slo.ttft_ms else []

@@ -51,3 +51,7 @@ def test_our_client_and_aiperfs_template_endpoint_on_the_tiny_encoder(tmp_path):
                                                                served.artifacts["export"].tokenizer_dir).requests)
     assert [s["payloads"][0]["inputs"][0]["data"][0] for s in sent] == texts
     assert "/v2/models/tiny_enc_ensemble/infer" in result["route"]
+    # ours took AIPerf's route with AIPerf's bodies, both clients niced alike
+    assert result["ours_route"] == result["route"] and result["client_nice"] == X.CLIENT_NICE
+    assert result["requests_compared"] == {"bodies": len(texts), "differences": []}
+    assert ours[0]["client_cpu"]["cpu_s"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 import sys
 from types import SimpleNamespace
@@ -103,7 +104,8 @@ def test_aiperf_throughput_reads_request_throughput():
 
 
 #: A stand-in ``aiperf`` CLI writing an export with FAKE_AIPERF_RPS requests/s, and FAKE_AIPERF_ERRORS
-#: failed requests when set (AIPerf 0.5 exits 0 then).
+#: failed requests when set (AIPerf 0.5 exits 0 then); its nice value in ``nice.txt`` and, from an
+#: ``--input-file``, the KServe bodies AIPerf's template renders in ``inputs.json``.
 FAKE_AIPERF = """#!{python}
 import json, os, sys
 from pathlib import Path
@@ -120,6 +122,12 @@ if errors:
     export["error_summary"] = [{{"error_details": {{"code": 400, "type": "Bad Request",
                                  "message": "unexpected inference input 'txt'"}}, "count": errors}}]
 (out / "profile_export_aiperf.json").write_text(json.dumps(export))
+(out / "nice.txt").write_text(str(os.nice(0)))
+if "--input-file" in args:
+    texts = [json.loads(line)["text"] for line in open(args[args.index("--input-file") + 1])]
+    bodies = [{{"inputs": [{{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [t]}}]}} for t in texts]
+    (out / "inputs.json").write_text(json.dumps({{"data": [{{"session_id": str(i), "payloads": [b]}}
+                                                          for i, b in enumerate(bodies)]}}))
 """
 
 
@@ -146,11 +154,21 @@ def test_cross_check_on_fake_aiperf_outputs_and_its_exit_code(tmp_path, monkeypa
                              artifacts={"export": SimpleNamespace(tokenizer_dir=str(tok))},
                              adapter=SimpleNamespace(bench_workload=lambda r, t: SimpleNamespace(requests=texts)))
     drives = iter([5.0, 10.0, 8.0, 10.0])  # the first: the settling run
-    runner = SimpleNamespace(point=T.Point(4), check_alive=lambda: None,
-                             drive=lambda: T.Measurement(T.OK, throughput_rps=next(drives), requests=40, p50_ms=1.0,
-                                                         p99_ms=2.0, duration_s=4.0))
+    asked: list = []
+
+    def drive(http_url=None, *, nice=0):
+        asked.append((http_url, nice))
+        runner.client_cpu_s = 0.4
+        return T.Measurement(T.OK, throughput_rps=next(drives), requests=40, p50_ms=1.0, p99_ms=2.0, duration_s=4.0)
+
+    runner = SimpleNamespace(point=T.Point(4), check_alive=lambda: None, drive=drive, client_cpu_s=0.0)
     server = SimpleNamespace(http_url="127.0.0.1:1")
     out = X.cross_check(served, server, runner, rounds=2, folder=tmp_path / "xc", log=lambda s: None)
+    # ours on AIPerf's route (Triton's HTTP address, KServe v2 JSON) at the same niceness as AIPerf
+    assert set(asked) == {("127.0.0.1:1", X.CLIENT_NICE)} and out["client_nice"] == X.CLIENT_NICE
+    assert int((tmp_path / "xc" / "aiperf_1" / "nice.txt").read_text()) == min(os.nice(0) + X.CLIENT_NICE, 19)
+    assert out["ours_route"] == out["route"] == "KServe v2 JSON, HTTP /v2/models/enc_ensemble/infer"
+    assert out["ours"][0]["client_cpu"]["cpu_s"] == 0.4 and out["ours"][0]["client_cpu"]["cores"] > 0
     if errors:
         assert "failed" in out and "2 requests failed: 2 x 400 Bad Request" in out["failed"]
         assert len(out["ours"]) == 1 and out["aiperf"] == [] and "ratio" not in out and out["settle"]
@@ -164,6 +182,9 @@ def test_cross_check_on_fake_aiperf_outputs_and_its_exit_code(tmp_path, monkeypa
     assert cmd[cmd.index("--warmup-request-count") + 1] == "8"
     sent = (tmp_path / "xc" / "sentences.jsonl").read_text().splitlines()
     assert [json.loads(s)["text"] for s in sent] == ["one", "two"]
+    assert out["requests_compared"] == {"bodies": 2, "differences": []}  # AIPerf's bodies are ours
+    md = "\n".join(X.render(out))
+    assert "both on KServe v2 JSON" in md and f"nice +{X.CLIENT_NICE}" in md and "have our fields and values" in md
     assert T.cross_check_exit(out, 0) == 0 and T.cross_check_exit(None, 0) == 0
 
 
