@@ -79,7 +79,8 @@ def crosscheck_ratio(ours: list[float], theirs: list[float], tolerance: float = 
     Returns:
         ``per_round`` (AIPerf_i / mean(ours_{i-1}, ours_i)), ``mean``, ``stderr`` (sample standard
         deviation / sqrt(rounds); None for one round), ``min``, ``max``, ``rounds``, the medians of
-        each client's throughput, and ``within_tolerance`` (|mean - 1| <= tolerance).
+        each client's throughput, ``within_tolerance`` (|mean - 1| <= tolerance) and ``within_noise``
+        (:func:`within_noise`: that verdict is less than 2 standard errors from flipping).
 
     Raises:
         ValueError: the counts do not interleave, or a throughput is not positive.
@@ -94,7 +95,17 @@ def crosscheck_ratio(ours: list[float], theirs: list[float], tolerance: float = 
     stderr = float(np.std(per_round, ddof=1) / math.sqrt(n)) if n > 1 else None
     return {"per_round": per_round, "mean": mean, "stderr": stderr, "min": min(per_round), "max": max(per_round),
             "rounds": n, "ours_median_rps": float(np.median(ours)), "aiperf_median_rps": float(np.median(theirs)),
-            "tolerance": tolerance, "within_tolerance": abs(mean - 1) <= tolerance}
+            "tolerance": tolerance, "within_tolerance": abs(mean - 1) <= tolerance,
+            "within_noise": within_noise(mean, stderr, tolerance)}
+
+
+def within_noise(mean: float, stderr: float | None, tolerance: float = TOLERANCE) -> bool:
+    """Whether the verdict on ``|mean - 1| <= tolerance`` could flip within 2 standard errors of the
+    mean (the same 2-SE margin the accuracy gates report as "within noise"); with one round (no
+    standard error) a verdict is always within noise."""
+    if stderr is None:
+        return True
+    return abs(abs(mean - 1) - tolerance) < 2 * stderr
 
 
 def interleave(rounds: int, ours: Callable[[], dict], theirs: Callable[[int, dict], dict], log: Log = print, *,
@@ -394,7 +405,8 @@ def render(result: dict) -> list[str]:
     err = f" +- {r['stderr']:.3f}" if r["stderr"] is not None else ""
     lines.append(f"**AIPerf / ours requests/s: {r['mean']:.3f}{err} (mean +- standard error over {r['rounds']} "
                  f"rounds; per round {r['min']:.3f}-{r['max']:.3f}); "
-                 f"{'within' if r['within_tolerance'] else 'NOT within'} {100 * r['tolerance']:g} %.** "
+                 f"{'within' if r['within_tolerance'] else 'NOT within'} {100 * r['tolerance']:g} %"
+                 f"{' (within noise: less than 2 standard errors from the bound)' if r.get('within_noise') else ''}.** "
                  f"1-min load average {result['loadavg_1m'][0]:.2f} at start, {result['loadavg_1m'][1]:.2f} at end.")
     lines += ["", "Client CPU: ours, its load threads' own CPU time over the run; AIPerf, its process tree's "
                   "(start-up and shutdown included)."]

@@ -33,6 +33,16 @@ def test_a_linear_drift_of_the_machine_cancels_and_a_gap_past_10_percent_is_repo
     assert X.crosscheck_ratio([10.0, 10.0], [9.0])["stderr"] is None  # one round: no spread to give
 
 
+def test_a_verdict_less_than_two_standard_errors_from_the_bound_is_within_noise():
+    assert not X.within_noise(0.995, 0.005)  # 0.095 from the bound, 19 SE
+    assert X.within_noise(0.945, 0.422)  # "within" by 0.045, with an SE of 0.42
+    assert X.within_noise(0.85, 0.04)  # "not within" by 0.05: 1.25 SE
+    assert X.within_noise(0.98, None)  # one round: no standard error
+    wide = X.crosscheck_ratio([1.0, 3.0, 1.0, 3.0], [2.0, 1.0, 3.0])
+    assert wide["within_noise"]
+    assert "within noise" in "\n".join(X.render({"ratio": wide, "ours": [], "aiperf": [], "loadavg_1m": [1.0, 1.0]}))
+
+
 @pytest.mark.parametrize("ours, theirs", [([10.0], [9.0]), ([10.0, 10.0, 10.0], [9.0]), ([10.0, 10.0], []),
                                           ([10.0, 0.0], [9.0])])
 def test_runs_that_do_not_interleave_or_a_zero_throughput_are_refused(ours, theirs):
