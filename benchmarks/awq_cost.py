@@ -47,6 +47,7 @@ def _module_at(rev: str, tmp: Path):
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("int4_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["int4_before"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
