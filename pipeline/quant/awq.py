@@ -76,7 +76,7 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
     points, skipped = fold_points.find(model, targets)
     points = [p for p in points if {t.node for t in p.gemms} <= wanted]
     before = _outputs(model, batches[0])
-    release_freed()  # the reference session's pages (0.5 B: ~4 GiB) before the activation rows' session
+    release_freed()  # the reference session's pages, before the activation rows' session
     seconds["reference_outputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with step(f"awq: activation rows at {len(points)} fold points over {len(batches)} batches"):

@@ -392,8 +392,8 @@ def _positions(total: int, rows: int, seed: int) -> np.ndarray:
 def _session_with_outputs(model: onnx.ModelProto, tensors: list[str], what: str, *, arena: bool = True):
     """An ONNX Runtime CPU session of ``model`` with each of ``tensors`` (float32) added as a graph
     output, at ONNX Runtime's default level, warnings off. The outputs are added to ``model`` for
-    the serialization only and removed after it (no copy of the graph and its weights: at 0.5 B
-    parameters a copy was 1.8 GiB more at the quantize stage's peak). ``arena=False``: no CPU memory
+    the serialization only and removed after it (no copy of the graph: a copy holds the weights
+    again, 1.8 GiB at 0.5 B parameters). ``arena=False``: no CPU memory
     arena (a run's activations are freed after it, not held at their peak; the results are the same).
 
     Raises:
