@@ -201,7 +201,8 @@ def print_table(rows: dict[str, dict]) -> None:
               + (f"{search['trials']} trials {search['wall_s']:.0f}s" if search else "")
               + ("awq " + ", ".join(f"{k} {v:.0f}s" for k, v in awq["seconds"].items()) if awq else "")
               + ("" if r["rc"] in (0, 1) else f"  FAILED rc={r['rc']} in {r['stage_reached']}"
-                 + (" (memory limit)" if r["killed_at_limit"] else "")))
+                 + (" (memory limit)" if r["killed_at_limit"] else
+                    " (SIGKILL not from the watchdog: the kernel's OOM killer? see dmesg)" if r["rc"] == -9 else "")))
     names = list(rows)
     for a, b in zip(names, names[1:]):
         ra, rb = rows[a], rows[b]
