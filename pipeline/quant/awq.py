@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 
 from pipeline.errors import QuantizationError
+from pipeline.memory import release_freed
 from pipeline.quant import calibrate, fold_points, fold_search, int4
 from pipeline.quant.qdq import Target
 
@@ -59,7 +60,9 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
         baseline; the totals ``block_output_error`` (AWQ scales, before clipping) and
         ``block_output_error_rtn`` (no scaling) summed over points, the same with the clip ratios
         (``block_output_error_clipped``), the points skipped with reasons, and the equivalence
-        check's largest relative difference; ``clips``: MatMul name -> float32 ``[N, K / block_size]``
+        check's largest relative difference, and ``seconds``: the wall time (s) of each phase
+        (``reference_outputs``, ``activation_rows``, ``scale_search``, ``clip_search``,
+        ``fold_and_check``); ``clips``: MatMul name -> float32 ``[N, K / block_size]``
         ratios for :func:`pipeline.quant.int4.rewrite_rtn`.
 
     Raises:
@@ -67,14 +70,21 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
             differs from the unfolded one beyond :data:`EQUIVALENCE_RTOL` (names the output).
     """
     import contextlib
+    import time
 
+    seconds: dict[str, float] = {"scale_search": 0.0, "clip_search": 0.0}
+    t0 = time.perf_counter()
     step = progress.step if progress is not None else (lambda _text: contextlib.nullcontext())
     wanted = {t.node for t in targets}
     points, skipped = fold_points.find(model, targets)
     points = [p for p in points if {t.node for t in p.gemms} <= wanted]
     before = _outputs(model, batches[0])
+    release_freed()  # the reference session's pages, before the activation rows' session
+    seconds["reference_outputs"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     with step(f"awq: activation rows at {len(points)} fold points over {len(batches)} batches"):
         acts = calibrate.collect_rows(model, sorted({p.act for p in points}), batches, rows)
+    seconds["activation_rows"] = time.perf_counter() - t0
     by_node = {t.node: t for t in targets}
     results = []
     clips: dict[str, np.ndarray] = {}
@@ -88,9 +98,12 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
                                             f"divide its input dimension K = {w.shape[0]} (TensorRT refuses a partial "
                                             f"block); {int4.pad_hint(w.shape[0])}")
             x = acts.pop(p.act)
+            t0 = time.perf_counter()
             res = fold_search.search(x, weights, lambda w: int4.fake_quantize(w, block_size, pad=pad),
                                      family="awq", groups=p.groups)
             results.append((p, res))
+            t1 = time.perf_counter()
+            seconds["scale_search"] += t1 - t0
             if clip:  # on the folded operands: X / s and diag(s) W
                 xs, rs = x / res.row_scales[None, :], res.row_scales[:, None]
                 for t, w in zip(p.gemms, weights):
@@ -99,11 +112,14 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
                                       pad=pad).dequantized().T[:w.shape[0]]
                     d = xs @ (w * rs) - xs @ q
                     clipped += float(np.einsum("ij,ij->", d, d, dtype=np.float64))
+                seconds["clip_search"] += time.perf_counter() - t1
+    t0 = time.perf_counter()
     for k, (p, res) in enumerate(results):
         if res.scaled:
             fold_points.apply(model, p, res.scales, f"awq{k}")
     after = _outputs(model, batches[0])
     worst = _compare(before, after)
+    seconds["fold_and_check"] = time.perf_counter() - t0
     return {"rows": rows, "grid": list(fold_search.GRID), "family": "awq", "loss": "block output error",
             "fold_points": {p.act: {"kind": p.kind, "site": p.site.name, "gemms": [t.node for t in p.gemms],
                                     **res.summary()} for p, res in results},
@@ -113,7 +129,8 @@ def fold(model: onnx.ModelProto, targets: list[Target], batches: list[dict[str, 
             "block_output_error_clipped": clipped if clip else None, "clip_grid": list(int4.CLIP_GRID) if clip else None,
             "clipped_blocks": int(sum((c < 1).sum() for c in clips.values())),
             "blocks": int(sum(c.size for c in clips.values())),
-            "equivalence_max_relative_difference": worst}, clips
+            "equivalence_max_relative_difference": worst,
+            "seconds": {k: round(v, 2) for k, v in seconds.items()}}, clips
 
 
 def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -121,6 +138,7 @@ def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, 
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    opts.enable_cpu_mem_arena = False  # one run: its activations freed after it (the results are the same)
     sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs() if not o.name.startswith("present.")]  # V / s: checked by logits
     return dict(zip(names, sess.run(names, feeds)))

@@ -765,15 +765,18 @@ def clip_search(x: np.ndarray, w: np.ndarray, block_size: int, bits: int = 4,
         k = kp
     qmax = 2 ** (bits - 1) - 1
     nb = k // block_size
-    xb = np.asarray(x, np.float32).reshape(-1, nb, block_size)
-    gram = np.einsum("rbi,rbj->bij", xb, xb, dtype=np.float64, optimize=True)  # [nb, bs, bs]
+    # one BLAS GEMM per block (numpy's stacked matmul); einsum's contraction paths for these shapes
+    # ran ~10x slower (benchmarks/awq_cost.py)
+    xb = np.asarray(x, np.float32).reshape(-1, nb, block_size).transpose(1, 0, 2).astype(np.float64)  # [nb, R, bs]
+    gram = np.matmul(xb.transpose(0, 2, 1), xb)  # [nb, bs, bs], symmetric
+    del xb
     blocks = np.ascontiguousarray(np.asarray(w, np.float32).T).reshape(n, nb, block_size)
     best = np.ones((n, nb), np.float32)
     best_err = np.full((n, nb), np.inf)
     for r in sorted(grid, reverse=True):
         values, scales = _round_blocks(blocks, r, qmax)
-        d = (blocks - values * scales[:, :, None]).astype(np.float64)
-        err = np.einsum("nbi,nbi->nb", np.einsum("bij,nbj->nbi", gram, d, optimize=True), d)
+        d = (blocks - values * scales[:, :, None]).astype(np.float64).transpose(1, 0, 2)  # [nb, n, bs]
+        err = np.einsum("bni,bni->nb", np.matmul(d, gram), d)  # d^T G d per (column, block)
         better = err < best_err
         best_err = np.where(better, err, best_err)
         best = np.where(better, np.float32(r), best)
@@ -783,10 +786,33 @@ def clip_search(x: np.ndarray, w: np.ndarray, block_size: int, bits: int = 4,
 def fake_quantize(w: np.ndarray, block_size: int, bits: int = 4, *, pad: bool = False) -> np.ndarray:
     """float32 ``[K, N]``: ``w [K, N]`` (a MatMul's ``B``) after :func:`rtn_form` and its
     DequantizeLinear, blocks along ``K``: the weight quantizer of the AWQ search
-    (:func:`pipeline.quant.fold_search.search`). ``pad``: as :func:`rtn_form`; the padded rows
-    (zeros) are dropped again."""
-    k = w.shape[0]
-    return rtn_form(np.ascontiguousarray(w.T), block_size, bits, pad=pad).dequantized().T[:k]
+    (:func:`pipeline.quant.fold_search.search`). The same float32 operations as ``rtn_form(w.T)
+    .dequantized().T``, bit for bit, on ``w``'s own layout: no transposed copies, no INT8 values
+    (it runs 21 times per fold point). ``pad``: as :func:`rtn_form`, ``K`` zero-padded to
+    :func:`padded_k` (zeros leave every block's absmax unchanged); the padded rows are dropped again.
+
+    Raises:
+        QuantizationError: ``block_size`` does not divide ``K`` without ``pad``, or ``w`` holds NaN /
+            infinite values.
+    """
+    k, n = w.shape
+    if k % block_size and not pad:
+        raise QuantizationError(f"fake quantize: block size {block_size} does not divide the weight's K = {k}")
+    kp = padded_k(k, block_size) if k % block_size else k
+    w = np.asarray(w, np.float32)
+    if kp != k:
+        w = np.pad(w, ((0, kp - k), (0, 0)))
+    qmax = np.float32(2 ** (bits - 1) - 1)
+    blocks = w.reshape(kp // block_size, block_size, n)
+    amax = np.abs(blocks).max(axis=1)  # [K' / bs, N]; NaN and inf propagate
+    if not np.isfinite(amax).all():
+        raise QuantizationError("fake quantize: the weight holds NaN or infinite values")
+    scales = np.where(amax > 0, amax / qmax, np.float32(1)).astype(np.float32)[:, None, :]
+    q = blocks / scales
+    np.rint(q, out=q)
+    np.clip(q, -qmax, qmax, out=q)
+    q *= scales
+    return q.reshape(kp, n)[:k]
 
 
 @dataclass(frozen=True)

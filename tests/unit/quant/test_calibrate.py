@@ -107,3 +107,17 @@ def test_unknown_tensor_and_method_are_named(graph):
         calibrate.collect_stats(graph, ["nope"], _batches(1), "max")
     with pytest.raises(calibrate.QuantizationError, match="'minmax'"):
         calibrate.collect_stats(graph, TENSORS, _batches(1), "minmax")
+
+
+def test_activation_rows_are_the_sampled_positions_and_leave_the_graph_unchanged(graph):
+    """collect_rows adds its outputs for the session only: the caller's graph (AWQ folds into it
+    afterwards) keeps its outputs, and the rows are the graph's values at the sampled positions."""
+    model = onnx.load(str(graph))
+    before = model.SerializeToString()
+    batches = _batches(3)
+    rows = calibrate.collect_rows(model, ["h", "a"], batches, rows=5, seed=7)
+    assert model.SerializeToString() == before
+    h = _activations(graph, batches)["h"].reshape(-1, 32)  # 12 positions
+    pick = np.sort(np.random.default_rng(7).choice(12, size=5, replace=False))
+    assert rows["h"].shape == (5, 32) and np.allclose(rows["h"], h[pick], rtol=1e-6, atol=1e-6)
+    assert np.array_equal(np.maximum(rows["a"], 0), rows["h"])  # same positions in every tensor

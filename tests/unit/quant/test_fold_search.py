@@ -39,9 +39,27 @@ def test_rtn_block_math_matches_numpy():
         step = np.repeat(want_scale, bs, axis=1)
         assert (np.abs(form.dequantized() - w) <= 0.5 * step * (1 + 1e-6)).all()
         assert np.array_equal(np.abs(form.values).reshape(6, -1, bs).max(axis=2)[amax > 0], np.full((amax > 0).sum(), 7))
-    # fake_quantize is the same math on a MatMul's [K, N] weight, blocks along K
-    assert np.array_equal(int4.fake_quantize(w.T, 32), int4.rtn_form(w, 32).dequantized().T)
+    # fake_quantize is the same math on a MatMul's [K, N] weight, blocks along K, bit for bit (the
+    # search's loss sees what rtn_form writes), for 4 and 8 bits, on a non-contiguous view too
+    for bs, bits in ((32, 4), (64, 4), (128, 4), (32, 8)):
+        assert np.array_equal(int4.fake_quantize(w.T, bs, bits), int4.rtn_form(w, bs, bits).dequantized().T)
+    assert np.array_equal(int4.fake_quantize(np.ascontiguousarray(w.T), 64), int4.fake_quantize(w.T, 64))
+    # padded (K = 576 at block 128): the same as rtn_form's padded blocks, the zero rows dropped
+    wk = np.random.default_rng(3).standard_normal((576, 8)).astype(np.float32)
+    padded = int4.fake_quantize(wk, 128, pad=True)
+    assert padded.shape == (576, 8)
+    assert np.array_equal(padded, int4.rtn_form(np.ascontiguousarray(wk.T), 128, pad=True).dequantized().T[:576])
     assert int4.rtn_form(w, 32, bits=8).values.max() <= 127
+
+
+def test_fake_quantize_refuses_a_partial_block_and_non_finite_weights():
+    with pytest.raises(QuantizationError, match="block size 128 does not divide .* K = 576"):
+        int4.fake_quantize(np.ones((576, 4), np.float32), 128)
+    for bad in (np.nan, np.inf):
+        w = np.ones((64, 4), np.float32)
+        w[10, 2] = bad
+        with pytest.raises(QuantizationError, match="NaN or infinite"):
+            int4.fake_quantize(w, 32)
 
 
 def test_block_not_dividing_k_is_refused():
