@@ -30,6 +30,8 @@ def main() -> int:
     parser.add_argument("--client-nice", type=int, default=None, metavar="N",
                         help="both clients lower their CPU priority by N (AIPerf under nice -n N, our load threads "
                              "each by N); 0: neither (default: tune-serving's, pipeline.serve.crosscheck.CLIENT_NICE)")
+    parser.add_argument("--no-serving-pin", action="store_true",
+                        help="serve the recipe's own config (with its --set overrides), not the serving pin's")
     parser.add_argument("--quiet", action="store_true", help="no build progress output")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -47,7 +49,7 @@ def main() -> int:
 
     recipe = load_from_args(args)
     served = prepare_for_server(recipe, built_artifacts(recipe, Path(args.recipe), quiet=args.quiet),
-                                Path(args.recipe))
+                                Path(args.recipe), use_pin=not args.no_serving_pin)
     print(served.note)
     nice = crosscheck.CLIENT_NICE if args.client_nice is None else args.client_nice
     folder = served.run_dir / ("cross_check" if nice == crosscheck.CLIENT_NICE else f"cross_check_nice{nice}")
