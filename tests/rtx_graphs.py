@@ -55,3 +55,37 @@ def _save(graph: onnx.GraphProto, path: Path) -> str:
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(path))
     return str(path)
+
+
+def build_one_input(blob: bytes, target: str, *, k: int, input_name: str = "x", summarize: bool = False):
+    """Build the serialized ONNX ``blob`` (one FLOAT input ``[batch, sequence, k]``) with TensorRT-RTX
+    for ``target`` (e.g. "sm89"), profile min/opt/max ``[1, 1, k]`` / ``[1, 8, k]`` / ``[2, 32, k]``.
+
+    Returns:
+        ``(plan bytes or None when the builder refused, the builder's log, the network summary or
+        None)``: the summary (:func:`pipeline.trt.report.summarize_network`) only with ``summarize``.
+
+    Raises:
+        AssertionError: the ONNX parser refused the graph (its errors).
+    """
+    from pipeline.trt import backends as engine_backends
+    from pipeline.trt import builder as engine_builder
+    from pipeline.trt import report as engine_report
+
+    backend = engine_backends.TENSORRT_RTX
+    errors: list[str] = []
+    with engine_builder.no_collection():  # TensorRT calls the Python logger holding its locks
+        logger = engine_builder.make_logger(backend, errors)
+        builder = backend.module().Builder(logger)
+        net = engine_builder.create_network(backend, builder)
+        parser = backend.module().OnnxParser(net, logger)
+        assert parser.parse(blob), [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        summary = engine_report.summarize_network(net) if summarize else None
+        config = builder.create_builder_config()
+        engine_backends.set_compute_capabilities(config, [target])
+        profile = builder.create_optimization_profile()
+        profile.set_shape(input_name, (1, 1, k), (1, 8, k), (2, 32, k))
+        config.add_optimization_profile(profile)
+        plan = builder.build_serialized_network(net, config)
+        del parser, net, config, builder
+    return (None if plan is None else plan.nbytes), "\n".join(errors), summary

@@ -101,8 +101,9 @@ rtx_missing = importlib.util.find_spec("tensorrt_rtx_bindings") is None
 
 @pytest.mark.skipif(rtx_missing, reason="tensorrt-rtx bindings not installed")
 def test_tensorrt_rtx_builds_a_padded_block_128_gemm_on_k_576_for_ampere_ada_blackwell(tmp_path):
+    import rtx_graphs
+
     from pipeline.trt import backends as engine_backends
-    from pipeline.trt import builder as engine_builder
 
     backend = engine_backends.TENSORRT_RTX
     if engine_backends.import_problem(backend) is not None:
@@ -113,21 +114,8 @@ def test_tensorrt_rtx_builds_a_padded_block_128_gemm_on_k_576_for_ampere_ada_bla
     blob = model.SerializeToString()
 
     def build(target: str) -> tuple[bool, str]:
-        errors: list[str] = []
-        with engine_builder.no_collection():  # TensorRT calls the Python logger holding its locks
-            logger = engine_builder.make_logger(backend, errors)
-            builder = backend.module().Builder(logger)
-            net = engine_builder.create_network(backend, builder)
-            parser = backend.module().OnnxParser(net, logger)
-            assert parser.parse(blob), [str(parser.get_error(i)) for i in range(parser.num_errors)]
-            config = builder.create_builder_config()
-            engine_backends.set_compute_capabilities(config, [target])
-            profile = builder.create_optimization_profile()
-            profile.set_shape("x", (1, 1, k), (1, 8, k), (2, 32, k))
-            config.add_optimization_profile(profile)
-            built = builder.build_serialized_network(net, config) is not None
-            del parser, net, config, builder
-        return built, "\n".join(errors)
+        size, log, _ = rtx_graphs.build_one_input(blob, target, k=k)
+        return size is not None, log
 
     for target in ("sm86", "sm89", "sm120"):
         built, log = build(target)

@@ -156,8 +156,9 @@ rtx_missing = importlib.util.find_spec("tensorrt_rtx_bindings") is None
 
 @pytest.mark.skipif(rtx_missing, reason="tensorrt-rtx bindings not installed")
 def test_tensorrt_rtx_builds_a_576_by_1536_nvfp4_gemm_for_sm120_and_refuses_sm89_sm86_sm75():
+    import rtx_graphs
+
     from pipeline.trt import backends as engine_backends
-    from pipeline.trt import builder as engine_builder
 
     backend = engine_backends.TENSORRT_RTX
     if engine_backends.import_problem(backend) is not None:
@@ -173,22 +174,7 @@ def test_tensorrt_rtx_builds_a_576_by_1536_nvfp4_gemm_for_sm120_and_refuses_sm89
     blob = model.SerializeToString()
 
     def build(target: str):
-        errors: list[str] = []
-        with engine_builder.no_collection():
-            logger = engine_builder.make_logger(backend, errors)
-            builder = backend.module().Builder(logger)
-            net = engine_builder.create_network(backend, builder)
-            parser = backend.module().OnnxParser(net, logger)
-            assert parser.parse(blob), [str(parser.get_error(i)) for i in range(parser.num_errors)]
-            summary = engine_report.summarize_network(net)
-            config = builder.create_builder_config()
-            engine_backends.set_compute_capabilities(config, [target])
-            profile = builder.create_optimization_profile()
-            profile.set_shape("x", (1, 1, k), (1, 8, k), (2, 32, k))
-            config.add_optimization_profile(profile)
-            plan = builder.build_serialized_network(net, config)
-            del parser, net, config, builder
-        return (None if plan is None else plan.nbytes), "\n".join(errors), summary
+        return rtx_graphs.build_one_input(blob, target, k=k, summarize=True)
 
     size, _, summary = build("sm120")
     assert summary.weight_only_gemms == {"mm": "FP4"}
