@@ -134,8 +134,8 @@ def closed_loop(count: int, concurrency: int, connect: Callable[[], Any], work: 
 def lower_thread_priority(by: int) -> int:
     """Raise the calling thread's nice value by ``by`` (Linux: ``setpriority(PRIO_PROCESS, tid)``
     sets one thread's; raising it needs no privilege; the kernel caps it at 19). Returns the new value.
-    A client's threads niced as ``nice -n <by>`` nices a client process leave the CPU to the server
-    first: the AIPerf cross-check runs both clients so (:data:`pipeline.serve.crosscheck.CLIENT_NICE`).
+    Load threads niced so yield the CPU to the server first, as ``nice -n <by>`` does for a whole client
+    process: the AIPerf cross-check runs both clients so (:data:`pipeline.serve.crosscheck.CLIENT_NICE`).
 
     Raises:
         OSError: the platform has no per-thread priorities (not Linux) or refused.
