@@ -139,3 +139,23 @@ def continuation(tok, prompt: list[int], tokens: list[int], skip_special_tokens:
     generation streams, the generation model's decoder being seeded with the prompt."""
     head = tok.decode(prompt, skip_special_tokens=skip_special_tokens)
     return tok.decode(prompt + tokens, skip_special_tokens=skip_special_tokens)[len(head):]
+
+
+def export_tiny(ws: Path, model_dir: Path, export_dir: Path):
+    """The tiny recipe's export stage run alone in ``ws`` (seeded from ``export_dir``, so it is a
+    cache hit): its :class:`pipeline.artifacts.ExportArtifact`."""
+    from pipeline.recipe.load import load_recipe
+    from pipeline.run.runner import run_pipeline
+
+    path = tiny_recipe(ws, model_dir)
+    seed_export(ws, export_dir)
+    return run_pipeline(load_recipe(path), path, quiet=True, only=["export"]).artifacts["export"]
+
+
+def run_graph(path, feeds: dict) -> dict:
+    """Every output of the ONNX graph at ``path`` for ``feeds`` (name -> array), by name."""
+    from pipeline.ort_sessions import ort_session
+
+    sess = ort_session(str(path))
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))

@@ -9,26 +9,17 @@ import pytest
 
 from pipeline.errors import QuantizationError
 from pipeline.models.text_generation.model import prefill_feeds
-from pipeline.ort_sessions import ort_session
 from pipeline.quant import fold_points, qdq
-from pipeline.recipe.load import load_recipe
-from pipeline.run.runner import run_pipeline
-from tiny import seed_export, tiny_recipe
+from tiny import export_tiny, run_graph
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, tiny_model, tiny_export):
     ws = tmp_path_factory.mktemp("foldpoints")
-    path = tiny_recipe(ws, tiny_model)
-    seed_export(ws, tiny_export)
-    result = run_pipeline(load_recipe(path), path, quiet=True, only=["export"])
-    return result.artifacts["export"], ws
+    return export_tiny(ws, tiny_model, tiny_export), ws
 
 
-def _run(path, feeds) -> dict[str, np.ndarray]:
-    sess = ort_session(str(path))
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
+_run = run_graph
 
 
 def _decode(exp, first: dict, prefill: dict[str, np.ndarray], token: int = 17) -> dict:

@@ -9,11 +9,9 @@ import pytest
 
 from pipeline.errors import QuantizationError
 from pipeline.models.text_generation.model import prefill_feeds
-from pipeline.ort_sessions import ort_session
 from pipeline.quant import qdq, rotate
 from pipeline.recipe.load import load_recipe
-from pipeline.run.runner import run_pipeline
-from tiny import seed_export, tiny_recipe
+from tiny import export_tiny, run_graph
 
 #: a tiny-model export and quantize-stage runs: over a minute on 2 cores (make test runs it; make test-fast does not)
 pytestmark = pytest.mark.e2e
@@ -22,16 +20,10 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, tiny_model, tiny_export):
     ws = tmp_path_factory.mktemp("rotate")
-    path = tiny_recipe(ws, tiny_model)
-    seed_export(ws, tiny_export)
-    result = run_pipeline(load_recipe(path), path, quiet=True, only=["export"])
-    return result.artifacts["export"], ws
+    return export_tiny(ws, tiny_model, tiny_export), ws
 
 
-def _run(path, feeds) -> dict[str, np.ndarray]:
-    sess = ort_session(str(path))
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
+_run = run_graph
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 12, 20, 24, 48, 64, 576, 768])
