@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,15 +116,26 @@ def repository(tmp_path: Path, onnx_path: Path | None = None, chat: bool = True,
 
 class Recorder:
     """Wraps the model's compute: records each call's input_ids and attention_mask, and the
-    requests of each step; raises for a call with an input_ids row equal to ``poison``."""
+    requests of each step; raises for a call with an input_ids row equal to ``poison``.
 
-    def __init__(self, model, poison: list[int] | None = None):
+    ``pause_when``: a condition checked before each call; the first time it holds, the scheduler
+    thread stops there (``paused`` is set) until ``resume()``, so a test can queue requests at a
+    known step of another request's generation rather than race the scheduler."""
+
+    def __init__(self, model, poison: list[int] | None = None, pause_when=None):
         self.inner, self.poison, self.calls, self.steps = model.compute, poison, [], []
+        self.pause_when, self.paused, self._go = pause_when, threading.Event(), threading.Event()
         model.compute = self
         forward = model._forward
         model._forward = lambda seqs, n: self.steps.append([s.request for s in seqs]) or forward(seqs, n)
 
+    def resume(self) -> None:
+        self._go.set()
+
     def __call__(self, feeds):
+        if self.pause_when is not None and not self.paused.is_set() and self.pause_when():
+            self.paused.set()
+            assert self._go.wait(120), "the test never resumed the scheduler"
         self.calls.append((feeds["input_ids"].copy(), feeds["attention_mask"].copy()))
         if self.poison is not None and any(row.tolist() == self.poison for row in feeds["input_ids"]):
             raise RuntimeError(f"poisoned prompt {self.poison}")
@@ -185,14 +197,19 @@ def run(model, *requests, all_queued: bool = False):
 
 def test_batched_sequences_at_different_positions_match_one_at_a_time(masked):
     model, onnx_path = masked
-    recorder = Recorder(model)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 1], [2, 2], [3, 1, 4, 1, 5], [9, 8]]
     first = ids_request(prompts[0], 12, ignore_eos=np.array([True]))
+    # The scheduler stops after the first request's 4th token (it is now at another position) while
+    # the rest are queued, all at once: the batches below do not depend on thread timing.
+    recorder = Recorder(model, pause_when=lambda: len(first.sent) >= 4)
     model.execute([first])
-    wait_for(lambda: len(first.sent) >= 4, "the first request's 4th token")  # it is now at another position
+    assert recorder.paused.wait(60), "the first request never reached its 4th token"
     rest = [ids_request(p, 10, ignore_eos=np.array([True])) for p in prompts[1:]]
-    run(model, *rest)
+    with model.cond:
+        assert model.execute(rest) is None
+    recorder.resume()
     model.drain(timeout=120)
+    assert not model.inflight
     for prompt, request in zip(prompts, [first, *rest]):
         assert tokens(request) == reference_generate_all(onnx_path, prompt, len(tokens(request)))
         assert len(tokens(request)) == (12 if request is first else 10)
