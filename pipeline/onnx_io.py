@@ -37,6 +37,7 @@ from pipeline.faults import fault_point
 from pipeline.fsutil import scratch_prefix
 
 if TYPE_CHECKING:
+    import numpy as np
     from pipeline.artifacts import TensorSpec
 
 PROTOBUF_LIMIT = 2**31  # bytes; protobuf cannot serialize a message this large
@@ -453,6 +454,19 @@ def graph_specs(model: onnx.ModelProto) -> tuple[list["TensorSpec"], list["Tenso
 
     inputs = [spec(v) for v in model.graph.input if v.name not in initializers]
     return inputs, [spec(v) for v in model.graph.output]
+
+
+def initializer_array(t: TensorProto, base_dir: str | Path = "") -> "np.ndarray":
+    """An initializer's values as a numpy array (its own dtype), read from ``base_dir`` (the model
+    file's folder) through a copy when its data is external, so the model's own TensorProto never
+    holds the bytes."""
+    from onnx import numpy_helper
+
+    if not edh.uses_external_data(t) or t.HasField("raw_data"):
+        return numpy_helper.to_array(t)
+    probe = TensorProto()
+    probe.CopyFrom(t)
+    return numpy_helper.to_array(probe, str(base_dir))
 
 
 def graph_index(g: onnx.GraphProto) -> tuple[dict[str, onnx.TensorProto], dict[str, onnx.NodeProto],

@@ -44,6 +44,7 @@ import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from pipeline.errors import QuantizationError
+from pipeline.onnx_io import initializer_array
 from pipeline.quant.gguf_blocks import (FLOAT_TYPES, SUPPORTED, BlockTensor, DQForm, GGUFWeightError, form_error,
                                         from_bytes, hf_module, hf_row_order, prove_decode, read_tensor)
 from pipeline.quant.qdq import node_scope
@@ -150,15 +151,6 @@ class _Gemm:
     weight: str            # the FP32 initializer
     transposed: bool       # B = Transpose(weight) (weight [N, K]); else B = weight [K, N]
     via: str               # the Transpose node's name, when transposed
-
-
-def _array(t: TensorProto, base_dir: str) -> np.ndarray:
-    """An initializer's values, read through a copy when its data is external."""
-    if not external_data_helper.uses_external_data(t) or t.HasField("raw_data"):
-        return numpy_helper.to_array(t)
-    probe = TensorProto()
-    probe.CopyFrom(t)
-    return numpy_helper.to_array(probe, base_dir)
 
 
 def _gemms(model: onnx.ModelProto) -> list[_Gemm]:
@@ -279,7 +271,7 @@ def rewrite_matmuls(model: onnx.ModelProto, reader, *, base_dir: str = "",
     inits = {t.name: t for t in model.graph.initializer}
     by_print: dict[tuple, list[_Gemm]] = {}
     for gm in gemms:  # each weight read once, its digest kept, its values dropped
-        w = _array(inits[gm.weight], base_dir)
+        w = initializer_array(inits[gm.weight], base_dir)
         by_print.setdefault(_fingerprint(w if gm.transposed else w.T), []).append(gm)
     matched: dict[str, tuple[str, str, np.ndarray | None]] = {}  # node -> tensor, type, row order
     for name, kind, w, order in _gguf_weights(reader, tensors):
@@ -320,7 +312,7 @@ def _refuse_paired(model: onnx.ModelProto, unmatched: list[_Gemm], reader, tenso
             continue
         block = read_tensor(reader, name)  # an unsupported type is refused here, by name
         order = hf_row_order(reader, name)
-        w = _array(inits[gm.weight], base_dir)
+        w = initializer_array(inits[gm.weight], base_dir)
         prove_decode(block if order is None else block.rows(order), w if gm.transposed else w.T,
                      f"MatMul {gm.node.name!r} of module {scope!r}, initializer {gm.weight!r}")
 
@@ -420,7 +412,7 @@ def _apply(model: onnx.ModelProto, gemms: list[_Gemm], matched: dict, reader, ba
             block = block if rows is None else block.rows(rows)
             forms[key] = (block, block.dq_form(), _prefix(name, rows is not None, inits))
         block, form, prefix = forms[key]
-        w = _array(inits[gm.weight], base_dir)
+        w = initializer_array(inits[gm.weight], base_dir)
         prove_decode(block, w if gm.transposed else w.T, f"MatMul {gm.node.name!r}, initializer {gm.weight!r}")
         del w
         x, y = gm.node.input[0], gm.node.output[0]
@@ -533,7 +525,7 @@ def share_tied_table(model: onnx.ModelProto, base_dir: str = "") -> SharedTable 
                 continue
             decoded = numpy_helper.to_array(values).astype(np.float32) * np.repeat(
                 numpy_helper.to_array(scales), h // int(scales.dims[0]), axis=0)
-            if not np.array_equal(_array(table, base_dir), decoded.T):
+            if not np.array_equal(initializer_array(table, base_dir), decoded.T):
                 return None
             del decoded
             transposed = f"{dq.output[0]}.VxH"
@@ -618,7 +610,7 @@ def split_int8_blocks(model: onnx.ModelProto, base_dir: str = "") -> list[str]:
                 or not users or any(u.op_type != "MatMul" or list(u.input[1:]) != [dq.output[0]] for u in users) \
                 or dq.output[0] in {o.name for o in g.output}:
             continue
-        v, s = _array(values, base_dir), _array(scales, base_dir)  # [K, N], [K / bs, N]
+        v, s = initializer_array(values, base_dir), initializer_array(scales, base_dir)  # [K, N], [K / bs, N]
         halves = int4_halves(DQForm(8, _block_size_of(dq), np.ascontiguousarray(v.T), np.ascontiguousarray(s.T), None))
         for i, mm in enumerate(users):
             plans[id(mm)] = (halves, prefix, i == 0)
@@ -888,7 +880,7 @@ def rewrite_rtn(model: onnx.ModelProto, *, block_size: int, base_dir: str = "",
     taken = set(inits)
     padded: dict[tuple[str, int], str] = {}  # (activation, K') -> its Pad's output
     for gm in gemms:
-        w = _array(inits[gm.weight], base_dir)
+        w = initializer_array(inits[gm.weight], base_dir)
         w_nk = w if gm.transposed else w.T
         bits, bs = (LM_HEAD_BITS, LM_HEAD_BLOCK) if gm.transposed else (4, block_size)
         form = rtn_form(np.ascontiguousarray(w_nk), bs, bits, name=f"MatMul {gm.node.name!r}",

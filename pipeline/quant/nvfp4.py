@@ -35,8 +35,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.errors import QuantizationError
+from pipeline.onnx_io import initializer_array
 # the GEMM finder and graph helpers of the INT4 writer: one home for "which MatMul has a weight"
-from pipeline.quant.int4 import _array, _drop_unused, _gemms, raise_opset as _raise_to_21
+from pipeline.quant.int4 import _drop_unused, _gemms, raise_opset as _raise_to_21
 
 #: NVFP4's block: 16 FP4 values along K share one FP8 E4M3 scale
 BLOCK = 16
@@ -164,7 +165,7 @@ def rewrite_matmuls(model: onnx.ModelProto, decoded: onnx.ModelProto, *, base_di
     new_d: list[TensorProto] = []
     for gm in gemms:
         key = (gm.weight, gm.transposed)
-        w = _array(inits[gm.weight], base_dir)
+        w = initializer_array(inits[gm.weight], base_dir)
         w = w.T if gm.transposed else w  # [K, N]
         where = f"MatMul {gm.node.name!r} (initializer {gm.weight!r}, K = {w.shape[0]}, N = {w.shape[1]})"
         first = key not in made

@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, external_data_helper, helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.errors import QuantizationError
+from pipeline.onnx_io import initializer_array
 from pipeline.ort_sessions import SATURATION_SAFE_INT8
 from pipeline.recipe.schema import ExcludeConfig
 
@@ -279,7 +280,7 @@ def quantized_weight(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: 
     if cache is not None and key in cache:
         q, scale = cache[key]
     else:
-        q, scale = quantize_weight(_weight_array(w, base_dir) if values is None else values, fmt.weights(), axis)
+        q, scale = quantize_weight(initializer_array(w, base_dir) if values is None else values, fmt.weights(), axis)
         if cache is not None:
             cache[key] = (q, scale)
     return q, scale, axis
@@ -305,16 +306,6 @@ def _weight_dq(w: onnx.TensorProto, t: Target, fmt: QFormat, per_channel: bool, 
     out = f"{w.name}_dequantized"
     nodes.append(helper.make_node("DequantizeLinear", [qi.name, si.name, zi.name], [out], name=f"{w.name}_DequantizeLinear", **attrs))
     return out
-
-
-def _weight_array(w: onnx.TensorProto, base_dir: str) -> np.ndarray:
-    """The weight as float32, read from disk through a copy when external, so
-    the model's own TensorProto never holds the FP32 bytes."""
-    if not external_data_helper.uses_external_data(w) or w.HasField("raw_data"):
-        return numpy_helper.to_array(w)
-    probe = onnx.TensorProto()
-    probe.CopyFrom(w)
-    return numpy_helper.to_array(probe, base_dir)
 
 
 def uint8_activations(model: onnx.ModelProto) -> int:
