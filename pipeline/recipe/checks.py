@@ -356,6 +356,11 @@ def _target_problems(r: Recipe) -> list[Problem]:
         out.append((("build", "backend"), f"tensorrt-rtx cannot build for {b.targets} (it builds "
                     f"{', '.join(serving_targets.RTX_TARGETS)}); use backend auto (a TensorRT-RTX check build for "
                     f"{serving_targets.RTX_CHECK_TARGET} plus trtexec.sh) or tensorrt on such a GPU"))
+    if b.embedding_lookup == "runtime" and r.triton.target in ("tensorrt", "auto"):
+        out.append((("build", "embedding_lookup"), f"runtime: the engine then takes inputs_embeds, but triton.target "
+                    f"{r.triton.target!r} can serve the engine, and its generation model feeds token ids; use "
+                    "embedding_lookup: engine, or triton.target python-onnxruntime / onnxruntime (they serve the ONNX "
+                    "graph, which keeps its lookup)"))
     return out
 
 

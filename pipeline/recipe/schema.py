@@ -397,14 +397,25 @@ class BuildConfig(Strict):
         False, description="also build an FP16 engine of the same exported graph (weights and activations cast to "
         "FP16, strongly typed) with the same backend, targets and profiles, and report the engine's bytes against it "
         "(engine_stamp.json fp16_engine_bytes, engine_bytes_vs_fp16); about doubles the build time, so off by default")
+    embedding_lookup: Literal["engine", "runtime"] = Field(
+        "engine", description="engine: the engine gathers the token embeddings itself (takes the token ids); "
+        "runtime: the engine takes inputs_embeds [batch, sequence, hidden] in place of the ids (TensorRT Edge-LLM's "
+        "LLM engine interface) and the table is written beside it as embedding.safetensors (INT8 values and FP32 "
+        "block scales when the graph's table is block-quantized, else the table) for the runtime's lookup, so a "
+        "table tied to the lm_head is stored once in the engine (TensorRT-RTX stores a shared DequantizeLinear "
+        "constant once per reader). The ONNX Runtime graph validated and served keeps its lookup; needs a "
+        "triton.target that does not serve the engine (python-onnxruntime, onnxruntime)")
 
     @model_serializer(mode="wrap")
     def _added_fields_as_before(self, handler):
-        """``compare_fp16`` off dumps as absent, so recipe digests and stage keys of recipes without it
-        are what they were before it existed."""
+        """``compare_fp16`` off and ``embedding_lookup: engine`` dump as absent, so recipe digests and
+        stage keys of recipes without them are what they were before they existed."""
         data = handler(self)
-        if not self.compare_fp16 and isinstance(data, dict):
-            data.pop("compare_fp16", None)
+        if isinstance(data, dict):
+            if not self.compare_fp16:
+                data.pop("compare_fp16", None)
+            if self.embedding_lookup == "engine":
+                data.pop("embedding_lookup", None)
         return data
 
 

@@ -44,6 +44,7 @@ from pipeline.trt.builder import (
 )
 from pipeline.trt.stamp import builder_key, local_target, make_stamp, preflight, unavailable_reason
 from pipeline.trt.trtexec import trtexec_command, write_trtexec_script
+from pipeline.trt.embedding import TABLE_FILE
 from pipeline.fsutil import write_bytes_atomic, write_text_atomic
 from pipeline.checks.graph import check_qdq_graph
 from pipeline.recipe.schema import Recipe
@@ -110,7 +111,10 @@ def build_from_onnx(
         quantized_onnx: path of the explicit-Q/DQ ONNX model.
         inputs: the graph's inputs (symbolic dims as names).
         out_dir: stage folder; receives ``trtexec.sh``, the engine, ``engine_stamp.json``
-            and ``engine.md`` (the report section).
+            and ``engine.md`` (the report section); with ``build.embedding_lookup: runtime`` also
+            :data:`ENGINE_GRAPH` (what the engine is built from: the graph without its embedding
+            Gather, taking ``inputs_embeds``) and ``embedding.safetensors`` (the table,
+            :mod:`pipeline.trt.embedding`).
         quantized_nodes: the GEMMs the quantize stage quantized (ONNX node names),
             compared with the network's INT8/FP8 GEMMs; None: not compared.
         source_onnx: the exported graph before quantization; nodes of
@@ -128,7 +132,7 @@ def build_from_onnx(
     Raises:
         ProfileError: the recipe profiles do not fit the graph's inputs.
         EngineBuildError: the ONNX file is missing or its inputs differ from
-            ``inputs``; an input name cannot be written in trtexec syntax; the
+            ``inputs``; ``embedding_lookup: runtime`` finds no embedding Gather it can cut; an input name cannot be written in trtexec syntax; the
             parser or builder failed on a node of the user's model (exit 2).
         InsertedNodeRejected: the parser or builder failed on a node the
             pipeline inserted (a Q/DQ node, a cast): a bug (exit 3).
@@ -144,10 +148,14 @@ def build_from_onnx(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / engine_report.SECTION_FILE).unlink(missing_ok=True)
+    for stale in (engine_report.SECTION_FILE, ENGINE_GRAPH, TABLE_FILE):
+        (out_dir / stale).unlink(missing_ok=True)
     shutil.rmtree(out_dir / CRASH_DIR, ignore_errors=True)  # an earlier run's bisect
     onnx_path = Path(quantized_onnx).resolve()
     model = _load_graph(onnx_path, inputs)
+    lookup = None
+    if recipe.build.embedding_lookup == "runtime":
+        onnx_path, model, inputs, lookup = _lookup_outside(model, onnx_path, out_dir)
     shape_tensors = set(profiles.shape_tensor_inputs(model))
     resolved = profiles.resolve_profiles(list(recipe.build.profiles), inputs, shape_tensors)
     dynamic = dynamic_inputs(inputs)
@@ -176,6 +184,8 @@ def build_from_onnx(
     write_bytes_atomic(engine_path, built.plan)
     stamp = make_stamp(recipe, onnx_path, resolved, plan, built, engine_path)
     stamp["onnx_qdq_nodes"] = sum(n.op_type in INSERTED_OPS for n in model.graph.node)
+    if lookup is not None:
+        stamp["embedding_lookup"] = lookup
     formats = engine_report.block_weight_formats(model)  # weight-only (int4, nvfp4) GEMMs: bits per weight by form
     if formats:
         stamp["weight_formats"] = formats
@@ -184,6 +194,9 @@ def build_from_onnx(
         stamp.update(_fp16_engine(plan, source_onnx, recipe, cache_path, context, out_dir))
         if stamp.get("fp16_engine_bytes"):
             stamp["engine_bytes_vs_fp16"] = stamp["engine_bytes"] / stamp["fp16_engine_bytes"]
+            if lookup is not None and stamp.get("fp16_table_bytes"):
+                stamp["engine_and_table_bytes_vs_fp16"] = (stamp["engine_bytes"] + lookup["bytes"]) / (
+                    stamp["fp16_engine_bytes"] + stamp["fp16_table_bytes"])
     notes = _gemm_warnings(built.network, quantized_nodes) + notes
     stamp_path = _write_records(out_dir, stamp, quantized_nodes, notes)
     for note in notes:
@@ -203,11 +216,14 @@ def _fp16_engine(plan: engine_backends.BuildPlan, source_onnx: str | None, recip
     cast_rest` to fp16: weights and activations FP16 but the I/O and the ops kept FP32 for range,
     strongly typed as every graph here) with the same backend, targets and profiles, and return
     ``{"fp16_engine_bytes": n}`` (the caller adds ``engine_bytes_vs_fp16``); the graph and engine are not kept.
+    With ``build.embedding_lookup: runtime`` its lookup is cut out the same way (:func:`pipeline.trt.embedding.cut`)
+    and ``fp16_table_bytes`` gives its table's bytes.
     A check build (``check_only``), no exported graph, or a failed FP16 build gives
     ``{"fp16_engine_note": why}`` instead: the comparison never fails the stage."""
     from pipeline import onnx_io
     from pipeline.errors import PipelineError
     from pipeline.quant import autocast
+    from pipeline.trt import embedding
 
     if plan.check_only or not source_onnx or plan.backend is None:
         why = "a parse-and-build check is not a deployable engine" if plan.check_only else "no exported graph"
@@ -218,7 +234,10 @@ def _fp16_engine(plan: engine_backends.BuildPlan, source_onnx: str | None, recip
     try:
         src = Path(source_onnx)
         half = autocast.cast_rest(onnx.load(str(src), load_external_data=False), "fp16", base_dir=str(src.parent))
-        onnx_io.save_model_atomic(half, folder / "model.fp16.onnx")
+        extra = {}
+        if recipe.build.embedding_lookup == "runtime":
+            extra["fp16_table_bytes"] = embedding.cut(half, base_dir=src.parent).nbytes
+        onnx_io.save_model_atomic(half, folder / "model.fp16.onnx", base_dir=src.parent)
         del half
         probe = FailureContext(context.resolved, context.dynamic, frozenset(), {})
         built = build_engine(plan.backend, plan.targets, folder / "model.fp16.onnx", recipe.build,
@@ -228,7 +247,29 @@ def _fp16_engine(plan: engine_backends.BuildPlan, source_onnx: str | None, recip
         return {"fp16_engine_note": f"not compared with FP16: its build failed: {str(e).splitlines()[0]}"}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return {"fp16_engine_bytes": size}
+    return {"fp16_engine_bytes": size, **extra}
+
+
+#: build.embedding_lookup: runtime: the graph the engine is built from (the quantized graph without its
+#: embedding Gather), kept beside it so that trtexec.sh rebuilds the same engine
+ENGINE_GRAPH = "model.engine_input.onnx"
+
+
+def _lookup_outside(model: onnx.ModelProto, onnx_path: Path, out_dir: Path
+                    ) -> tuple[Path, onnx.ModelProto, list[TensorSpec], dict[str, Any]]:
+    """``build.embedding_lookup: runtime``: cut the embedding Gather out of ``model``
+    (:func:`pipeline.trt.embedding.cut`), save the graph as :data:`ENGINE_GRAPH` and the table as
+    :data:`pipeline.trt.embedding.TABLE_FILE` in ``out_dir``. Returns the graph's path, the graph
+    (without external weights), its inputs and the stamp's ``embedding_lookup`` record. Raises
+    :class:`EngineBuildError` (exit 2) as ``cut`` does, before anything is written."""
+    from pipeline import onnx_io
+    from pipeline.trt import embedding
+
+    found = embedding.cut(model, base_dir=onnx_path.parent)
+    path = onnx_io.save_model_atomic(model, out_dir / ENGINE_GRAPH, base_dir=onnx_path.parent)
+    record = embedding.write_table(found, out_dir)
+    cut = onnx.load(str(path), load_external_data=False)
+    return path, cut, onnx_io.graph_specs(cut)[0], record
 
 
 def _bisected(crash: BuilderCrash, plan: engine_backends.BuildPlan, onnx_path: Path, recipe: Recipe,

@@ -189,6 +189,7 @@ def section_markdown(stamp: dict[str, Any], quantized_count: int | None, warning
                                          "engine matrix multiplies, attention's included (quantize stage: "
                                          f"{'?' if quantized_count is None else quantized_count} weight GEMMs)"),
         *_weight_only_rows(stamp),
+        *_lookup_rows(stamp),
         *_fp16_rows(stamp),
         ("timing cache", stamp["timing_cache"]),
         ("where it runs", stamp["runs_on"]),
@@ -220,10 +221,29 @@ def _weight_only_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
              "+ offset per block, as stored)")]
 
 
+def _lookup_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
+    """``build.embedding_lookup: runtime``: what the engine takes, and the table beside it."""
+    lookup = stamp.get("embedding_lookup")
+    if not lookup:
+        return []
+    tensors = " + ".join(f"{name} {t['dtype']} {t['shape']}" for name, t in lookup["tensors"].items())
+    block = f", blocks of {lookup['block_size']}" if lookup.get("block_size") else ""
+    return [("embedding lookup", f"outside the engine (build.embedding_lookup: runtime): it takes "
+             f"{lookup['engine_input']} [..., {lookup['hidden']}] {lookup['dtype']} in place of {lookup['replaces']}; "
+             f"the table is `{lookup['file']}`, {lookup['bytes']:,} bytes ({tensors}{block}; {lookup['decode']})")]
+
+
 def _fp16_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
-    """The engine's bytes against an FP16 engine of the same exported graph (``build.compare_fp16``)."""
+    """The engine's bytes against an FP16 engine of the same graph (``build.compare_fp16``), and with
+    the lookup outside, the engine and its table against the FP16 engine and its FP16 table."""
     fp16 = stamp.get("fp16_engine_bytes")
     if not fp16:
         return [("engine vs FP16", stamp["fp16_engine_note"])] if stamp.get("fp16_engine_note") else []
-    return [("engine vs FP16", f"{stamp['engine_bytes']:,} bytes against {fp16:,} for an FP16 engine of the same "
+    rows = [("engine vs FP16", f"{stamp['engine_bytes']:,} bytes against {fp16:,} for an FP16 engine of the same "
              f"exported graph, same targets and profiles: {stamp['engine_bytes'] / fp16:.3f}x (build.compare_fp16)")]
+    lookup, table16 = stamp.get("embedding_lookup"), stamp.get("fp16_table_bytes")
+    if lookup and table16:
+        ours, theirs = stamp["engine_bytes"] + lookup["bytes"], fp16 + table16
+        rows.append(("engine + table vs FP16", f"{ours:,} bytes against {theirs:,} (its FP16 table "
+                     f"{table16:,}): {ours / theirs:.3f}x"))
+    return rows

@@ -123,3 +123,16 @@ def test_pad_is_opt_in_and_absent_from_dumps_at_false():
                              "quantize.weights": {"method": "rtn", "block_size": 128, "pad": False}})
     assert off.digest == load_recipe(INT4, {"model.source": {"path": "../tests/data"},
                                             "quantize.weights": {"method": "rtn", "block_size": 128}}).digest
+
+
+def test_embedding_lookup_engine_is_absent_from_dumps_and_runtime_needs_a_target_serving_the_onnx_graph():
+    """``build.embedding_lookup`` at ``engine`` (the default) leaves every dump, so the recipe digests and
+    build stage keys of recipes without it are what they were; ``runtime`` (int4-llm's) is carried, and
+    ``check`` refuses it where Triton could serve the engine (its generation model feeds token ids)."""
+    fp8 = load_recipe(ROOT / "recipes" / "fp8-llm.yaml")
+    assert fp8.build.embedding_lookup == "engine" and "embedding_lookup" not in fp8.build.model_dump(mode="json")
+    assert load_recipe(INT4).build.model_dump(mode="json")["embedding_lookup"] == "runtime"
+    for target in ("tensorrt", "auto"):
+        message = refusal(INT4, {"triton.target": target, "quantize.weights": {"method": "rtn", "block_size": 32}})
+        assert (f"build.embedding_lookup: runtime: the engine then takes inputs_embeds, but triton.target {target!r} "
+                "can serve the engine") in message

@@ -248,3 +248,44 @@ def test_int8_blocks_split_into_int4_halves_decode_exactly():
     assert np.array_equal(hi.weight() + lo.weight(), DQForm(8, 32, q, d, None).weight())  # exact in float64
     with pytest.raises(ValueError, match="INT4"):
         int4.int4_halves(hi)
+
+
+def test_with_the_lookup_outside_the_engine_holds_the_tied_table_once(tiny, tmp_path):
+    """``build.embedding_lookup: runtime``: the engine is built from the graph without its embedding Gather
+    (kept as ``model.engine_input.onnx``, which ``trtexec.sh`` builds), taking ``inputs_embeds``; the INT8
+    table goes beside it; and the engine is smaller than the one with the lookup inside by at least the
+    INT8 values' bytes (TensorRT-RTX keeps a second copy of the blocks for the Gather)."""
+    from safetensors.numpy import load_file
+
+    from pipeline.trt import backends as engine_backends
+    from pipeline.trt import embedding
+    from pipeline.stages import build
+
+    if engine_backends.import_problem(engine_backends.TENSORRT_RTX) is not None:
+        pytest.skip(engine_backends.import_problem(engine_backends.TENSORRT_RTX))
+    root, exp, art = tiny
+    inside = int4_recipe(root / "tiny.gguf")
+    outside = inside.model_copy(update={"build": inside.build.model_copy(update={"embedding_lookup": "runtime"})})
+    sizes = {}
+    for name, recipe in (("engine", inside), ("runtime", outside)):
+        b = build.build_from_onnx(recipe, art.onnx_path, exp.inputs, tmp_path / name,
+                                  quantized_nodes=art.quantized_nodes, source_onnx=exp.onnx_path)
+        assert (b.status, b.reason) == ("ok", ""), b.reason
+        sizes[name] = json.loads(Path(b.stamp_path).read_text())["engine_bytes"]
+    assert sizes["engine"] - sizes["runtime"] >= VOCAB * K  # one INT8 copy of the table fewer
+    folder = tmp_path / "runtime"
+    stamp = json.loads((folder / build.STAMP_NAME).read_text())
+    graph = onnx.load(str(folder / build.ENGINE_GRAPH))
+    assert [i.name for i in graph.graph.input] == ["x", "inputs_embeds"] and "Gather" not in {
+        n.op_type for n in graph.graph.node}
+    assert "model.engine_input.onnx" in (folder / build.SCRIPT_NAME).read_text()
+    table = load_file(str(folder / embedding.TABLE_FILE))
+    assert table["values"].shape == (VOCAB, K) and table["values"].dtype == np.int8
+    whole = onnx.load(art.onnx_path)  # the table the engine graph's Gather read, decoded, is the file's
+    rows = embedding.cut(whole).decoded()
+    assert np.array_equal(rows, table["values"].astype(np.float32) * np.repeat(table["scales"], 32, axis=1))
+    assert stamp["embedding_lookup"]["bytes"] == (folder / embedding.TABLE_FILE).stat().st_size
+    section = (folder / "engine.md").read_text()
+    assert "| embedding lookup | outside the engine (build.embedding_lookup: runtime): it takes inputs_embeds " \
+           f"[..., {K}] float32 in place of ids" in section
+    assert not (tmp_path / "engine" / embedding.TABLE_FILE).exists()
