@@ -94,7 +94,8 @@ class BuildArtifact:
     #: validate runs and Triton serves) or "tensorrt-rtx" (a build artifact: Triton cannot load it)
     backend: str = "tensorrt"
     #: the stamp's headline numbers (backend_label, tensorrt_version, targets, check_only,
-    #: engine_bytes, build_wall_s, builder_peak_rss_mib), for the manifest; {} when skipped
+    #: engine_bytes, build_wall_s, builder_peak_rss_mib; embedding_table_bytes with
+    #: build.embedding_lookup: runtime), for the manifest; {} when skipped
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -104,8 +105,10 @@ class BuildArtifact:
         if not e:
             return self.reason
         what = "parse-and-build check" if e["check_only"] else "engine"
+        table = (f" (the embedding table beside it: {e['embedding_table_bytes']:,} bytes)"
+                 if e.get("embedding_table_bytes") else "")
         return (f"{e['backend_label']} {e['tensorrt_version']} {what} for {', '.join(e['targets'])}: "
-                f"{e['engine_bytes']:,} bytes, built in {e['build_wall_s']:.2f} s, builder peak RSS "
+                f"{e['engine_bytes']:,} bytes{table}, built in {e['build_wall_s']:.2f} s, builder peak RSS "
                 f"{e['builder_peak_rss_mib']:.0f} MiB")
 
     @property

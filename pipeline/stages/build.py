@@ -202,6 +202,8 @@ def build_from_onnx(
     for note in notes:
         log.warning("build: %s", note)
     headline = {k: stamp[k] for k in HEADLINE}
+    if lookup is not None:
+        headline["embedding_table_bytes"] = lookup["bytes"]
     return BuildArtifact("ok", "; ".join(notes), str(engine_path), str(stamp_path), str(script), resolved,
                          backend=plan.backend.name, engine=headline)
 
