@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Literal
+from typing import Any, ClassVar, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
@@ -32,6 +32,24 @@ TritonTarget = Literal["auto", "tensorrt", "onnxruntime", "python-onnxruntime"]
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Grown(Strict):
+    """A section that gained fields after recipes were digested: each field of :attr:`ADDED` dumps
+    as absent while it holds the default given there, so the recipe digests, stage keys and pins
+    (:func:`pipeline.quant.pin.match_fields`) of recipes that do not use it are what they were
+    before it existed."""
+
+    ADDED: ClassVar[dict[str, Any]] = {}
+
+    @model_serializer(mode="wrap")
+    def _added_fields_as_before(self, handler):
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, default in self.ADDED.items():
+                if getattr(self, name) == default:
+                    data.pop(name, None)
+        return data
 
 
 class ModelSource(Strict):
@@ -138,7 +156,7 @@ WEIGHT_METHODS_DONE = ("rtn", "awq", "source")
 WEIGHT_METHODS_CALIBRATED = ("awq",)
 
 
-class WeightsConfig(Strict):
+class WeightsConfig(Grown):
     """Weight-only quantization (``quantize.precision: int4``): blocked INT4 weights, FP32 activations."""
 
     method: WeightMethod = Field(description="source: the model file's own GGUF blocks (Q4_0, Q4_1, Q4_K as INT4; "
@@ -157,16 +175,10 @@ class WeightsConfig(Strict):
                       "exact (the zero rows add 0), costs (K' - K) * N / 2 bytes per padded GEMM (SmolLM2 at block 128: "
                       "K = 576 -> 640). false: such a block size is refused (pipeline.quant.int4.rewrite_rtn)")
 
-    @model_serializer(mode="wrap")
-    def _pad_as_before(self, handler):
-        """``pad`` at false dumps as absent: digests, stage keys and pins of recipes written before it keep."""
-        data = handler(self)
-        if not self.pad and isinstance(data, dict):
-            data.pop("pad", None)
-        return data
+    ADDED: ClassVar[dict[str, Any]] = {"pad": False}
 
 
-class QuantizeConfig(Strict):
+class QuantizeConfig(Grown):
     precision: Precision = Field(description="fp8 / int8: Q/DQ on the weight GEMMs (needs calibration); "
                                  "int4: weight-only INT4 blocks (needs weights; calibration only for weights.method awq); "
                                  "nvfp4: weight-only FP4 E2M1 blocks of 16 with FP8 scales (weights: {method: rtn}; "
@@ -260,16 +272,7 @@ class QuantizeConfig(Strict):
                              "samples: 16}")
         return self
 
-    @model_serializer(mode="wrap")
-    def _added_fields_as_before(self, handler):
-        """``weights``, ``weight_clip`` and ``rotate`` at their defaults dump as absent, so recipe digests, stage keys and pins
-        (:func:`pipeline.quant.pin.match_fields`) of recipes without it are what they were before it existed."""
-        data = handler(self)
-        if isinstance(data, dict):
-            for name, default in (("weights", None), ("weight_clip", "max"), ("rotate", False)):
-                if getattr(self, name) == default:
-                    data.pop(name, None)
-        return data
+    ADDED: ClassVar[dict[str, Any]] = {"weights": None, "weight_clip": "max", "rotate": False}
 
     @model_validator(mode="after")
     def _reduce_range_is_int8(self) -> "QuantizeConfig":
@@ -295,20 +298,14 @@ class QuantizeConfig(Strict):
         return self
 
 
-class SmoothQuantConfig(Strict):
+class SmoothQuantConfig(Grown):
     alpha: float = Field(0.5, ge=0, le=1, description="migration strength (Xiao et al. 2023); mode alpha only")
     mode: Literal["alpha", "search"] = Field(
         "alpha", description="alpha: one global alpha for every fold point; search: per-channel scales searched per fold "
         "point (norm -> q/k/v, norm -> gate/up, v -> o, up -> down) against the W8A8 quantizer's output error "
         "(pipeline.quant.smoothquant)")
 
-    @model_serializer(mode="wrap")
-    def _mode_as_before(self, handler):
-        """``mode`` at ``alpha`` dumps as absent: digests of recipes written before it keep."""
-        data = handler(self)
-        if self.mode == "alpha" and isinstance(data, dict):
-            data.pop("mode", None)
-        return data
+    ADDED: ClassVar[dict[str, Any]] = {"mode": "alpha"}
 
 
 class TuningConfig(Strict):
@@ -379,7 +376,7 @@ BuildBackend = Literal["auto", "tensorrt", "tensorrt-rtx", "none"]
 ComputeTarget = Literal["sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121"]
 
 
-class BuildConfig(Strict):
+class BuildConfig(Grown):
     profiles: list[Profile] = Field(min_length=1, description="TensorRT optimization profiles, at least one")
     backend: BuildBackend = Field(
         "auto", description="auto: datacenter TensorRT where it and a CUDA GPU are present, else TensorRT-RTX for "
@@ -406,17 +403,7 @@ class BuildConfig(Strict):
         "constant once per reader). The ONNX Runtime graph validated and served keeps its lookup; needs a "
         "triton.target that does not serve the engine (python-onnxruntime, onnxruntime)")
 
-    @model_serializer(mode="wrap")
-    def _added_fields_as_before(self, handler):
-        """``compare_fp16`` off and ``embedding_lookup: engine`` dump as absent, so recipe digests and
-        stage keys of recipes without them are what they were before they existed."""
-        data = handler(self)
-        if isinstance(data, dict):
-            if not self.compare_fp16:
-                data.pop("compare_fp16", None)
-            if self.embedding_lookup == "engine":
-                data.pop("embedding_lookup", None)
-        return data
+    ADDED: ClassVar[dict[str, Any]] = {"compare_fp16": False, "embedding_lookup": "engine"}
 
 
 class GenerationCheck(Strict):
@@ -563,7 +550,7 @@ class ServingRuntime(Strict):
         return self
 
 
-class TritonConfig(Strict):
+class TritonConfig(Grown):
     target: TritonTarget = Field("auto", description="runtime of the compute model; auto: tensorrt when an engine "
                                  "was built, else onnxruntime (pipeline.triton.repository.repository_runtime)")
     model_name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$", description="Triton name of the compute model")
@@ -601,21 +588,9 @@ class TritonConfig(Strict):
         "is min(profile context, max_position_embeddings). Learned position tables (GPT-2, OPT) are never "
         "served past: check refuses such profiles")
 
-    @model_serializer(mode="wrap")
-    def _added_fields_as_before(self, handler):
-        """Fields added later dump only when set off their default (:data:`ADDED_TRITON_FIELDS`), so
-        recipe digests and stage keys of recipes that do not use them are what they were."""
-        data = handler(self)
-        if isinstance(data, dict):
-            for key, default in ADDED_TRITON_FIELDS.items():
-                if data.get(key, default) == default:
-                    data.pop(key, None)
-        return data
-
-
-#: ``triton`` fields added after recipes were digested -> their default (left out of the dump at it)
-ADDED_TRITON_FIELDS = {"allow_context_beyond_max_positions": False, "intra_op_threads": 0,
-                       "max_concurrent_generations": None, "generate_instances": 1, "generate_threads": 0}
+    ADDED: ClassVar[dict[str, Any]] = {"allow_context_beyond_max_positions": False, "intra_op_threads": 0,
+                                       "max_concurrent_generations": None, "generate_instances": 1,
+                                       "generate_threads": 0}
 
 
 class ServeSLO(Strict):
