@@ -361,6 +361,11 @@ def _target_problems(r: Recipe) -> list[Problem]:
                     f"{r.triton.target!r} can serve the engine, and its generation model feeds token ids; use "
                     "embedding_lookup: engine, or triton.target python-onnxruntime / onnxruntime (they serve the ONNX "
                     "graph, which keeps its lookup)"))
+    if b.embedding_lookup == "runtime" and b.backend in ("tensorrt", "auto"):
+        out.append((("build", "embedding_lookup"), f"runtime: the engine then takes inputs_embeds, but build.backend "
+                    f"{b.backend!r} builds a datacenter TensorRT engine where a GPU has TensorRT, and validate runs "
+                    "that engine feeding token ids; use embedding_lookup: engine, or build.backend tensorrt-rtx "
+                    "(its engine is not run here) or none"))
     return out
 
 

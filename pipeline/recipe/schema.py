@@ -401,7 +401,8 @@ class BuildConfig(Grown):
         "block scales when the graph's table is block-quantized, else the table) for the runtime's lookup, so a "
         "table tied to the lm_head is stored once in the engine (TensorRT-RTX stores a shared DequantizeLinear "
         "constant once per reader). The ONNX Runtime graph validated and served keeps its lookup; needs a "
-        "triton.target that does not serve the engine (python-onnxruntime, onnxruntime)")
+        "triton.target that does not serve the engine (python-onnxruntime, onnxruntime) and a build.backend whose "
+        "engine validate does not run (tensorrt-rtx, none)")
 
     ADDED: ClassVar[dict[str, Any]] = {"compare_fp16": False, "embedding_lookup": "engine"}
 

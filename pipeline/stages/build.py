@@ -44,7 +44,9 @@ from pipeline.trt.builder import (
 )
 from pipeline.trt.stamp import builder_key, local_target, make_stamp, preflight, unavailable_reason
 from pipeline.trt.trtexec import trtexec_command, write_trtexec_script
+from pipeline.trt import embedding
 from pipeline.trt.embedding import TABLE_FILE
+from pipeline.onnx_io import data_file_name, graph_specs
 from pipeline.fsutil import write_bytes_atomic, write_text_atomic
 from pipeline.checks.graph import check_qdq_graph
 from pipeline.recipe.schema import Recipe
@@ -148,24 +150,26 @@ def build_from_onnx(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (engine_report.SECTION_FILE, ENGINE_GRAPH, TABLE_FILE):
+    for stale in (engine_report.SECTION_FILE, ENGINE_GRAPH, data_file_name(ENGINE_GRAPH), TABLE_FILE):
         (out_dir / stale).unlink(missing_ok=True)
     shutil.rmtree(out_dir / CRASH_DIR, ignore_errors=True)  # an earlier run's bisect
     onnx_path = Path(quantized_onnx).resolve()
     model = _load_graph(onnx_path, inputs)
-    lookup = None
-    if recipe.build.embedding_lookup == "runtime":
-        onnx_path, model, inputs, lookup = _lookup_outside(model, onnx_path, out_dir)
+    found = None
+    if recipe.build.embedding_lookup == "runtime":  # cut in memory; written once the profiles fit
+        found = embedding.cut(model, base_dir=onnx_path.parent)
+        inputs = graph_specs(model)[0]
     shape_tensors = set(profiles.shape_tensor_inputs(model))
     resolved = profiles.resolve_profiles(list(recipe.build.profiles), inputs, shape_tensors)
     dynamic = dynamic_inputs(inputs)
     cache_path = Path(recipe.build.timing_cache).resolve()
     rel = lambda p: Path(os.path.relpath(p, out_dir))  # noqa: E731  the script cds to its folder
-    script = write_trtexec_script(
-        out_dir / SCRIPT_NAME,
-        trtexec_command(rel(onnx_path), rel(out_dir / ENGINE_NAME), resolved, dynamic, recipe.build, rel(cache_path)),
-        make_dirs=[rel(cache_path.parent)],
-    )
+    command = trtexec_command(rel(out_dir / ENGINE_GRAPH if found else onnx_path), rel(out_dir / ENGINE_NAME),
+                              resolved, dynamic, recipe.build, rel(cache_path))
+    lookup = None
+    if found is not None:
+        onnx_path, model, lookup = _lookup_outside(model, found, onnx_path, out_dir)
+    script = write_trtexec_script(out_dir / SCRIPT_NAME, command, make_dirs=[rel(cache_path.parent)])
     plan = engine_backends.choose(recipe, unavailable_reason())
     if plan.backend is None:
         reason = f"{plan.reason}; equivalent build command written to {script}; {NOT_CHECKED}"
@@ -225,7 +229,6 @@ def _fp16_engine(plan: engine_backends.BuildPlan, source_onnx: str | None, recip
     from pipeline import onnx_io
     from pipeline.errors import PipelineError
     from pipeline.quant import autocast
-    from pipeline.trt import embedding
 
     if plan.check_only or not source_onnx or plan.backend is None:
         why = "a parse-and-build check is not a deployable engine" if plan.check_only else "no exported graph"
@@ -257,21 +260,18 @@ def _fp16_engine(plan: engine_backends.BuildPlan, source_onnx: str | None, recip
 ENGINE_GRAPH = "model.engine_input.onnx"
 
 
-def _lookup_outside(model: onnx.ModelProto, onnx_path: Path, out_dir: Path
-                    ) -> tuple[Path, onnx.ModelProto, list[TensorSpec], dict[str, Any]]:
-    """``build.embedding_lookup: runtime``: cut the embedding Gather out of ``model``
-    (:func:`pipeline.trt.embedding.cut`), save the graph as :data:`ENGINE_GRAPH` and the table as
-    :data:`pipeline.trt.embedding.TABLE_FILE` in ``out_dir``. Returns the graph's path, the graph
-    (without external weights), its inputs and the stamp's ``embedding_lookup`` record. Raises
-    :class:`EngineBuildError` (exit 2) as ``cut`` does, before anything is written."""
+def _lookup_outside(model: onnx.ModelProto, found: embedding.EmbeddingCut, onnx_path: Path, out_dir: Path
+                    ) -> tuple[Path, onnx.ModelProto, dict[str, Any]]:
+    """``build.embedding_lookup: runtime``: save ``model``, already cut by :func:`pipeline.trt.embedding.cut`
+    (which gave ``found``; its external weights, if any, relative to ``onnx_path``'s folder), as
+    :data:`ENGINE_GRAPH` and the table as :data:`pipeline.trt.embedding.TABLE_FILE` in ``out_dir``.
+    Returns the graph's path, the graph (without external weights) and the stamp's ``embedding_lookup``
+    record."""
     from pipeline import onnx_io
-    from pipeline.trt import embedding
 
-    found = embedding.cut(model, base_dir=onnx_path.parent)
     path = onnx_io.save_model_atomic(model, out_dir / ENGINE_GRAPH, base_dir=onnx_path.parent)
     record = embedding.write_table(found, out_dir)
-    cut = onnx.load(str(path), load_external_data=False)
-    return path, cut, onnx_io.graph_specs(cut)[0], record
+    return path, onnx.load(str(path), load_external_data=False), record
 
 
 def _bisected(crash: BuilderCrash, plan: engine_backends.BuildPlan, onnx_path: Path, recipe: Recipe,

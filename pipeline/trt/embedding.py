@@ -79,12 +79,14 @@ class EmbeddingCut:
 def cut(model: onnx.ModelProto, base_dir: str | Path = "") -> EmbeddingCut:
     """In place: remove the embedding Gather and take ``inputs_embeds`` where it read the token ids.
 
-    The Gather is the one with ``axis`` 0 whose indices are an integer graph input and whose table is
-    a constant: an initializer ``[V, H]``, a Cast of one, or the INT8 blocks of a DequantizeLinear
-    (``[V, H]`` along axis 1, or ``[H, V]`` along axis 0 behind a Transpose ``perm [1, 0]``). Every
-    other reader of the ids must be a Shape node: it reads ``inputs_embeds`` instead, over the same
-    axes. The Gather becomes an Identity of ``inputs_embeds`` (its readers are unchanged). The nodes and initializers only the Gather used are dropped; ``inputs_embeds`` takes the
-    ids' place among the inputs, with their dims plus ``H``.
+    The Gather is the one with ``axis`` 0 (or -2) whose indices are an integer graph input and whose
+    table is a constant: an initializer ``[V, H]``, a Cast of one, or the INT8 blocks of a
+    DequantizeLinear (``[V, H]`` along axis 1, or ``[H, V]`` along axis 0 behind a Transpose
+    ``perm [1, 0]``; ``H`` a whole number of blocks). Every other reader of the ids must be a Shape
+    node (opset 15+: it reads ``inputs_embeds`` instead, over the same axes, through ``start`` /
+    ``end``). The Gather becomes an Identity of ``inputs_embeds`` (its readers are unchanged). The
+    nodes and initializers only the Gather used are dropped (what a subgraph reads is kept);
+    ``inputs_embeds`` takes the ids' place among the inputs, with their dims plus ``H``.
 
     Args:
         model: the graph TensorRT is built from (possibly loaded without external data: ``base_dir``
@@ -95,15 +97,16 @@ def cut(model: onnx.ModelProto, base_dir: str | Path = "") -> EmbeddingCut:
 
     Raises:
         EngineBuildError: (exit 2) no such Gather, more than one, a table in another form (named with
-            the op that produced it), another reader of the ids than Shape (named), or a tensor already
-            named ``inputs_embeds``.
+            the op that produced it), another reader of the ids than a Shape node (named: a node, one
+            whose subgraph reads them, or a graph output), ids without a shape, a Shape of them below
+            opset 15, or a tensor already named ``inputs_embeds``.
     """
     g = model.graph
-    inits, producer, consumers = graph_index(g)
+    inits, producer, _ = graph_index(g)
     inputs = {v.name: v for v in g.input if v.name not in inits}
     candidates = [n for n in g.node if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] in inputs
                   and inputs[n.input[1]].type.tensor_type.elem_type in _INTEGER_TYPES
-                  and _axis(n) == 0 and _is_constant(n.input[0], inits, producer)]
+                  and _axis(n) in (0, -2) and _is_constant(n.input[0], inits, producer)]
     if len(candidates) != 1:
         found = ", ".join(f"{n.name} (indices {n.input[1]})" for n in candidates) or "none"
         raise EngineBuildError(
@@ -114,20 +117,32 @@ def cut(model: onnx.ModelProto, base_dir: str | Path = "") -> EmbeddingCut:
     if INPUT in producer or INPUT in inits or any(v.name == INPUT for v in g.input):
         raise EngineBuildError(f"build.embedding_lookup: runtime: the graph already has a tensor named {INPUT}, the "
                                "input that would replace the token ids. Use embedding_lookup: engine")
-    others = [n for n in consumers[ids] if n is not gather]
-    bad = [f"{n.name} ({n.op_type})" for n in others if n.op_type != "Shape"]
+    others = [n for n in g.node if n is not gather and ids in _reads(n)]
+    bad = [f"{n.name} ({n.op_type})" for n in others if n.op_type != "Shape" or n.input[0] != ids]
+    bad += [f"the graph output {ids}"] if any(o.name == ids for o in g.output) else []
     if bad:
         raise EngineBuildError(
             f"build.embedding_lookup: runtime: {ids} is read by {', '.join(bad)} besides the embedding Gather "
             f"{gather.name}; only Shape nodes can read inputs_embeds in its place. Use embedding_lookup: engine")
-    found = _table(gather, inits, producer, str(base_dir))
     ids_info = inputs[ids]
+    if not ids_info.type.tensor_type.HasField("shape"):
+        raise EngineBuildError(f"build.embedding_lookup: runtime: the graph input {ids} has no shape, so "
+                               f"{INPUT}'s rank is unknown; give it one (e.g. [batch, sequence])")
     rank = len(ids_info.type.tensor_type.shape.dim)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if others and opset < 15:
+        raise EngineBuildError(
+            f"build.embedding_lookup: runtime: {others[0].name} (Shape) reads {ids}; reading the same axes of "
+            f"{INPUT} needs Shape's start / end, opset 15 or later (the graph's is {opset}). Export with "
+            "export.opset 15 or later, or use embedding_lookup: engine")
+    found = _table(gather, inits, producer, str(base_dir))
     for n in others:
         n.input[0] = INPUT
         _shape_of_leading_axes(n, rank)
-    dims = [d.dim_param or d.dim_value for d in ids_info.type.tensor_type.shape.dim] + [found.hidden]
-    embeds = helper.make_tensor_value_info(INPUT, helper.np_dtype_to_tensor_dtype(np.dtype(found.dtype)), dims)
+    embeds = helper.make_tensor_value_info(INPUT, helper.np_dtype_to_tensor_dtype(np.dtype(found.dtype)), None)
+    dims = embeds.type.tensor_type.shape.dim  # the ids' dims as they are (a dim without name or size too)
+    dims.extend(ids_info.type.tensor_type.shape.dim)
+    dims.add().dim_value = found.hidden
     where = list(g.input).index(ids_info)
     g.input.remove(ids_info)
     g.input.insert(where, embeds)
@@ -152,6 +167,16 @@ def write_table(found: EmbeddingCut, folder: Path) -> dict:
     return {"file": TABLE_FILE, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in found.tensors.items()},
             **found.metadata()}
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names ``node`` reads: its inputs and, for If / Loop / Scan, every name its subgraphs' nodes
+    read (an outer-scope name among them; ONNX names are unique across scopes)."""
+    out = {i for i in node.input if i}
+    for a in node.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            out |= {i for n in sub.node for i in _reads(n)} | {o.name for o in sub.output}
+    return out
 
 
 def _producers(name: str, producer: dict) -> list[onnx.NodeProto]:
@@ -201,9 +226,12 @@ def _table(gather: onnx.NodeProto, inits: dict, producer: dict, base_dir: str) -
             dq = None
     else:
         dq = node
-    if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
+    if dq is None or dq.op_type != "DequantizeLinear" or any(i and i not in inits for i in dq.input):
+        src = node if dq is None or dq.op_type != "DequantizeLinear" else dq
+        computed = " (an input not an initializer)" if src is dq else ""
         raise EngineBuildError(
-            f"build.embedding_lookup: runtime: the table of {gather.name} comes from {node.op_type} {node.name}; "
+            f"build.embedding_lookup: runtime: the table of {gather.name} comes from {src.op_type} {src.name}"
+            f"{computed}; "
             "the forms written beside the engine are an initializer (or a Cast of one) and INT8 blocks of a "
             "DequantizeLinear (behind a Transpose [1, 0] or not). Use embedding_lookup: engine")
     values_t = inits[dq.input[0]]
@@ -217,12 +245,15 @@ def _table(gather: onnx.NodeProto, inits: dict, producer: dict, base_dir: str) -
     block = next((a.i for a in dq.attribute if a.name == "block_size"), 0)
     axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
     values, scales = initializer_array(values_t, base_dir), initializer_array(inits[dq.input[1]], base_dir)
+    if values.ndim == 2:
+        axis %= 2  # a negative axis counts from the end
     if transposed:  # [H, V] blocked along H (axis 0) -> the file's [V, H] blocked along H
         values, scales, axis = values.T, scales.T, 1 - axis
-    if block <= 0 or axis != 1 or values.ndim != 2:
+    if block <= 0 or axis != 1 or values.ndim != 2 or values.shape[1] % block:
         raise EngineBuildError(
-            f"build.embedding_lookup: runtime: {dq.name} is not blocked along the hidden axis (block_size "
-            f"{block}, axis {axis}); the file holds [vocab, hidden] blocks. Use embedding_lookup: engine")
+            f"build.embedding_lookup: runtime: {dq.name} is not blocked along the hidden axis in whole blocks "
+            f"(block_size {block}, axis {axis} of the [vocab, hidden] table {list(values.shape)}); the file holds "
+            "[vocab, hidden] blocks, hidden / block_size per row. Use embedding_lookup: engine")
     return _found(gather, "int8_blocks", scales.dtype, values.shape, block,
                   {"values": np.ascontiguousarray(values), "scales": np.ascontiguousarray(scales)})
 
@@ -250,9 +281,11 @@ def _drop_dead(g: onnx.GraphProto, chain: list[onnx.NodeProto], table: str) -> N
     outputs = {o.name for o in g.output}
     fed = {table} | {i for n in chain for i in n.input}
     for n in chain:  # consumers first: the chain runs from the Gather towards the initializers
-        read = {i for m in g.node for i in m.input} | outputs
+        read = {i for m in g.node for i in _reads(m)} | outputs
         if not any(o in read for o in n.output):
             g.node.remove(n)
-    read = {i for n in g.node for i in n.input} | outputs
+    read = {i for n in g.node for i in _reads(n)} | outputs
     for t in [t for t in g.initializer if t.name in fed and t.name not in read]:
         g.initializer.remove(t)
+    for v in [v for v in g.input if v.name in fed and v.name not in read]:  # an initializer listed as an input
+        g.input.remove(v)

@@ -136,3 +136,13 @@ def test_embedding_lookup_engine_is_absent_from_dumps_and_runtime_needs_a_target
         message = refusal(INT4, {"triton.target": target, "quantize.weights": {"method": "rtn", "block_size": 32}})
         assert (f"build.embedding_lookup: runtime: the engine then takes inputs_embeds, but triton.target {target!r} "
                 "can serve the engine") in message
+
+
+def test_embedding_lookup_runtime_needs_a_backend_whose_engine_validate_does_not_run():
+    """With ``build.backend`` tensorrt (or auto, on a GPU with TensorRT) the build writes a datacenter plan,
+    which validate runs with the export's inputs: token ids, where the engine takes ``inputs_embeds``."""
+    for backend in ("tensorrt", "auto"):
+        message = refusal(INT4, {"build.backend": backend, "quantize.weights": {"method": "rtn", "block_size": 32}})
+        assert (f"build.embedding_lookup: runtime: the engine then takes inputs_embeds, but build.backend {backend!r} "
+                "builds a datacenter TensorRT engine") in message
+    assert load_recipe(INT4, {"build.backend": "none", "quantize.weights": {"method": "rtn", "block_size": 32}})

@@ -327,3 +327,52 @@ def test_real_build_writes_engine_stamp_and_timing_cache(tmp_path):
     assert engine_stamp.check_stamp(stamp, engine_stamp.local_target(), recipe.engine_hash).errors == []
     assert stamp["onnx_sha256"] == fsutil.sha256_file(tmp_path / "model.onnx")
     assert shlex.split(Path(art.trtexec_cmd_path).read_text().split("\n", 2)[2].replace("\\\n", " "))[0] == "trtexec"
+
+
+# --- build.embedding_lookup: runtime ----------------------------------------------------------
+
+def write_lookup_onnx(path: Path) -> str:
+    """An embedding Gather of a [40, 64] table by input_ids, then a MatMul by a [64, 40] weight."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["emb"], name="embed"),
+         helper.make_node("MatMul", ["emb", "w"], ["logits"], name="proj")],
+        "lookup", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", 40])],
+        [numpy_helper.from_array(rng.standard_normal((40, 64)).astype(np.float32), "table"),
+         numpy_helper.from_array(rng.standard_normal((64, 40)).astype(np.float32), "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), str(path))
+    return str(path)
+
+
+def lookup_recipe(tmp_path: Path, profile: dict, lookup: str) -> Recipe:
+    data = make_recipe(tmp_path, [profile]).model_dump(by_alias=True)
+    data["build"].update(backend="none", targets=["sm89"], embedding_lookup=lookup)
+    return Recipe.model_validate(data)
+
+
+LOOKUP_INPUTS = [TensorSpec("input_ids", "int64", ["batch", "sequence"])]
+
+
+def test_lookup_outside_writes_nothing_when_the_profiles_do_not_fit(tmp_path):
+    bad = {"name": "default", "dims": {"batch": {"min": 1, "opt": 1, "max": 4}}}
+    with pytest.raises(ProfileError, match=r"'inputs_embeds' \[batch, sequence, 64\] axis 1 is dynamic"):
+        build.build_from_onnx(lookup_recipe(tmp_path, bad, "runtime"), write_lookup_onnx(tmp_path / "m.onnx"),
+                              LOOKUP_INPUTS, tmp_path / "b")
+    assert list((tmp_path / "b").iterdir()) == []
+
+
+def test_switching_back_to_the_lookup_in_the_engine_leaves_no_engine_graph_data(tmp_path, monkeypatch):
+    """``model.engine_input.onnx`` with its weights in ``model.engine_input.onnx.data`` (a graph over the
+    external data threshold): an ``engine`` build in the same folder removes both, and the table."""
+    onnx_path, out = write_lookup_onnx(tmp_path / "m.onnx"), tmp_path / "b"
+    monkeypatch.setenv("PIPELINE_EXTERNAL_DATA_THRESHOLD", "0")
+    art = build.build_from_onnx(lookup_recipe(tmp_path, PROFILE, "runtime"), onnx_path, LOOKUP_INPUTS, out)
+    assert art.status == "skipped" and {p.name for p in out.iterdir()} == {
+        "trtexec.sh", build.ENGINE_GRAPH, build.ENGINE_GRAPH + ".data", "embedding.safetensors"}
+    assert "--minShapes=inputs_embeds:1x1x64" in (out / "trtexec.sh").read_text()
+    build.build_from_onnx(lookup_recipe(tmp_path, PROFILE, "engine"), onnx_path, LOOKUP_INPUTS, out)
+    assert [p.name for p in out.iterdir()] == ["trtexec.sh"]

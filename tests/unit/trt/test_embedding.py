@@ -161,3 +161,100 @@ def test_a_tensor_already_named_inputs_embeds_is_refused():
     model.graph.node[3].output[0] = "inputs_embeds"
     model.graph.node[4].input[0] = "inputs_embeds"
     assert "already has a tensor named inputs_embeds" in refusal(model)
+
+
+def with_attribute(model: onnx.ModelProto, node: str, **attrs) -> onnx.ModelProto:
+    n = next(n for n in model.graph.node if n.name == node)
+    kept = [a for a in n.attribute if a.name not in attrs]
+    del n.attribute[:]
+    n.attribute.extend(kept + [helper.make_attribute(k, v) for k, v in attrs.items()])
+    return model
+
+
+@pytest.mark.parametrize("node,attrs", [("embed", {"axis": -2}), ("lm_head/DequantizeLinear", {"axis": -2})])
+def test_negative_axes_count_from_the_end(tmp_path, node, attrs):
+    """A Gather along axis -2 of the [V, H] table is along 0; a DequantizeLinear along -2 of [H, V] along 0."""
+    _, found, _ = cut_and_compare(with_attribute(tied_int8(), node, **attrs), tmp_path)
+    assert (found.form, found.block_size, found.tensors["scales"].shape) == ("int8_blocks", BLOCK, (V, H // BLOCK))
+
+
+def if_reading(model: onnx.ModelProto, name: str, elem_type: int) -> onnx.ModelProto:
+    """``model`` plus an If whose branches sum the outer-scope tensor ``name`` (a graph output)."""
+    branch = helper.make_graph([helper.make_node("ReduceSum", [name], ["sum"], name="sum", keepdims=0)], "branch", [],
+                               [helper.make_tensor_value_info("sum", elem_type, [])])
+    model.graph.initializer.append(numpy_helper.from_array(np.array(True), "cond"))
+    model.graph.node.append(helper.make_node("If", ["cond"], ["total"], name="branch", then_branch=branch,
+                                             else_branch=branch))
+    model.graph.output.append(helper.make_tensor_value_info("total", elem_type, []))
+    return model
+
+
+@pytest.mark.parametrize("make,read", [(tied_int8, "w_vh"), (plain_table, "table")])
+def test_what_a_subgraph_reads_of_the_table_stays(tmp_path, make, read):
+    """An If branch reading the table (or the Transpose feeding the Gather) by its outer-scope name."""
+    cut, _, _ = cut_and_compare(if_reading(make(), read, TensorProto.FLOAT), tmp_path)
+    assert read in {o for n in cut.graph.node for o in n.output} | {t.name for t in cut.graph.initializer}
+
+
+def test_an_initializer_also_listed_as_an_input_leaves_both_lists(tmp_path):
+    """Older exports list initializers among the inputs too: the dropped table must not stay an input."""
+    model = plain_table()
+    model.graph.input.append(helper.make_tensor_value_info("table", TensorProto.FLOAT, [V, H]))
+    cut, _, _ = cut_and_compare(model, tmp_path)
+    assert [i.name for i in cut.graph.input] == ["inputs_embeds"]
+
+
+def test_a_dim_without_name_or_size_stays_so(tmp_path):
+    model = tied_int8()
+    model.graph.input[0].type.tensor_type.shape.dim[0].Clear()
+    cut, _, _ = cut_and_compare(model, tmp_path)
+    first = cut.graph.input[0].type.tensor_type.shape.dim
+    assert not first[0].HasField("dim_value") and not first[0].HasField("dim_param") and first[2].dim_value == H
+
+
+def shape_below_opset_15() -> onnx.ModelProto:
+    model = plain_table()
+    model.graph.node.append(helper.make_node("Shape", ["ids"], ["ids_shape"], name="ids_shape"))
+    model.graph.output.append(helper.make_tensor_value_info("ids_shape", TensorProto.INT64, [2]))
+    model.opset_import[0].version = 13
+    return model
+
+
+def zero_point_computed() -> onnx.ModelProto:
+    model = tied_int8()
+    model.graph.node[0].input.append("zero_point")
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros((H // BLOCK, V), np.int32), "zero_point32"))
+    model.graph.node.insert(0, helper.make_node("Cast", ["zero_point32"], ["zero_point"], name="zp_cast",
+                                                to=TensorProto.INT8))
+    return model
+
+
+def ids_without_shape() -> onnx.ModelProto:
+    model = tied_int8(ids_readers=())
+    model.graph.input[0].type.tensor_type.ClearField("shape")
+    return model
+
+
+def ids_as_output() -> onnx.ModelProto:
+    model = tied_int8()
+    model.graph.output.append(helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"]))
+    return model
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: if_reading(tied_int8(), "ids", TensorProto.INT64), "ids is read by branch (If) besides"),
+    (ids_as_output, "ids is read by the graph output ids besides"),
+    (ids_without_shape, "the graph input ids has no shape"),
+    (shape_below_opset_15, "ids_shape (Shape) reads ids; reading the same axes of inputs_embeds needs Shape's "
+                           "start / end, opset 15 or later (the graph's is 13)"),
+    (zero_point_computed, "comes from DequantizeLinear lm_head/DequantizeLinear (an input not an initializer)"),
+    (lambda: with_attribute(tied_int8(), "lm_head/DequantizeLinear", block_size=48),
+     "not blocked along the hidden axis in whole blocks (block_size 48, axis 1 of the [vocab, hidden] table [40, 64])"),
+], ids=["subgraph reads ids", "ids a graph output", "ids without shape", "Shape below opset 15",
+        "zero point computed", "block not dividing hidden"])
+def test_graphs_the_cut_would_break_are_refused_by_name(make, message):
+    """Each of these graphs is valid ONNX (ONNX Runtime runs it), but cut as it is it would not be
+    (a dangling name, a Shape attribute its opset lacks, a scale per partial block)."""
+    model = make()
+    run(model, {"ids": IDS})
+    assert message in refusal(model)
