@@ -186,7 +186,7 @@ def _quote_hint(got, node: yaml.Node | None, loc: tuple, setter: str | None = No
         return f"; --set reads its value as YAML, which reads {read}: quote it inside the argument{example}"
     value = _walk(node, loc)[1]
     if not isinstance(value, yaml.ScalarNode):  # e.g. a YAML alias: the text as written is elsewhere
-        return f"; YAML reads an unquoted value as a number (24.10 as 24.1): quote it as written, e.g. '24.10'"
+        return "; YAML reads an unquoted value as a number (24.10 as 24.1): quote it as written, e.g. '24.10'"
     shown = f"the number {got!r}" if value.value != str(got) else "a number"
     return f"; YAML reads the unquoted {value.value} as {shown}: quote it, e.g. '{value.value}'"
 
