@@ -45,7 +45,6 @@ from pipeline.trt.builder import (
 from pipeline.trt.stamp import builder_key, local_target, make_stamp, preflight, unavailable_reason
 from pipeline.trt.trtexec import trtexec_command, write_trtexec_script
 from pipeline.trt import embedding
-from pipeline.trt.embedding import TABLE_FILE
 from pipeline.onnx_io import data_file_name, graph_specs
 from pipeline.fsutil import write_bytes_atomic, write_text_atomic
 from pipeline.checks.graph import check_qdq_graph
@@ -134,8 +133,9 @@ def build_from_onnx(
     Raises:
         ProfileError: the recipe profiles do not fit the graph's inputs.
         EngineBuildError: the ONNX file is missing or its inputs differ from
-            ``inputs``; ``embedding_lookup: runtime`` finds no embedding Gather it can cut; an input name cannot be written in trtexec syntax; the
-            parser or builder failed on a node of the user's model (exit 2).
+            ``inputs``; ``embedding_lookup: runtime`` finds no embedding Gather it can cut
+            (:func:`pipeline.trt.embedding.cut`); an input name cannot be written in trtexec
+            syntax; the parser or builder failed on a node of the user's model (exit 2).
         InsertedNodeRejected: the parser or builder failed on a node the
             pipeline inserted (a Q/DQ node, a cast): a bug (exit 3).
         BuilderCrash: the builder's process died (a signal such as SIGFPE) while parsing or
@@ -150,7 +150,7 @@ def build_from_onnx(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (engine_report.SECTION_FILE, ENGINE_GRAPH, data_file_name(ENGINE_GRAPH), TABLE_FILE):
+    for stale in (engine_report.SECTION_FILE, ENGINE_GRAPH, data_file_name(ENGINE_GRAPH), embedding.TABLE_FILE):
         (out_dir / stale).unlink(missing_ok=True)
     shutil.rmtree(out_dir / CRASH_DIR, ignore_errors=True)  # an earlier run's bisect
     onnx_path = Path(quantized_onnx).resolve()

@@ -236,9 +236,10 @@ def _table(gather: onnx.NodeProto, inits: dict, producer: dict, base_dir: str) -
             "DequantizeLinear (behind a Transpose [1, 0] or not). Use embedding_lookup: engine")
     values_t = inits[dq.input[0]]
     if values_t.data_type != TensorProto.INT8:
+        kind = TensorProto.DataType.Name(values_t.data_type)
         raise EngineBuildError(
-            f"build.embedding_lookup: runtime: the table of {gather.name} is {TensorProto.DataType.Name(values_t.data_type)} "
-            f"blocks ({values_t.name}); the file holds INT8 blocks or a plain table. Use embedding_lookup: engine")
+            f"build.embedding_lookup: runtime: the table of {gather.name} is {kind} blocks ({values_t.name}); the "
+            "file holds INT8 blocks or a plain table. Use embedding_lookup: engine")
     if len(dq.input) > 2 and dq.input[2] and np.any(initializer_array(inits[dq.input[2]], base_dir)):
         raise EngineBuildError(f"build.embedding_lookup: runtime: {dq.name} has a non-zero zero point; the file "
                                "holds symmetric INT8 blocks. Use embedding_lookup: engine")

@@ -242,7 +242,8 @@ def _fp16_rows(stamp: dict[str, Any]) -> list[tuple[str, str]]:
     lookup, table16 = stamp.get("embedding_lookup"), stamp.get("fp16_table_bytes")
     cut = ", its lookup outside too" if lookup and table16 else ""
     rows = [("engine vs FP16", f"{stamp['engine_bytes']:,} bytes against {fp16:,} for an FP16 engine of the same "
-             f"exported graph{cut}, same targets and profiles: {stamp['engine_bytes'] / fp16:.3f}x (build.compare_fp16)")]
+             f"exported graph{cut}, same targets and profiles: {stamp['engine_bytes'] / fp16:.3f}x "
+             "(build.compare_fp16)")]
     if lookup and table16:
         ours, theirs = stamp["engine_bytes"] + lookup["bytes"], fp16 + table16
         rows.append(("engine + table vs FP16", f"{ours:,} bytes against {theirs:,} (its FP16 table "
