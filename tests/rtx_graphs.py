@@ -12,6 +12,19 @@ from pipeline.artifacts import TensorSpec
 QDQ_INPUTS = [TensorSpec("x", "float32", ["batch", "sequence", 16])]
 
 
+def rtx_backend():
+    """TensorRT-RTX's backend, or skip the test naming why its Python package cannot be used here
+    (not installed, or only its type stubs): the README's install provides it."""
+    import pytest
+
+    from pipeline.trt import backends as engine_backends
+
+    problem = engine_backends.import_problem(engine_backends.TENSORRT_RTX)
+    if problem is not None:
+        pytest.skip(problem)
+    return engine_backends.TENSORRT_RTX
+
+
 def _qdq(name: str, source: str, scale: str, zero: str) -> list[onnx.NodeProto]:
     """Q then DQ of ``source``, named as the quantize stage names them (pipeline.quant.qdq)."""
     return [helper.make_node("QuantizeLinear", [source, scale, zero], [f"{name}_q"], name=f"{name}_QuantizeLinear"),

@@ -140,11 +140,11 @@ def test_onnx_runtime_fuses_every_gemm_at_accuracy_level_1(runs, padded, which, 
 
 @pytest.mark.parametrize("which", ["awq", "awq padded"])
 def test_tensorrt_rtx_builds_the_awq_graph(runs, padded, which, tmp_path):
-    from pipeline.stages import build
-    from pipeline.trt import backends as engine_backends
+    import rtx_graphs
 
-    if engine_backends.import_problem(engine_backends.TENSORRT_RTX) is not None:
-        pytest.skip(engine_backends.import_problem(engine_backends.TENSORRT_RTX))
+    from pipeline.stages import build
+
+    rtx_graphs.rtx_backend()  # or skip, naming why TensorRT-RTX cannot be used here
     exp, art, ws = padded if which == "awq padded" else runs["awq"]
     r = load_recipe(ws / "tiny-llm.yaml", {"build.backend": "tensorrt-rtx", "build.targets": ["sm89"]})
     b = build.build_from_onnx(r, art.onnx_path, exp.inputs, tmp_path / "build", quantized_nodes=art.quantized_nodes,

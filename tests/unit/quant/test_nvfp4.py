@@ -4,7 +4,6 @@ runs the twin), the opset rule, the report's bits per weight, and what TensorRT-
 (sm120) and refuses (sm89, sm86, sm75: "HW-specific datatypes: fp4_e2m1"). About 10 s."""
 from __future__ import annotations
 
-import importlib.util
 
 import ml_dtypes
 import numpy as np
@@ -151,18 +150,10 @@ def test_the_report_counts_nvfp4_gemms_and_their_bits_against_the_floor():
         engine_report.floor_bits("FP8")
 
 
-rtx_missing = importlib.util.find_spec("tensorrt_rtx_bindings") is None
-
-
-@pytest.mark.skipif(rtx_missing, reason="tensorrt-rtx bindings not installed")
 def test_tensorrt_rtx_builds_a_576_by_1536_nvfp4_gemm_for_sm120_and_refuses_sm89_sm86_sm75():
     import rtx_graphs
 
-    from pipeline.trt import backends as engine_backends
-
-    backend = engine_backends.TENSORRT_RTX
-    if engine_backends.import_problem(backend) is not None:
-        pytest.skip(engine_backends.import_problem(backend))
+    rtx_graphs.rtx_backend()  # or skip, naming why TensorRT-RTX cannot be used here
     k, n = 576, 1536
     w = np.random.default_rng(2).standard_normal((k, n)).astype(np.float32)
     g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",

@@ -14,7 +14,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto
 
 from pipeline import ort_sessions
 from pipeline.artifacts import ExportArtifact, TensorSpec
@@ -172,12 +171,12 @@ def test_a_model_file_that_is_not_gguf_is_refused_by_the_stage(tiny, tmp_path):
 
 
 def test_tensorrt_rtx_counts_the_gemms_as_weight_only_not_left_in_fp32(tiny, tmp_path):
-    from pipeline.trt import backends as engine_backends
+    import rtx_graphs
+
     from pipeline.trt import report as engine_report
     from pipeline.stages import build
 
-    if engine_backends.import_problem(engine_backends.TENSORRT_RTX) is not None:
-        pytest.skip(engine_backends.import_problem(engine_backends.TENSORRT_RTX))
+    rtx_graphs.rtx_backend()  # or skip, naming why TensorRT-RTX cannot be used here
     root, exp, art = tiny
     b = build.build_from_onnx(int4_recipe(root / "tiny.gguf"), art.onnx_path, exp.inputs, tmp_path / "build",
                               quantized_nodes=art.quantized_nodes, source_onnx=exp.onnx_path)
@@ -257,12 +256,12 @@ def test_with_the_lookup_outside_the_engine_holds_the_tied_table_once(tiny, tmp_
     INT8 values' bytes (TensorRT-RTX keeps a second copy of the blocks for the Gather)."""
     from safetensors.numpy import load_file
 
-    from pipeline.trt import backends as engine_backends
+    import rtx_graphs
+
     from pipeline.trt import embedding
     from pipeline.stages import build
 
-    if engine_backends.import_problem(engine_backends.TENSORRT_RTX) is not None:
-        pytest.skip(engine_backends.import_problem(engine_backends.TENSORRT_RTX))
+    rtx_graphs.rtx_backend()  # or skip, naming why TensorRT-RTX cannot be used here
     root, exp, art = tiny
     inside = int4_recipe(root / "tiny.gguf")
     outside = inside.model_copy(update={"build": inside.build.model_copy(update={"embedding_lookup": "runtime"})})
