@@ -316,15 +316,28 @@ def completions_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bo
             **({"ignore_eos": True} if ignore_eos else {})}
 
 
-def _http_client(base_url: str, timeout_s: float):
-    import httpx
+class _KeepAlive:
+    """One HTTP/1.1 keep-alive connection (httpx) to ``base_url``, closed by :meth:`close` or the
+    ``with`` block: the base of the AIPerf-route clients below."""
 
-    # one keep-alive connection; no proxy from the environment (the server is local, as AIPerf's aiohttp)
-    return httpx.Client(base_url=base_url, timeout=httpx.Timeout(timeout_s), trust_env=False,
-                        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+    def __init__(self, base_url: str, timeout_s: float):
+        import httpx
+
+        # one keep-alive connection; no proxy from the environment (the server is local, as AIPerf's aiohttp)
+        self.client = httpx.Client(base_url=base_url, timeout=httpx.Timeout(timeout_s), trust_env=False,
+                                   limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-class KServeHTTP:
+class KServeHTTP(_KeepAlive):
     """One HTTP/1.1 keep-alive connection (httpx) to Triton's KServe v2 JSON route
     ``POST /v2/models/<model>/infer``: the encoder route AIPerf's template endpoint drives.
 
@@ -333,7 +346,7 @@ class KServeHTTP:
     """
 
     def __init__(self, http_url: str, timeout_s: float = 300.0):
-        self.client = _http_client(f"http://{http_url}", timeout_s)
+        super().__init__(f"http://{http_url}", timeout_s)
 
     def infer_ms(self, model: str, inputs: dict[str, np.ndarray]) -> float:
         """One inference (:func:`kserve_json_body`); its latency in ms from the send to the whole
@@ -361,17 +374,8 @@ class KServeHTTP:
             raise ServeClientError(f"{model}: the answer has no outputs[0].data: {r.text[:300]}") from None
         return ms
 
-    def close(self) -> None:
-        self.client.close()
 
-    def __enter__(self) -> "KServeHTTP":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class CompletionsHTTP:
+class CompletionsHTTP(_KeepAlive):
     """One HTTP/1.1 keep-alive connection (httpx) to an OpenAI-compatible endpoint's streamed
     ``POST /v1/completions`` (server-sent events): the generation route AIPerf drives.
 
@@ -383,7 +387,7 @@ class CompletionsHTTP:
     """
 
     def __init__(self, base_url: str, count=None, timeout_s: float = 300.0):
-        self.client = _http_client(base_url.rstrip("/"), timeout_s)
+        super().__init__(base_url.rstrip("/"), timeout_s)
         self.count = count
 
     def generate(self, model: str, prompt: str, *, max_tokens: int, ignore_eos: bool = False) -> Generation:
@@ -431,12 +435,3 @@ class CompletionsHTTP:
         if self.count is not None:
             gen.tokens = list(self.count(gen.text))
         return gen
-
-    def close(self) -> None:
-        self.client.close()
-
-    def __enter__(self) -> "CompletionsHTTP":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
